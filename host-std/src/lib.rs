@@ -1,0 +1,1 @@
+//! kvpage std facade.
