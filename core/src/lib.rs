@@ -1,1 +1,44 @@
+//! # kvpage-core
+//!
+//! The `#![no_std]`, allocation-free heart of kvpage, a paged KV-cache runtime: model
+//! [`Geometry`], a block pool with a hierarchical free bitset, dense page tables,
+//! sequences with generation-checked handles, copy-on-write, and a verified prefix cache,
+//! all over storage the caller provides.
+//!
+//! ```
+//! use kvpage_core::{BlockManager, Config};
+//! const CONFIG: Config =
+//!     Config { num_blocks: 64, block_size: 16, max_seqs: 8, max_blocks_per_seq: 16, instance: 1 };
+//! let mut storage = [0u64; CONFIG.storage_words()];
+//! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
+//! let seq = kv.create(0).unwrap();
+//! let mut slots = [0u32; 20];
+//! kv.append_tokens(seq, &[7; 20], &mut slots).unwrap();
+//! assert_eq!(kv.blocks(seq).unwrap(), &[0, 1]);
+//! assert_eq!(slots[19], 1 * 16 + 3);
+//! ```
+//!
+//! After [`BlockManager::new`] no operation allocates or panics on caller input; every
+//! misuse is a typed error ([`SeqError`], [`InitError`], [`GeometryError`]) and a failed
+//! operation changes nothing.
+
 #![no_std]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod geometry;
+mod index_set;
+mod log;
+mod manager;
+mod prefix;
+mod shared;
+mod stats;
+mod storage;
+
+pub use config::Config;
+pub use error::{GeometryError, InitError, SeqError};
+pub use geometry::{DType, Geometry};
+pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};
+pub use shared::SharedManager;
+pub use stats::Stats;

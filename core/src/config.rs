@@ -1,0 +1,111 @@
+//! Sizes of a [`crate::BlockManager`] and the storage they need.
+
+use crate::error::InitError;
+use crate::index_set::words_for;
+
+/// What a [`crate::BlockManager`] is sized for. Everything it stores is derived from
+/// these numbers once, at construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Config {
+    /// Physical blocks in the device pool.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Sequences that can be live at once (rows of the block table).
+    pub max_seqs: u32,
+    /// Blocks one sequence may hold (columns of the block table).
+    pub max_blocks_per_seq: u32,
+    /// Tag written into every handle this manager makes; a handle with another tag is
+    /// refused with [`crate::SeqError::ForeignHandle`]. Give each manager its own.
+    pub instance: u32,
+}
+
+/// Number of `u32` arrays with one entry per block (see `BlockManager::new`).
+pub(crate) const U32_PER_BLOCK: u128 = 10;
+/// Number of `u64` arrays with one entry per block.
+pub(crate) const U64_PER_BLOCK: u128 = 2;
+/// Number of `u32` arrays with one entry per sequence (besides the block table).
+pub(crate) const U32_PER_SEQ: u128 = 5;
+/// Number of `u64` arrays with one entry per sequence.
+pub(crate) const U64_PER_SEQ: u128 = 2;
+
+impl Config {
+    /// Checks that every size is non-zero and addressable. O(1).
+    ///
+    /// # Errors
+    /// [`InitError::ZeroSize`] for a zero field; [`InitError::TooLarge`] when a token slot
+    /// `num_blocks * block_size`, the block table `max_seqs * max_blocks_per_seq`, or the
+    /// tokens of one sequence do not fit in a `u32`.
+    pub const fn validate(&self) -> Result<(), InitError> {
+        if self.num_blocks == 0
+            || self.block_size == 0
+            || self.max_seqs == 0
+            || self.max_blocks_per_seq == 0
+        {
+            return Err(InitError::ZeroSize);
+        }
+        let slots = self.num_blocks as u64 * self.block_size as u64;
+        let table = self.max_seqs as u64 * self.max_blocks_per_seq as u64;
+        let seq_tokens = self.max_blocks_per_seq as u64 * self.block_size as u64;
+        // The hash table has the next power of two >= 2 * num_blocks entries.
+        if slots > u32::MAX as u64
+            || table > u32::MAX as u64
+            || seq_tokens > u32::MAX as u64
+            || self.num_blocks > (1 << 30)
+        {
+            return Err(InitError::TooLarge);
+        }
+        if self.storage_words_u128() > isize::MAX as u128 / 8 {
+            return Err(InitError::TooLarge);
+        }
+        Ok(())
+    }
+
+    /// Tokens one sequence can hold: `max_blocks_per_seq * block_size`. O(1).
+    pub const fn max_tokens_per_seq(&self) -> u64 {
+        self.max_blocks_per_seq as u64 * self.block_size as u64
+    }
+
+    /// Entries of the prefix-cache hash table: the next power of two at least twice the
+    /// number of blocks, so linear probing stays short.
+    pub(crate) const fn hash_capacity(&self) -> u32 {
+        let want = (self.num_blocks as u64 * 2).next_power_of_two();
+        if want > u32::MAX as u64 {
+            1 << 31
+        } else {
+            want as u32
+        }
+    }
+
+    const fn storage_words_u128(&self) -> u128 {
+        let n = self.num_blocks as u128;
+        let s = self.max_seqs as u128;
+        let u32s = words_for(self.num_blocks) as u128
+            + words_for(self.max_seqs) as u128
+            + U32_PER_BLOCK * n
+            + n * self.block_size as u128
+            + self.hash_capacity() as u128
+            + U32_PER_SEQ * s
+            + s * self.max_blocks_per_seq as u128;
+        // Every u32 array is carved from whole words: add one word per array for rounding.
+        let u32_arrays = 2 + U32_PER_BLOCK + 1 + 1 + U32_PER_SEQ + 1;
+        let u64s = U64_PER_BLOCK * n + U64_PER_SEQ * s;
+        u32s.div_ceil(2) + u32_arrays + u64s
+    }
+
+    /// `u64` words of storage [`crate::BlockManager::new`] needs for this configuration;
+    /// `usize::MAX` when the configuration is too large to address (which `new` then
+    /// rejects). O(1), usable in `const` contexts to size a `static` array.
+    ///
+    /// Roughly `num_blocks * (7 + block_size / 2) + max_seqs * (max_blocks_per_seq / 2 + 5)`
+    /// words.
+    pub const fn storage_words(&self) -> usize {
+        let w = self.storage_words_u128();
+        if w > usize::MAX as u128 {
+            usize::MAX
+        } else {
+            w as usize
+        }
+    }
+}

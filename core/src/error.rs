@@ -1,0 +1,131 @@
+//! Error types of the core. Every misuse by a caller is one of these; nothing panics.
+//!
+//! Construction has its own errors ([`GeometryError`], [`InitError`]); every sequence
+//! operation of [`crate::BlockManager`] returns a [`SeqError`], and each method's docs
+//! list the variants it can produce. All of them are `Copy` and carry enough numbers to
+//! write a useful message without a formatter on the other side of an FFI boundary.
+
+use core::fmt;
+
+/// A [`crate::Geometry`] that makes no sense or whose sizes overflow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum GeometryError {
+    /// A dimension (layers, KV heads, head dim or tokens per block) is zero.
+    ZeroDimension,
+    /// Bytes per block do not fit in a `u64`, or elements per block in a `u32` row.
+    Overflow,
+}
+
+impl fmt::Display for GeometryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ZeroDimension => f.write_str("geometry has a zero dimension"),
+            Self::Overflow => f.write_str("geometry sizes overflow"),
+        }
+    }
+}
+
+impl core::error::Error for GeometryError {}
+
+/// Why a [`crate::BlockManager`] could not be built from a [`crate::Config`] and storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum InitError {
+    /// `num_blocks`, `block_size`, `max_seqs` or `max_blocks_per_seq` is zero.
+    ZeroSize,
+    /// The configuration is too large to address: a token slot (`block * block_size +
+    /// offset`) or a table index would not fit in a `u32`, or the storage in a `usize`.
+    TooLarge,
+    /// The storage slice is shorter than [`crate::Config::storage_words`].
+    StorageTooSmall {
+        /// Words the configuration needs.
+        needed: usize,
+        /// Words the caller passed.
+        got: usize,
+    },
+}
+
+impl fmt::Display for InitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ZeroSize => f.write_str("configuration has a zero size"),
+            Self::TooLarge => f.write_str("configuration too large to address with u32 slots"),
+            Self::StorageTooSmall { needed, got } => {
+                write!(f, "storage too small: need {needed} words, got {got}")
+            }
+        }
+    }
+}
+
+impl core::error::Error for InitError {}
+
+/// Why a sequence operation failed. A failed operation changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum SeqError {
+    /// The handle names a sequence that was released (or never existed).
+    StaleHandle,
+    /// The handle was made by another manager.
+    ForeignHandle,
+    /// All `max_seqs` sequence slots are in use.
+    NoFreeSequence,
+    /// The sequence would need more than `max_blocks_per_seq` blocks.
+    TooLong {
+        /// Tokens the sequence would hold.
+        tokens: u64,
+        /// Tokens a sequence can hold at most.
+        max_tokens: u64,
+    },
+    /// Not enough free or evictable blocks.
+    OutOfBlocks {
+        /// Blocks the operation needs.
+        needed: u32,
+        /// Blocks that are free or cached (evictable).
+        available: u32,
+    },
+    /// The slot output buffer is shorter than the number of new tokens.
+    SlotBufferTooSmall {
+        /// Slots the operation writes.
+        needed: usize,
+        /// Length of the buffer passed.
+        got: usize,
+    },
+    /// `truncate` to a length greater than the current one.
+    BeyondLength {
+        /// Requested length.
+        requested: u32,
+        /// Current length.
+        len: u32,
+    },
+}
+
+impl fmt::Display for SeqError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::StaleHandle => f.write_str("stale sequence handle"),
+            Self::ForeignHandle => f.write_str("sequence handle belongs to another manager"),
+            Self::NoFreeSequence => f.write_str("no free sequence slot"),
+            Self::TooLong { tokens, max_tokens } => {
+                write!(
+                    f,
+                    "sequence of {tokens} tokens exceeds the maximum of {max_tokens}"
+                )
+            }
+            Self::OutOfBlocks { needed, available } => {
+                write!(f, "out of blocks: need {needed}, {available} available")
+            }
+            Self::SlotBufferTooSmall { needed, got } => {
+                write!(f, "slot buffer too small: need {needed}, got {got}")
+            }
+            Self::BeyondLength { requested, len } => {
+                write!(
+                    f,
+                    "cannot truncate to {requested}: sequence holds {len} tokens"
+                )
+            }
+        }
+    }
+}
+
+impl core::error::Error for SeqError {}

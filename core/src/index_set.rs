@@ -1,0 +1,231 @@
+//! A set of small integers `0..universe` as a hierarchical bitset over caller words.
+//!
+//! Words are `u32` so that `bitvec` serves every target, 32-bit microcontrollers
+//! included. Level 0 holds one bit per index (set = member). Each higher level holds one
+//! bit per word of the level below, set while that word is non-zero; the top level is a
+//! single word. Finding the lowest member descends from the top with one `trailing_zeros` per
+//! level: at most [`MAX_LEVELS`] steps for any `u32` universe. A hint remembers the lowest
+//! level-0 word that may hold a member, so the common case of taking and returning
+//! indices near the bottom touches one word.
+//!
+//! Invariants: a bit of level `l + 1` is set iff the word it stands for at level `l` is
+//! non-zero; `count` equals the number of set bits at level 0; no level-0 word below
+//! `hint` has a set bit.
+
+use bitvec::prelude::{BitSlice, Lsb0};
+
+/// Bits per word.
+const BITS: usize = 32;
+
+/// Levels needed for the largest `u32` universe (32^7 > 2^32).
+pub const MAX_LEVELS: usize = 7;
+
+/// `u32` words of storage a set over `universe` indices needs. O(levels).
+pub const fn words_for(universe: u32) -> usize {
+    let mut total = 0usize;
+    let mut n = universe as usize;
+    loop {
+        let words = n.div_ceil(BITS);
+        let words = if words == 0 { 1 } else { words };
+        total += words;
+        if words == 1 {
+            return total;
+        }
+        n = words;
+    }
+}
+
+/// Hierarchical bitset over borrowed words. See the module docs for the invariants.
+#[derive(Debug)]
+pub struct IndexSet<'a> {
+    words: &'a mut [u32],
+    /// Start of each level in `words`, level 0 first.
+    level_start: [u32; MAX_LEVELS],
+    levels: u8,
+    universe: u32,
+    count: u32,
+    hint: u32,
+}
+
+impl<'a> IndexSet<'a> {
+    /// Builds a set over `words` (at least [`words_for`]`(universe)` long), either empty or
+    /// holding every index. O(words).
+    pub fn new(words: &'a mut [u32], universe: u32, full: bool) -> Self {
+        let mut level_start = [0u32; MAX_LEVELS];
+        let mut levels = 0usize;
+        let mut start = 0usize;
+        let mut n = universe as usize;
+        loop {
+            let w = n.div_ceil(BITS).max(1);
+            level_start[levels] = start as u32;
+            levels += 1;
+            start += w;
+            if w == 1 {
+                break;
+            }
+            n = w;
+        }
+        let mut set = Self {
+            words: &mut words[..start],
+            level_start,
+            levels: levels as u8,
+            universe,
+            count: 0,
+            hint: 0,
+        };
+        set.words.fill(0);
+        if full {
+            for i in 0..universe {
+                set.insert(i);
+            }
+        }
+        set
+    }
+
+    fn level_len(&self, level: usize) -> usize {
+        let end = if level + 1 < self.levels as usize {
+            self.level_start[level + 1] as usize
+        } else {
+            self.words.len()
+        };
+        end - self.level_start[level] as usize
+    }
+
+    fn level_mut(&mut self, level: usize) -> &mut BitSlice<u32, Lsb0> {
+        let start = self.level_start[level] as usize;
+        let len = self.level_len(level);
+        BitSlice::from_slice_mut(&mut self.words[start..start + len])
+    }
+
+    fn word(&self, level: usize, index: usize) -> u32 {
+        self.words[self.level_start[level] as usize + index]
+    }
+
+    /// Number of members. O(1).
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Whether `i` is a member; `false` for indices outside the universe. O(1).
+    pub fn contains(&self, i: u32) -> bool {
+        i < self.universe && (self.word(0, i as usize / BITS) >> (i % 32)) & 1 == 1
+    }
+
+    /// Adds `i`; returns whether it was absent. Indices outside the universe are ignored
+    /// and return `false`. O(levels) worst case, O(1) when the word already had members.
+    pub fn insert(&mut self, i: u32) -> bool {
+        if i >= self.universe || self.contains(i) {
+            return false;
+        }
+        self.count += 1;
+        let word_index = i / BITS as u32;
+        if word_index < self.hint {
+            self.hint = word_index;
+        }
+        let mut bit = i as usize;
+        for level in 0..self.levels as usize {
+            let was_empty = self.word(level, bit / BITS) == 0;
+            self.level_mut(level).set(bit, true);
+            if !was_empty {
+                break;
+            }
+            bit /= BITS;
+        }
+        true
+    }
+
+    /// Removes `i`; returns whether it was present. O(levels) worst case.
+    pub fn remove(&mut self, i: u32) -> bool {
+        if !self.contains(i) {
+            return false;
+        }
+        self.count -= 1;
+        let mut bit = i as usize;
+        for level in 0..self.levels as usize {
+            self.level_mut(level).set(bit, false);
+            if self.word(level, bit / BITS) != 0 {
+                break;
+            }
+            bit /= BITS;
+        }
+        true
+    }
+
+    /// Lowest member, if any. O(levels): one `trailing_zeros` per level, O(1) when the
+    /// hinted word holds a member.
+    pub fn first(&mut self) -> Option<u32> {
+        if self.count == 0 {
+            return None;
+        }
+        let hinted = self.word(0, self.hint as usize);
+        if hinted != 0 {
+            return Some(self.hint * BITS as u32 + hinted.trailing_zeros());
+        }
+        let mut index = 0usize;
+        for level in (0..self.levels as usize).rev() {
+            let w = self.word(level, index);
+            debug_assert!(w != 0, "summary bit set over an empty word");
+            index = index * BITS + w.trailing_zeros() as usize;
+        }
+        self.hint = (index / BITS) as u32;
+        Some(index as u32)
+    }
+
+    /// Removes and returns the lowest member. O(levels).
+    pub fn pop_first(&mut self) -> Option<u32> {
+        let i = self.first()?;
+        self.remove(i);
+        Some(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_for_counts_every_level() {
+        assert_eq!(words_for(1), 1);
+        assert_eq!(words_for(32), 1);
+        assert_eq!(words_for(64), 2 + 1);
+        assert_eq!(words_for(4096), 128 + 4 + 1);
+        assert_eq!(words_for(1 << 20), 32768 + 1024 + 32 + 1);
+        assert_eq!(
+            words_for(u32::MAX),
+            134_217_728 + 4_194_304 + 131_072 + 4096 + 128 + 4 + 1
+        );
+    }
+
+    #[test]
+    fn lowest_first_across_levels() {
+        let n = 300_000u32;
+        let mut words = [0u32; 9700];
+        assert!(words_for(n) <= words.len());
+        let mut set = IndexSet::new(&mut words, n, false);
+        assert_eq!(set.first(), None);
+        for i in [299_999, 70_000, 4_097, 64] {
+            assert!(set.insert(i));
+        }
+        assert!(!set.insert(64));
+        assert!(!set.insert(n));
+        assert_eq!(set.count(), 4);
+        assert_eq!(set.pop_first(), Some(64));
+        assert_eq!(set.pop_first(), Some(4_097));
+        assert!(set.insert(5));
+        assert_eq!(set.pop_first(), Some(5));
+        assert_eq!(set.pop_first(), Some(70_000));
+        assert_eq!(set.pop_first(), Some(299_999));
+        assert_eq!(set.pop_first(), None);
+        assert_eq!(set.count(), 0);
+    }
+
+    #[test]
+    fn full_set_pops_in_order() {
+        let mut words = [0u32; 8];
+        let mut set = IndexSet::new(&mut words, 200, true);
+        for i in 0..200 {
+            assert_eq!(set.pop_first(), Some(i));
+        }
+        assert_eq!(set.pop_first(), None);
+    }
+}

@@ -1,0 +1,748 @@
+//! The block manager: block pool, page tables, sequences and prefix sharing over
+//! caller-provided storage.
+//!
+//! # Invariants that make the rest panic-free
+//! - Every block is in exactly one state: *free* (in the free bitset, refcount 0, not
+//!   registered), *cached* (registered, refcount 0, in the LRU list) or *used*
+//!   (refcount ≥ 1). So `free + cached + used == num_blocks`.
+//! - A block's refcount equals the number of block-table entries of live sequences that
+//!   name it.
+//! - A live sequence of length `len` owns exactly `ceil(len / block_size)` entries at the
+//!   start of its row, each naming a used block; `len ≤ max_blocks_per_seq * block_size`.
+//! - Only a block with refcount 1 and not registered is ever written: appending into a
+//!   shared or registered partial block copies it first (copy-on-write) or unregisters it.
+//! - Every operation checks all its preconditions (handle, lengths, buffer sizes, free
+//!   blocks) before it changes anything, so a failed operation leaves no trace.
+//!
+//! Indices into the internal arrays come from validated handles or from the tables this
+//! module writes, so indexing cannot go out of bounds.
+
+use crate::config::{Config, U32_PER_BLOCK, U32_PER_SEQ, U64_PER_BLOCK, U64_PER_SEQ};
+use crate::error::{InitError, SeqError};
+use crate::index_set::{words_for, IndexSet};
+use crate::log::{debug, trace};
+use crate::prefix::{chain_hash, root_hash, Link, PrefixCache, PrefixStorage};
+use crate::stats::Stats;
+use crate::storage::Carver;
+
+const LIVE: u32 = 1;
+/// Every full block of the sequence so far was hashed with known token ids, so the next
+/// full block can be registered in the prefix cache.
+const HASHABLE: u32 = 2;
+
+/// Handle of a live sequence: its row in the block table, the generation of that row and
+/// the tag of the manager that made it. A handle whose sequence was released is stale and
+/// every operation refuses it; it never reaches another sequence's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct SeqId {
+    index: u32,
+    generation: u32,
+    instance: u32,
+}
+
+impl SeqId {
+    /// Row of this sequence in [`BlockManager::block_table`] and [`BlockManager::seq_lens`].
+    pub const fn index(&self) -> u32 {
+        self.index
+    }
+    /// Generation of the row when the handle was made.
+    pub const fn generation(&self) -> u32 {
+        self.generation
+    }
+    /// Tag of the manager that made the handle ([`Config::instance`]).
+    pub const fn instance(&self) -> u32 {
+        self.instance
+    }
+    /// Rebuilds a handle from its parts (for example after crossing an FFI boundary).
+    /// Safe: a forged or outdated handle is refused by every operation.
+    pub const fn from_parts(index: u32, generation: u32, instance: u32) -> Self {
+        Self {
+            index,
+            generation,
+            instance,
+        }
+    }
+}
+
+/// A whole-block copy the backend must perform before writing the new tokens: all
+/// layers' K and V of physical block `src` into physical block `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct BlockCopy {
+    /// Block to read.
+    pub src: u32,
+    /// Block to write.
+    pub dst: u32,
+}
+
+/// What an append did besides writing the slot mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Appended {
+    /// Copy-on-write the backend must execute before writing K/V into the new slots.
+    pub copy: Option<BlockCopy>,
+    /// Blocks newly allocated for the tokens (not counting the copy's destination).
+    pub new_blocks: u32,
+}
+
+/// Result of [`BlockManager::create_with_prompt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PromptStart {
+    /// The new sequence, holding the whole prompt.
+    pub seq: SeqId,
+    /// Leading prompt tokens whose K/V came from the prefix cache (a multiple of the block
+    /// size); the slots written cover only the tokens after them.
+    pub reused_tokens: u32,
+    /// Allocation done for the remaining tokens.
+    pub appended: Appended,
+}
+
+/// The paged KV-cache block manager. See the module docs for its invariants.
+///
+/// Built once over caller storage; no operation allocates and none panics on caller input.
+#[derive(Debug)]
+pub struct BlockManager<'a> {
+    config: Config,
+    free: IndexSet<'a>,
+    refcount: &'a mut [u32],
+    fill: &'a mut [u32],
+    prefix: PrefixCache<'a>,
+    seq_free: IndexSet<'a>,
+    table: &'a mut [u32],
+    seq_len: &'a mut [u32],
+    seq_gen: &'a mut [u32],
+    seq_flags: &'a mut [u32],
+    seq_chain_block: &'a mut [u32],
+    seq_chain_gen: &'a mut [u32],
+    seq_namespace: &'a mut [u64],
+    seq_chain_hash: &'a mut [u64],
+    total_refs: u64,
+    tokens_stored: u64,
+    logical_tokens: u64,
+    live_seqs: u32,
+    prefix_hit_tokens: u64,
+}
+
+impl<'a> BlockManager<'a> {
+    /// Builds a manager over `storage`, which must hold at least
+    /// [`Config::storage_words`] words (its previous contents are ignored). Every block
+    /// starts free, every sequence slot unused. O(storage words).
+    ///
+    /// # Errors
+    /// [`InitError::ZeroSize`] / [`InitError::TooLarge`] from [`Config::validate`];
+    /// [`InitError::StorageTooSmall`] when `storage` is too short.
+    pub fn new(config: Config, storage: &'a mut [u64]) -> Result<Self, InitError> {
+        config.validate()?;
+        let needed = config.storage_words();
+        if storage.len() < needed {
+            return Err(InitError::StorageTooSmall {
+                needed,
+                got: storage.len(),
+            });
+        }
+        let n = config.num_blocks as usize;
+        let s = config.max_seqs as usize;
+        let mut carve = Carver::new(storage);
+        let free = IndexSet::new(
+            carve.u32s(words_for(config.num_blocks)),
+            config.num_blocks,
+            true,
+        );
+        let seq_free = IndexSet::new(
+            carve.u32s(words_for(config.max_seqs)),
+            config.max_seqs,
+            true,
+        );
+        // Keep the counts in config.rs in step with what is carved here.
+        const _: () = assert!(U32_PER_BLOCK == 10 && U64_PER_BLOCK == 2);
+        const _: () = assert!(U32_PER_SEQ == 5 && U64_PER_SEQ == 2);
+        let refcount = carve.u32s(n);
+        let fill = carve.u32s(n);
+        let prefix = PrefixCache::new(
+            config.block_size,
+            PrefixStorage {
+                hash: carve.words(n),
+                namespace: carve.words(n),
+                flags: carve.u32s(n),
+                parent: carve.u32s(n),
+                parent_gen: carve.u32s(n),
+                gen: carve.u32s(n),
+                link: carve.u32s(n),
+                link_gen: carve.u32s(n),
+                prev: carve.u32s(n),
+                next: carve.u32s(n),
+                tokens: carve.u32s(n * config.block_size as usize),
+                table: carve.u32s(config.hash_capacity() as usize),
+            },
+        );
+        let table = carve.u32s(s * config.max_blocks_per_seq as usize);
+        let manager = Self {
+            config,
+            free,
+            refcount,
+            fill,
+            prefix,
+            seq_free,
+            table,
+            seq_len: carve.u32s(s),
+            seq_gen: carve.u32s(s),
+            seq_flags: carve.u32s(s),
+            seq_chain_block: carve.u32s(s),
+            seq_chain_gen: carve.u32s(s),
+            seq_namespace: carve.words(s),
+            seq_chain_hash: carve.words(s),
+            total_refs: 0,
+            tokens_stored: 0,
+            logical_tokens: 0,
+            live_seqs: 0,
+            prefix_hit_tokens: 0,
+        };
+        debug!("kvpage: manager with {=u32} blocks", config.num_blocks);
+        Ok(manager)
+    }
+
+    /// The configuration the manager was built with. O(1).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    // ----- block pool -------------------------------------------------------------------
+
+    /// Blocks an allocation can take right now: free plus cached (evictable). O(1).
+    pub fn available_blocks(&self) -> u32 {
+        self.free.count() + self.prefix.lru_len()
+    }
+
+    /// Takes the lowest free block, or evicts the least recently used cached block when
+    /// no free one is left. Precondition: `available_blocks() > 0`.
+    fn alloc_block(&mut self) -> u32 {
+        let b = match self.free.pop_first() {
+            Some(b) => b,
+            None => {
+                let b = self.prefix.lru_pop_front().unwrap_or(0);
+                debug_assert!(self.prefix.is_registered(b));
+                self.prefix.unregister(b);
+                b
+            }
+        };
+        trace!("kvpage: alloc block {=u32}", b);
+        self.prefix.clear(b);
+        self.refcount[b as usize] = 1;
+        self.fill[b as usize] = 0;
+        self.total_refs += 1;
+        b
+    }
+
+    /// Adds a reference to a used or cached block.
+    fn retain_block(&mut self, b: u32) {
+        let i = b as usize;
+        if self.refcount[i] == 0 {
+            self.prefix.lru_remove(b);
+            self.tokens_stored += u64::from(self.fill[i]);
+        }
+        self.refcount[i] += 1;
+        self.total_refs += 1;
+    }
+
+    /// Drops a reference; at zero the block becomes cached (if registered) or free.
+    fn release_block(&mut self, b: u32) {
+        let i = b as usize;
+        self.refcount[i] -= 1;
+        self.total_refs -= 1;
+        if self.refcount[i] == 0 {
+            self.tokens_stored -= u64::from(self.fill[i]);
+            if self.prefix.is_registered(b) {
+                self.prefix.lru_push_back(b);
+            } else {
+                self.fill[i] = 0;
+                self.prefix.clear(b);
+                self.free.insert(b);
+            }
+        }
+    }
+
+    /// Sets the stored-token count of a used block.
+    fn set_fill(&mut self, b: u32, fill: u32) {
+        let i = b as usize;
+        self.tokens_stored = self.tokens_stored + u64::from(fill) - u64::from(self.fill[i]);
+        self.fill[i] = fill;
+    }
+
+    /// Evicts up to `max_blocks` cached blocks, least recently used first, making them
+    /// free. Returns how many were evicted. O(evicted).
+    pub fn evict_cached(&mut self, max_blocks: u32) -> u32 {
+        let mut evicted = 0;
+        while evicted < max_blocks {
+            let Some(b) = self.prefix.lru_pop_front() else {
+                break;
+            };
+            self.prefix.unregister(b);
+            self.prefix.clear(b);
+            self.fill[b as usize] = 0;
+            self.free.insert(b);
+            evicted += 1;
+        }
+        evicted
+    }
+
+    /// References to block `b` from live sequences; `None` when `b` is out of range. O(1).
+    pub fn refcount(&self, b: u32) -> Option<u32> {
+        self.refcount.get(b as usize).copied()
+    }
+
+    /// Whether block `b` is registered in the prefix cache. O(1).
+    pub fn is_registered(&self, b: u32) -> bool {
+        b < self.config.num_blocks && self.prefix.is_registered(b)
+    }
+
+    // ----- sequences --------------------------------------------------------------------
+
+    fn check(&self, seq: SeqId) -> Result<usize, SeqError> {
+        if seq.instance != self.config.instance {
+            return Err(SeqError::ForeignHandle);
+        }
+        let i = seq.index as usize;
+        match (self.seq_flags.get(i), self.seq_gen.get(i)) {
+            (Some(&flags), Some(&gen)) if flags & LIVE != 0 && gen == seq.generation => Ok(i),
+            _ => Err(SeqError::StaleHandle),
+        }
+    }
+
+    fn handle(&self, i: usize) -> SeqId {
+        SeqId {
+            index: i as u32,
+            generation: self.seq_gen[i],
+            instance: self.config.instance,
+        }
+    }
+
+    fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(u64::from(self.config.block_size))
+    }
+
+    fn row(&self, i: usize) -> usize {
+        i * self.config.max_blocks_per_seq as usize
+    }
+
+    /// Takes a sequence slot and sets it up empty in `namespace`.
+    fn open_seq(&mut self, i: usize, namespace: u64) {
+        self.seq_free.remove(i as u32);
+        self.seq_len[i] = 0;
+        self.seq_flags[i] = LIVE | HASHABLE;
+        self.seq_namespace[i] = namespace;
+        self.seq_chain_hash[i] = root_hash(namespace);
+        self.seq_chain_block[i] = Link::ROOT.block;
+        self.seq_chain_gen[i] = Link::ROOT.gen;
+        self.live_seqs += 1;
+    }
+
+    /// Creates an empty sequence whose blocks will be shared through the prefix cache only
+    /// with sequences of the same `namespace`. O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::NoFreeSequence`] when `max_seqs` sequences are live.
+    pub fn create(&mut self, namespace: u64) -> Result<SeqId, SeqError> {
+        let i = self.seq_free.first().ok_or(SeqError::NoFreeSequence)? as usize;
+        self.open_seq(i, namespace);
+        Ok(self.handle(i))
+    }
+
+    /// Creates a sequence holding the prompt `tokens`, sharing the longest run of whole
+    /// leading blocks already in the prefix cache of `namespace` (verified token by token)
+    /// and allocating the rest. At most `(len - 1) / block_size` blocks are reused, so at
+    /// least one prompt token is always computed. `slots[..len - reused_tokens]` receives
+    /// the physical slot of each prompt token after the reused ones. Full new blocks are
+    /// registered in the cache. O(prompt length).
+    ///
+    /// # Errors
+    /// [`SeqError::NoFreeSequence`], [`SeqError::TooLong`], [`SeqError::OutOfBlocks`] (the
+    /// cached blocks being reused do not count as available),
+    /// [`SeqError::SlotBufferTooSmall`]. Nothing changes on error.
+    pub fn create_with_prompt(
+        &mut self,
+        namespace: u64,
+        tokens: &[u32],
+        slots: &mut [u32],
+    ) -> Result<PromptStart, SeqError> {
+        let max_tokens = self.config.max_tokens_per_seq();
+        let len = tokens.len() as u64;
+        if len > max_tokens {
+            return Err(SeqError::TooLong {
+                tokens: len,
+                max_tokens,
+            });
+        }
+        let i = self.seq_free.first().ok_or(SeqError::NoFreeSequence)? as usize;
+        let bs = self.config.block_size as usize;
+        let max_hits = tokens.len().saturating_sub(1) / bs;
+        // Look up, writing candidate block ids into the (free) row: free rows are scratch.
+        let row = self.row(i);
+        let (mut hits, mut idle_hits) = (0usize, 0u32);
+        let mut parent = Link::ROOT;
+        let mut hash = root_hash(namespace);
+        while hits < max_hits {
+            let chunk = &tokens[hits * bs..(hits + 1) * bs];
+            let h = chain_hash(hash, namespace, chunk);
+            let Some(b) = self.prefix.find(h, namespace, parent, chunk) else {
+                break;
+            };
+            self.table[row + hits] = b;
+            if self.refcount[b as usize] == 0 {
+                idle_hits += 1;
+            }
+            parent = self.prefix.link_of(b);
+            hash = h;
+            hits += 1;
+        }
+        let needed = (self.blocks_for(len) - hits as u64) as u32;
+        let available = self.available_blocks() - idle_hits;
+        if needed > available {
+            return Err(SeqError::OutOfBlocks { needed, available });
+        }
+        let reused = hits * bs;
+        let new_tokens = tokens.len() - reused;
+        if slots.len() < new_tokens {
+            return Err(SeqError::SlotBufferTooSmall {
+                needed: new_tokens,
+                got: slots.len(),
+            });
+        }
+        // Commit: nothing below can fail.
+        self.open_seq(i, namespace);
+        for k in 0..hits {
+            let b = self.table[row + k];
+            self.retain_block(b);
+        }
+        self.seq_len[i] = reused as u32;
+        self.logical_tokens += reused as u64;
+        self.seq_chain_hash[i] = hash;
+        self.seq_chain_block[i] = parent.block;
+        self.seq_chain_gen[i] = parent.gen;
+        self.prefix_hit_tokens += reused as u64;
+        let appended = self.append_checked(i, new_tokens as u32, Some(&tokens[reused..]), slots)?;
+        Ok(PromptStart {
+            seq: self.handle(i),
+            reused_tokens: reused as u32,
+            appended,
+        })
+    }
+
+    /// Appends `n` tokens whose ids are not known: allocates blocks as needed and writes
+    /// the physical slot (`block * block_size + offset`) of each new token into
+    /// `slots[..n]`. Blocks filled this way are not registered in the prefix cache, nor
+    /// are later ones of this sequence (until it is truncated back to a hashed block).
+    /// O(n) plus O(1) per new block.
+    ///
+    /// # Errors
+    /// As [`BlockManager::append_tokens`].
+    pub fn append(&mut self, seq: SeqId, n: u32, slots: &mut [u32]) -> Result<Appended, SeqError> {
+        let i = self.check(seq)?;
+        self.append_checked(i, n, None, slots)
+    }
+
+    /// Appends `tokens`: like [`BlockManager::append`], and each block that becomes full
+    /// is registered in the prefix cache (unless an identical block already is). If the
+    /// last block is partly filled and shared (after a fork or a prefix hit), it is copied
+    /// first and the copy is returned: the backend must execute it before writing.
+    /// O(n) plus O(block_size) per filled block.
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::TooLong`] past
+    /// `max_blocks_per_seq`, [`SeqError::OutOfBlocks`], [`SeqError::SlotBufferTooSmall`].
+    /// Nothing changes on error.
+    pub fn append_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        slots: &mut [u32],
+    ) -> Result<Appended, SeqError> {
+        let i = self.check(seq)?;
+        let max_tokens = self.config.max_tokens_per_seq();
+        let n = u32::try_from(tokens.len()).map_err(|_| SeqError::TooLong {
+            tokens: tokens.len() as u64,
+            max_tokens,
+        })?;
+        self.append_checked(i, n, Some(tokens), slots)
+    }
+
+    /// Appends to live sequence `i`. Checks everything, then commits.
+    fn append_checked(
+        &mut self,
+        i: usize,
+        n: u32,
+        ids: Option<&[u32]>,
+        slots: &mut [u32],
+    ) -> Result<Appended, SeqError> {
+        let bs = self.config.block_size;
+        let len = self.seq_len[i];
+        let new_len = u64::from(len) + u64::from(n);
+        let max_tokens = self.config.max_tokens_per_seq();
+        if new_len > max_tokens {
+            return Err(SeqError::TooLong {
+                tokens: new_len,
+                max_tokens,
+            });
+        }
+        if slots.len() < n as usize {
+            return Err(SeqError::SlotBufferTooSmall {
+                needed: n as usize,
+                got: slots.len(),
+            });
+        }
+        let old_blocks = self.blocks_for(u64::from(len)) as usize;
+        let grow = (self.blocks_for(new_len) as usize - old_blocks) as u32;
+        let row = self.row(i);
+        let offset = len % bs;
+        let partial = if offset != 0 && n > 0 {
+            Some(self.table[row + old_blocks - 1])
+        } else {
+            None
+        };
+        let cow = partial.is_some_and(|b| self.refcount[b as usize] > 1);
+        let needed = grow + u32::from(cow);
+        let available = self.available_blocks();
+        if needed > available {
+            return Err(SeqError::OutOfBlocks { needed, available });
+        }
+
+        // Commit: nothing below can fail.
+        let mut copy = None;
+        if let Some(last) = partial {
+            if cow {
+                let dst = self.alloc_block();
+                self.prefix.copy_tokens(last, dst, offset);
+                self.set_fill(dst, offset);
+                self.release_block(last);
+                self.table[row + old_blocks - 1] = dst;
+                copy = Some(BlockCopy { src: last, dst });
+            } else {
+                self.claim_partial(last, offset);
+            }
+        }
+        let mut block_index = (len / bs) as usize;
+        let mut off = offset;
+        let mut hashable = ids.is_some() && self.seq_flags[i] & HASHABLE != 0;
+        for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
+            if off == 0 {
+                let b = self.alloc_block();
+                self.table[row + block_index] = b;
+            }
+            let b = self.table[row + block_index];
+            *slot = b * bs + off;
+            if let Some(ids) = ids {
+                self.prefix.tokens_mut(b)[off as usize] = ids[k];
+            }
+            if off + 1 > self.fill[b as usize] {
+                self.set_fill(b, off + 1);
+            }
+            off += 1;
+            if off == bs {
+                if hashable {
+                    hashable = self.on_block_full(i, b);
+                }
+                off = 0;
+                block_index += 1;
+            }
+        }
+        if n > 0 && !hashable {
+            self.seq_flags[i] &= !HASHABLE;
+        }
+        self.seq_len[i] = new_len as u32;
+        self.logical_tokens += u64::from(n);
+        Ok(Appended {
+            copy,
+            new_blocks: grow,
+        })
+    }
+
+    /// Makes exclusively held block `b` writable from token `offset` on: it leaves the
+    /// prefix cache (its content is about to change) and stores `offset` tokens.
+    fn claim_partial(&mut self, b: u32, offset: u32) {
+        if self.prefix.is_registered(b) {
+            self.prefix.unregister(b);
+        }
+        self.prefix.clear(b);
+        self.set_fill(b, offset);
+    }
+
+    /// Hashes the block sequence `i` just filled and registers it unless an identical one
+    /// is registered already. Returns whether the sequence's chain is still intact.
+    fn on_block_full(&mut self, i: usize, b: u32) -> bool {
+        let namespace = self.seq_namespace[i];
+        let parent = Link {
+            block: self.seq_chain_block[i],
+            gen: self.seq_chain_gen[i],
+        };
+        let tokens = self.prefix.tokens(b);
+        let hash = chain_hash(self.seq_chain_hash[i], namespace, tokens);
+        let link = match self.prefix.find(hash, namespace, parent, tokens) {
+            Some(existing) => self.prefix.link_of(existing),
+            None if parent == Link::ROOT || self.prefix.is_registered(parent.block) => {
+                self.prefix.register(b, hash, namespace, parent)
+            }
+            // The representative of the previous block was evicted: the chain is broken.
+            None => return false,
+        };
+        self.prefix.set_hashed(b, hash, link);
+        self.seq_chain_hash[i] = hash;
+        self.seq_chain_block[i] = link.block;
+        self.seq_chain_gen[i] = link.gen;
+        true
+    }
+
+    /// Creates a sequence sharing every block of `seq` (reference counts go up; nothing is
+    /// copied until one of them appends into a shared partial block). O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::NoFreeSequence`].
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId, SeqError> {
+        let src = self.check(seq)?;
+        let dst = self.seq_free.first().ok_or(SeqError::NoFreeSequence)? as usize;
+        self.seq_free.remove(dst as u32);
+        let len = self.seq_len[src];
+        let blocks = self.blocks_for(u64::from(len)) as usize;
+        let (from, to) = (self.row(src), self.row(dst));
+        self.table.copy_within(from..from + blocks, to);
+        for k in 0..blocks {
+            let b = self.table[to + k];
+            self.refcount[b as usize] += 1;
+        }
+        self.total_refs += blocks as u64;
+        self.seq_len[dst] = len;
+        self.seq_flags[dst] = self.seq_flags[src];
+        self.seq_namespace[dst] = self.seq_namespace[src];
+        self.seq_chain_hash[dst] = self.seq_chain_hash[src];
+        self.seq_chain_block[dst] = self.seq_chain_block[src];
+        self.seq_chain_gen[dst] = self.seq_chain_gen[src];
+        self.logical_tokens += u64::from(len);
+        self.live_seqs += 1;
+        Ok(self.handle(dst))
+    }
+
+    /// Shortens `seq` to `new_len` tokens (rolling back rejected speculative tokens, for
+    /// example), releasing blocks no longer needed. O(released blocks).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::BeyondLength`].
+    pub fn truncate(&mut self, seq: SeqId, new_len: u32) -> Result<(), SeqError> {
+        let i = self.check(seq)?;
+        let len = self.seq_len[i];
+        if new_len > len {
+            return Err(SeqError::BeyondLength {
+                requested: new_len,
+                len,
+            });
+        }
+        let bs = self.config.block_size;
+        let keep = self.blocks_for(u64::from(new_len)) as usize;
+        let old = self.blocks_for(u64::from(len)) as usize;
+        let row = self.row(i);
+        for k in keep..old {
+            let b = self.table[row + k];
+            self.release_block(b);
+        }
+        let offset = new_len % bs;
+        if offset != 0 {
+            let b = self.table[row + keep - 1];
+            if self.refcount[b as usize] == 1 {
+                self.claim_partial(b, offset);
+            }
+        }
+        self.seq_len[i] = new_len;
+        self.logical_tokens -= u64::from(len - new_len);
+        let full = (new_len / bs) as usize;
+        let chain = if full == 0 {
+            let namespace = self.seq_namespace[i];
+            Some((root_hash(namespace), Link::ROOT))
+        } else {
+            self.prefix.hashed(self.table[row + full - 1])
+        };
+        match chain {
+            Some((hash, link)) => {
+                self.seq_chain_hash[i] = hash;
+                self.seq_chain_block[i] = link.block;
+                self.seq_chain_gen[i] = link.gen;
+                self.seq_flags[i] |= HASHABLE;
+            }
+            None => self.seq_flags[i] &= !HASHABLE,
+        }
+        Ok(())
+    }
+
+    /// Releases `seq` and its references; its handle (and every copy) becomes stale.
+    /// Full registered blocks nobody else holds stay cached for later prefix hits.
+    /// O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`] (also on a second release), [`SeqError::ForeignHandle`].
+    pub fn release(&mut self, seq: SeqId) -> Result<(), SeqError> {
+        let i = self.check(seq)?;
+        let blocks = self.blocks_for(u64::from(self.seq_len[i])) as usize;
+        let row = self.row(i);
+        for k in 0..blocks {
+            let b = self.table[row + k];
+            self.release_block(b);
+        }
+        self.logical_tokens -= u64::from(self.seq_len[i]);
+        self.seq_len[i] = 0;
+        self.seq_flags[i] = 0;
+        self.seq_gen[i] = self.seq_gen[i].wrapping_add(1);
+        self.seq_free.insert(i as u32);
+        self.live_seqs -= 1;
+        Ok(())
+    }
+
+    /// Tokens held by `seq`. O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn len(&self, seq: SeqId) -> Result<u32, SeqError> {
+        Ok(self.seq_len[self.check(seq)?])
+    }
+
+    /// Physical block ids of `seq` in logical order (its row of the block table, the used
+    /// part). O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn blocks(&self, seq: SeqId) -> Result<&[u32], SeqError> {
+        let i = self.check(seq)?;
+        let row = self.row(i);
+        let blocks = self.blocks_for(u64::from(self.seq_len[i])) as usize;
+        Ok(&self.table[row..row + blocks])
+    }
+
+    /// The dense `max_seqs × max_blocks_per_seq` block table, row-major, row =
+    /// [`SeqId::index`]: what attention kernels take, uploadable in one copy. Entries past
+    /// a row's `ceil(len / block_size)` are unspecified. O(1).
+    pub fn block_table(&self) -> &[u32] {
+        self.table
+    }
+
+    /// Length in tokens of every row of [`BlockManager::block_table`] (0 for free rows).
+    /// O(1).
+    pub fn seq_lens(&self) -> &[u32] {
+        self.seq_len
+    }
+
+    /// Counters of the pool and the sequences. O(1).
+    pub fn stats(&self) -> Stats {
+        let free_blocks = self.free.count();
+        let cached_blocks = self.prefix.lru_len();
+        let used_blocks = self.config.num_blocks - free_blocks - cached_blocks;
+        Stats {
+            total_blocks: self.config.num_blocks,
+            free_blocks,
+            cached_blocks,
+            used_blocks,
+            token_slots: u64::from(used_blocks) * u64::from(self.config.block_size),
+            tokens_stored: self.tokens_stored,
+            logical_tokens: self.logical_tokens,
+            blocks_saved_by_sharing: self.total_refs - u64::from(used_blocks),
+            live_seqs: self.live_seqs,
+            prefix_hit_tokens: self.prefix_hit_tokens,
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! The prefix cache: full blocks registered under a chained hash, verified on every hit,
+//! and an LRU list of registered blocks nobody references.
+//!
+//! A block's key is `(hash, namespace, parent link, token ids)`. The hash chains the
+//! parent's hash, the namespace and the block's token ids; it only picks candidates. A hit
+//! is accepted only when the namespace, the stored token ids and the parent link (the
+//! parent's block id and its registration generation) all match, so by induction from the
+//! first block the whole prefix matches exactly: a hash collision can never hand back
+//! another prompt's blocks, and namespaces never share.
+//!
+//! The hash table is open addressing with linear probing over a power-of-two array of
+//! block ids (`id + 1`, 0 = empty) with backward-shift deletion, at most half full, so
+//! lookup, insert and remove are O(1) expected and never scan the pool. The LRU list is
+//! intrusive (`prev`/`next` per block), so touch and evict are O(1).
+//!
+//! Invariants: a block is in the table iff its `REGISTERED` flag is set; a block is in the
+//! LRU list iff it is registered and its reference count is zero (kept by the manager).
+
+/// "No block" in links and list pointers.
+pub(crate) const NIL: u32 = u32::MAX;
+
+const REGISTERED: u32 = 1;
+/// The block was full with known token ids when it filled: `hash` and `link` are valid.
+const HASHED: u32 = 2;
+
+/// Identity of a registered block at one moment: its id and registration generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Link {
+    pub(crate) block: u32,
+    pub(crate) gen: u32,
+}
+
+impl Link {
+    /// The parent link of a sequence's first block.
+    pub(crate) const ROOT: Link = Link { block: NIL, gen: 0 };
+}
+
+/// Seed of the hash chain of a namespace.
+pub(crate) fn root_hash(namespace: u64) -> u64 {
+    mix(namespace ^ 0x6b76_7061_6765_0001)
+}
+
+/// Hash of one block's token ids chained from its parent's hash and the namespace.
+/// O(block_size).
+pub(crate) fn chain_hash(parent: u64, namespace: u64, tokens: &[u32]) -> u64 {
+    let mut h = parent ^ namespace.rotate_left(17);
+    for &t in tokens {
+        h = (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix(h)
+}
+
+/// The splitmix64 finalizer: spreads every input bit over the output.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Per-block registration data, the hash table and the LRU list.
+#[derive(Debug)]
+pub(crate) struct PrefixCache<'a> {
+    pub(crate) block_size: u32,
+    hash: &'a mut [u64],
+    namespace: &'a mut [u64],
+    flags: &'a mut [u32],
+    parent: &'a mut [u32],
+    parent_gen: &'a mut [u32],
+    /// Registration generation, bumped whenever the block leaves the cache.
+    gen: &'a mut [u32],
+    /// Registered block standing for this block's content when it filled.
+    link: &'a mut [u32],
+    link_gen: &'a mut [u32],
+    prev: &'a mut [u32],
+    next: &'a mut [u32],
+    tokens: &'a mut [u32],
+    table: &'a mut [u32],
+    head: u32,
+    tail: u32,
+    lru_len: u32,
+}
+
+/// The arrays a [`PrefixCache`] is built from, carved by the manager.
+pub(crate) struct PrefixStorage<'a> {
+    pub(crate) hash: &'a mut [u64],
+    pub(crate) namespace: &'a mut [u64],
+    pub(crate) flags: &'a mut [u32],
+    pub(crate) parent: &'a mut [u32],
+    pub(crate) parent_gen: &'a mut [u32],
+    pub(crate) gen: &'a mut [u32],
+    pub(crate) link: &'a mut [u32],
+    pub(crate) link_gen: &'a mut [u32],
+    pub(crate) prev: &'a mut [u32],
+    pub(crate) next: &'a mut [u32],
+    pub(crate) tokens: &'a mut [u32],
+    pub(crate) table: &'a mut [u32],
+}
+
+impl<'a> PrefixCache<'a> {
+    pub(crate) fn new(block_size: u32, s: PrefixStorage<'a>) -> Self {
+        debug_assert!(s.table.len().is_power_of_two());
+        Self {
+            block_size,
+            hash: s.hash,
+            namespace: s.namespace,
+            flags: s.flags,
+            parent: s.parent,
+            parent_gen: s.parent_gen,
+            gen: s.gen,
+            link: s.link,
+            link_gen: s.link_gen,
+            prev: s.prev,
+            next: s.next,
+            tokens: s.tokens,
+            table: s.table,
+            head: NIL,
+            tail: NIL,
+            lru_len: 0,
+        }
+    }
+
+    fn token_range(&self, b: u32) -> core::ops::Range<usize> {
+        let start = b as usize * self.block_size as usize;
+        start..start + self.block_size as usize
+    }
+
+    /// Token ids stored for block `b` (only the filled part is meaningful).
+    pub(crate) fn tokens(&self, b: u32) -> &[u32] {
+        &self.tokens[self.token_range(b)]
+    }
+
+    /// Mutable token ids of block `b`.
+    pub(crate) fn tokens_mut(&mut self, b: u32) -> &mut [u32] {
+        let r = self.token_range(b);
+        &mut self.tokens[r]
+    }
+
+    /// Copies the first `n` token ids of `src` to `dst` (copy-on-write). O(n).
+    pub(crate) fn copy_tokens(&mut self, src: u32, dst: u32, n: u32) {
+        let s = self.token_range(src).start;
+        let d = self.token_range(dst).start;
+        self.tokens.copy_within(s..s + n as usize, d);
+    }
+
+    pub(crate) fn is_registered(&self, b: u32) -> bool {
+        self.flags[b as usize] & REGISTERED != 0
+    }
+
+    /// The hash and link of `b` if it filled with known token ids.
+    pub(crate) fn hashed(&self, b: u32) -> Option<(u64, Link)> {
+        let i = b as usize;
+        (self.flags[i] & HASHED != 0).then(|| {
+            (
+                self.hash[i],
+                Link {
+                    block: self.link[i],
+                    gen: self.link_gen[i],
+                },
+            )
+        })
+    }
+
+    /// Forgets everything about `b`'s content: it is being reused or overwritten. The
+    /// caller has unregistered it first.
+    pub(crate) fn clear(&mut self, b: u32) {
+        debug_assert!(!self.is_registered(b));
+        self.flags[b as usize] = 0;
+    }
+
+    /// Current link of a registered block.
+    pub(crate) fn link_of(&self, b: u32) -> Link {
+        Link {
+            block: b,
+            gen: self.gen[b as usize],
+        }
+    }
+
+    /// Is the block a parent link points at still the one that was linked?
+    fn link_alive(&self, link: Link) -> bool {
+        link.block == NIL
+            || (self.is_registered(link.block) && self.gen[link.block as usize] == link.gen)
+    }
+
+    /// Finds the registered block with exactly this content, verifying namespace, token ids
+    /// and parent. O(block_size) expected.
+    pub(crate) fn find(
+        &self,
+        hash: u64,
+        namespace: u64,
+        parent: Link,
+        tokens: &[u32],
+    ) -> Option<u32> {
+        if !self.link_alive(parent) {
+            return None;
+        }
+        let mask = self.table.len() - 1;
+        let mut pos = hash as usize & mask;
+        loop {
+            let entry = self.table[pos];
+            if entry == 0 {
+                return None;
+            }
+            let b = entry - 1;
+            let i = b as usize;
+            if self.hash[i] == hash
+                && self.namespace[i] == namespace
+                && self.parent[i] == parent.block
+                && self.parent_gen[i] == parent.gen
+                && self.tokens(b) == tokens
+            {
+                return Some(b);
+            }
+            pos = (pos + 1) & mask;
+        }
+    }
+
+    /// Records that full block `b` has `hash` and stands for content whose registered
+    /// representative is `link` (itself when it gets registered). O(1).
+    pub(crate) fn set_hashed(&mut self, b: u32, hash: u64, link: Link) {
+        let i = b as usize;
+        self.hash[i] = hash;
+        self.link[i] = link.block;
+        self.link_gen[i] = link.gen;
+        self.flags[i] |= HASHED;
+    }
+
+    /// Registers full, hashed block `b` under its hash. O(1) expected.
+    pub(crate) fn register(&mut self, b: u32, hash: u64, namespace: u64, parent: Link) -> Link {
+        let i = b as usize;
+        debug_assert!(!self.is_registered(b));
+        self.namespace[i] = namespace;
+        self.parent[i] = parent.block;
+        self.parent_gen[i] = parent.gen;
+        self.flags[i] |= REGISTERED;
+        let link = self.link_of(b);
+        self.set_hashed(b, hash, link);
+        let mask = self.table.len() - 1;
+        let mut pos = hash as usize & mask;
+        while self.table[pos] != 0 {
+            pos = (pos + 1) & mask;
+        }
+        self.table[pos] = b + 1;
+        link
+    }
+
+    /// Removes registered block `b` from the table (not from the LRU list) and bumps its
+    /// generation so links to it die. O(1) expected.
+    pub(crate) fn unregister(&mut self, b: u32) {
+        let i = b as usize;
+        debug_assert!(self.is_registered(b));
+        self.flags[i] &= !REGISTERED;
+        self.gen[i] = self.gen[i].wrapping_add(1);
+        let mask = self.table.len() - 1;
+        let mut pos = self.hash[i] as usize & mask;
+        while self.table[pos] != b + 1 {
+            pos = (pos + 1) & mask;
+        }
+        // Backward-shift deletion: pull later entries of the probe run into the hole.
+        let mut hole = pos;
+        let mut probe = (pos + 1) & mask;
+        loop {
+            let entry = self.table[probe];
+            if entry == 0 {
+                break;
+            }
+            let home = self.hash[(entry - 1) as usize] as usize & mask;
+            // Move the entry if its home is not in (hole, probe] cyclically.
+            let dist_home = probe.wrapping_sub(home) & mask;
+            let dist_hole = probe.wrapping_sub(hole) & mask;
+            if dist_home >= dist_hole {
+                self.table[hole] = entry;
+                hole = probe;
+            }
+            probe = (probe + 1) & mask;
+        }
+        self.table[hole] = 0;
+    }
+
+    /// Registered blocks with no references (evictable). O(1).
+    pub(crate) fn lru_len(&self) -> u32 {
+        self.lru_len
+    }
+
+    /// Appends `b` as most recently used. O(1).
+    pub(crate) fn lru_push_back(&mut self, b: u32) {
+        let i = b as usize;
+        self.prev[i] = self.tail;
+        self.next[i] = NIL;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.next[self.tail as usize] = b;
+        }
+        self.tail = b;
+        self.lru_len += 1;
+    }
+
+    /// Unlinks `b`, which is in the list. O(1).
+    pub(crate) fn lru_remove(&mut self, b: u32) {
+        let i = b as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.lru_len -= 1;
+    }
+
+    /// Unlinks and returns the least recently used block. O(1).
+    pub(crate) fn lru_pop_front(&mut self) -> Option<u32> {
+        let b = self.head;
+        if b == NIL {
+            return None;
+        }
+        self.lru_remove(b);
+        Some(b)
+    }
+}

@@ -1,0 +1,31 @@
+//! Carving one caller-provided `&mut [u64]` into the typed arrays of the manager.
+//!
+//! `u32` arrays are cast from whole `u64` words with `bytemuck` (same alignment or
+//! stricter, no invalid bit patterns), so the core needs no `unsafe`.
+
+/// Hands out consecutive pieces of a word slice. The caller has checked the total size
+/// against [`crate::Config::storage_words`], so the splits cannot run out.
+pub(crate) struct Carver<'a> {
+    rest: &'a mut [u64],
+}
+
+impl<'a> Carver<'a> {
+    pub(crate) fn new(words: &'a mut [u64]) -> Self {
+        Self { rest: words }
+    }
+
+    /// Next `n` words, zeroed.
+    pub(crate) fn words(&mut self, n: usize) -> &'a mut [u64] {
+        let rest = core::mem::take(&mut self.rest);
+        let (head, tail) = rest.split_at_mut(n);
+        self.rest = tail;
+        head.fill(0);
+        head
+    }
+
+    /// Next `n` `u32`s, zeroed, taken as `ceil(n / 2) + 1` words at most.
+    pub(crate) fn u32s(&mut self, n: usize) -> &'a mut [u32] {
+        let words = self.words(n.div_ceil(2));
+        &mut bytemuck::cast_slice_mut::<u64, u32>(words)[..n]
+    }
+}
