@@ -1,0 +1,157 @@
+//! Storage element types of the KV arena: `f32`, [`half::f16`] and [`half::bf16`].
+//!
+//! Kernels are generic over [`Element`]; they widen a tile of stored elements into an
+//! `f32` scratch buffer once and do all arithmetic in `f32`. The trait is sealed: the
+//! arena reinterprets its aligned bytes as `[T]`, which is sound only for plain-old-data
+//! types whose every bit pattern is valid, so only the three types here implement it.
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+mod sealed {
+    /// Implemented only for `f32`, `f16` and `bf16`.
+    ///
+    /// # Safety
+    /// The implementor has no padding, every bit pattern is a valid value, and its
+    /// alignment divides 64 (the arena's alignment).
+    pub unsafe trait Pod: Copy + Send + Sync + 'static {}
+    // SAFETY: primitive float: no padding, all bit patterns valid, align 4.
+    unsafe impl Pod for f32 {}
+    // SAFETY: `f16` is `repr(transparent)` over `u16`.
+    unsafe impl Pod for half::f16 {}
+    // SAFETY: `bf16` is `repr(transparent)` over `u16`.
+    unsafe impl Pod for half::bf16 {}
+}
+
+pub(crate) use sealed::Pod;
+
+/// A storage type of the KV arena. Sealed: implemented for `f32`, `f16` and `bf16`.
+pub trait Element: Pod + Default + PartialEq + core::fmt::Debug {
+    /// The core's name for this storage type.
+    const DTYPE: kvpage_core::DType;
+
+    /// Rounds an `f32` to this type (round to nearest even). O(1).
+    fn from_f32(x: f32) -> Self;
+
+    /// Widens to `f32` (exact). O(1).
+    fn to_f32(self) -> f32;
+
+    /// Widens `src` into `dst` (exact), vectorized where the CPU allows (F16C for f16).
+    /// O(n). Converts `min(src.len(), dst.len())` elements.
+    fn widen(src: &[Self], dst: &mut [f32]);
+
+    /// Rounds `src` into `dst` (round to nearest even). O(n). Converts
+    /// `min(src.len(), dst.len())` elements.
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Element for f32 {
+    const DTYPE: kvpage_core::DType = kvpage_core::DType::F32;
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: kvpage_core::DType = kvpage_core::DType::F16;
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        #[cfg(target_arch = "x86_64")]
+        if f16c::available() {
+            // SAFETY: F16C and AVX were detected on this CPU just above.
+            unsafe { f16c::widen(&src[..n], &mut dst[..n]) };
+            return;
+        }
+        // `half` detects F16C / fp16 itself at run time (its `std` feature), but calls
+        // a non-inlined function per 8 elements; the loop above is a single function.
+        src[..n].convert_to_f32_slice(&mut dst[..n]);
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        let n = src.len().min(dst.len());
+        dst[..n].convert_from_f32_slice(&src[..n]);
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: kvpage_core::DType = kvpage_core::DType::Bf16;
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        // bf16 is the top half of an f32: a shift, which the compiler vectorizes.
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        let n = src.len().min(dst.len());
+        dst[..n].convert_from_f32_slice(&src[..n]);
+    }
+}
+
+/// f16 → f32 with the F16C instruction set, 8 elements per instruction.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use core::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    use half::f16;
+
+    /// Whether the CPU has F16C and AVX. O(1) after the first call (cached by std).
+    #[inline]
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+    }
+
+    /// Widens `src` into `dst` (same length).
+    ///
+    /// # Safety
+    /// The CPU supports F16C and AVX ([`available`] returned true).
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let n = src.len().min(dst.len());
+        let whole = n / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            // SAFETY: i + 8 <= n for both slices; unaligned loads and stores.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in whole..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+}

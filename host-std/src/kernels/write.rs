@@ -1,0 +1,57 @@
+//! Storing the K and V of new tokens at their slots.
+
+use super::attention::check_len;
+use crate::arena::KvLayout;
+use crate::dtype::Element;
+use crate::error::{Buffer, KernelError};
+
+/// Writes the keys and values of `slots.len()` new tokens of one layer: token `i` goes
+/// to slot `slots[i]` (block `slot / block_size`, offset `slot % block_size`, as the
+/// core's slot mapping reports), rounded to the arena's storage type.
+///
+/// `k` and `v` are `[tokens][kv_heads][head_dim]` in `f32`. A slot listed twice ends up
+/// holding the later token. O(tokens × kv_heads × head_dim), single-threaded (it moves
+/// one token's worth of data per slot, far less than attention reads).
+///
+/// # Errors
+/// Nothing is written on error. [`KernelError::BufferLength`] for a wrong `arena`, `k`
+/// or `v` length, [`KernelError::LayerOutOfRange`], [`KernelError::SlotOutOfRange`].
+pub fn write_kv<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    layer: u32,
+    slots: &[u32],
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), KernelError> {
+    check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
+    if layer >= layout.layers() {
+        return Err(KernelError::LayerOutOfRange {
+            layer,
+            layers: layout.layers(),
+        });
+    }
+    let hd = layout.head_dim() as usize;
+    let heads = layout.kv_heads();
+    let row = heads as usize * hd;
+    check_len(Buffer::Keys, slots.len() * row, k.len())?;
+    check_len(Buffer::Values, slots.len() * row, v.len())?;
+    if let Some(&slot) = slots.iter().find(|&&s| u64::from(s) >= layout.num_slots()) {
+        return Err(KernelError::SlotOutOfRange {
+            slot,
+            slots: layout.num_slots(),
+        });
+    }
+    let bs = layout.block_size();
+    for (i, &slot) in slots.iter().enumerate() {
+        let (block, offset) = (slot / bs, (slot % bs) as usize);
+        for h in 0..heads {
+            let src = i * row + h as usize * hd;
+            for (kv, input) in [(0, k), (1, v)] {
+                let dst = layout.tile_offset(block, layer, kv, h) + offset * hd;
+                T::narrow(&input[src..src + hd], &mut arena[dst..dst + hd]);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,652 @@
+//! The CPU kernels against the f64 reference, over plain slices (no core involved):
+//! every dtype, block sizes 1 to 256, contexts that are not multiples of the block size,
+//! block tables in shuffled physical order, GQA / MQA / MHA, decode and prefill, shared
+//! prefix blocks, block copies, and every input error.
+
+mod common;
+
+use common::{random_vec, reference_attention, rel_error, rng, tolerance};
+use kvpage::kernels::{
+    contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
+    ContiguousKv, SeqQuery,
+};
+use kvpage::{bf16, f16, Arena, Buffer, Element, KernelError, KvLayout};
+use rand::seq::SliceRandom;
+
+/// One test case: `lens[i]` tokens of context of which `queries[i]` are new.
+struct Case {
+    block_size: u32,
+    kv_heads: u32,
+    q_heads: u32,
+    head_dim: u32,
+    lens: Vec<usize>,
+    queries: Vec<usize>,
+    seed: u64,
+}
+
+/// Builds a shuffled paged cache holding random K/V, runs paged attention, compares
+/// with the reference; also checks the contiguous kernel on the same data.
+fn check<T: Element>(case: &Case) {
+    let mut rng = rng(case.seed);
+    let (bs, kvh, qh, hd) = (
+        case.block_size as usize,
+        case.kv_heads as usize,
+        case.q_heads as usize,
+        case.head_dim as usize,
+    );
+    let blocks_per_seq: Vec<usize> = case.lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let stride = *blocks_per_seq.iter().max().unwrap() + 1;
+    let num_blocks = blocks_per_seq.iter().sum::<usize>() + 3;
+    let layers = 2;
+    let layer = 1;
+    let layout = KvLayout::new(
+        layers,
+        case.kv_heads,
+        case.head_dim,
+        case.block_size,
+        num_blocks as u32,
+    )
+    .unwrap();
+    let mut arena = Arena::for_layout::<T>(&layout).unwrap();
+
+    // Physical blocks in shuffled order; unused table entries hold a poison id.
+    let mut physical: Vec<u32> = (0..num_blocks as u32).collect();
+    physical.shuffle(&mut rng);
+    let mut table = vec![u32::MAX; case.lens.len() * stride];
+    let mut next = 0;
+    for (s, &n) in blocks_per_seq.iter().enumerate() {
+        table[s * stride..s * stride + n].copy_from_slice(&physical[next..next + n]);
+        next += n;
+    }
+
+    // Random K/V of every sequence, written token by token through the slot mapping,
+    // in two steps (cached context, then the new tokens), plus noise in layer 0.
+    let mut kvs = Vec::new();
+    for (s, &len) in case.lens.iter().enumerate() {
+        let k = random_vec(&mut rng, len * kvh * hd);
+        let v = random_vec(&mut rng, len * kvh * hd);
+        let slots: Vec<u32> = (0..len)
+            .map(|t| table[s * stride + t / bs] * bs as u32 + (t % bs) as u32)
+            .collect();
+        let split = len - case.queries[s];
+        let a = arena.as_mut_slice::<T>();
+        let row = kvh * hd;
+        write_kv(
+            &layout,
+            a,
+            layer,
+            &slots[..split],
+            &k[..split * row],
+            &v[..split * row],
+        )
+        .unwrap();
+        write_kv(
+            &layout,
+            a,
+            layer,
+            &slots[split..],
+            &k[split * row..],
+            &v[split * row..],
+        )
+        .unwrap();
+        let noise = random_vec(&mut rng, len * row);
+        write_kv(&layout, a, 0, &slots, &noise, &noise).unwrap();
+        kvs.push((k, v));
+    }
+
+    let total_q: usize = case.queries.iter().sum();
+    let q = random_vec(&mut rng, total_q * qh * hd);
+    let seqs: Vec<SeqQuery> = (0..case.lens.len())
+        .map(|s| SeqQuery {
+            row: s as u32,
+            context_len: case.lens[s] as u32,
+            queries: case.queries[s] as u32,
+        })
+        .collect();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let params = AttentionParams {
+        q_heads: case.q_heads,
+        scale,
+        threads: 2,
+    };
+    let mut out = vec![f32::NAN; q.len()];
+    let bt = BlockTable {
+        table: &table,
+        stride: stride as u32,
+    };
+    paged_attention(
+        &layout,
+        arena.as_slice::<T>(),
+        layer,
+        bt,
+        &seqs,
+        &q,
+        &mut out,
+        params,
+    )
+    .unwrap();
+
+    let mut want = Vec::new();
+    let mut q0 = 0;
+    for (s, (k, v)) in kvs.iter().enumerate() {
+        let n = case.queries[s] * qh * hd;
+        want.extend(reference_attention(
+            k,
+            v,
+            case.lens[s],
+            kvh,
+            hd,
+            &q[q0..q0 + n],
+            qh,
+            scale,
+        ));
+        q0 += n;
+    }
+    let err = rel_error(&out, &want);
+    assert!(
+        err <= tolerance::<T>(),
+        "paged: relative error {err:e} (bs {bs}, {})",
+        core::any::type_name::<T>()
+    );
+
+    // The contiguous kernel on the same (rounded) values gives the same result.
+    let cap = *case.lens.iter().max().unwrap();
+    let mut ck = vec![T::default(); case.lens.len() * kvh * cap * hd];
+    let mut cv = ck.clone();
+    for (s, (k, v)) in kvs.iter().enumerate() {
+        for t in 0..case.lens[s] {
+            for h in 0..kvh {
+                let dst = ((s * kvh + h) * cap + t) * hd;
+                let src = (t * kvh + h) * hd;
+                T::narrow(&k[src..src + hd], &mut ck[dst..dst + hd]);
+                T::narrow(&v[src..src + hd], &mut cv[dst..dst + hd]);
+            }
+        }
+    }
+    let mut out2 = vec![f32::NAN; q.len()];
+    let kv = ContiguousKv {
+        k: &ck,
+        v: &cv,
+        kv_heads: case.kv_heads,
+        head_dim: case.head_dim,
+        capacity: cap as u32,
+    };
+    contiguous_attention(kv, &seqs, &q, &mut out2, params).unwrap();
+    let err2 = rel_error(&out2, &want);
+    assert!(
+        err2 <= tolerance::<T>(),
+        "contiguous: relative error {err2:e}"
+    );
+}
+
+fn all_dtypes(case: &Case) {
+    check::<f32>(case);
+    check::<f16>(case);
+    check::<bf16>(case);
+}
+
+#[test]
+fn decode_every_block_size_and_dtype() {
+    for (i, bs) in [1u32, 8, 16, 32, 256].into_iter().enumerate() {
+        all_dtypes(&Case {
+            block_size: bs,
+            kv_heads: 2,
+            q_heads: 8,
+            head_dim: 64,
+            lens: vec![1, 37, 300, 129],
+            queries: vec![1, 1, 1, 1],
+            seed: 10 + i as u64,
+        });
+    }
+}
+
+#[test]
+fn prefill_every_block_size_and_dtype() {
+    for (i, bs) in [1u32, 8, 16, 32, 256].into_iter().enumerate() {
+        all_dtypes(&Case {
+            block_size: bs,
+            kv_heads: 2,
+            q_heads: 4,
+            head_dim: 32,
+            // A whole prompt, a suffix after a cached prefix, a single token.
+            lens: vec![45, 270, 17],
+            queries: vec![45, 23, 1],
+            seed: 20 + i as u64,
+        });
+    }
+}
+
+#[test]
+fn head_shapes_mqa_mha_and_odd_head_dims() {
+    for (i, (kvh, qh, hd)) in [
+        (1u32, 8u32, 40u32),
+        (3, 3, 24),
+        (2, 34, 16),
+        (1, 1, 256),
+        (4, 8, 7),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        all_dtypes(&Case {
+            block_size: 16,
+            kv_heads: kvh,
+            q_heads: qh,
+            head_dim: hd,
+            lens: vec![70, 5],
+            queries: vec![3, 5],
+            seed: 30 + i as u64,
+        });
+    }
+}
+
+#[test]
+fn large_scores_stay_finite_with_the_running_max() {
+    // Scale 40: scores around ±40 * |q·k| would overflow a naive exp.
+    let mut rng = rng(5);
+    let layout = KvLayout::new(1, 1, 16, 8, 8).unwrap();
+    let mut arena = Arena::for_layout::<f32>(&layout).unwrap();
+    let len = 50;
+    let k = random_vec(&mut rng, len * 16);
+    let v = random_vec(&mut rng, len * 16);
+    let table: Vec<u32> = (0..8).rev().collect();
+    let slots: Vec<u32> = (0..len as u32)
+        .map(|t| table[(t / 8) as usize] * 8 + t % 8)
+        .collect();
+    write_kv(&layout, arena.as_mut_slice::<f32>(), 0, &slots, &k, &v).unwrap();
+    let q: Vec<f32> = random_vec(&mut rng, 16).iter().map(|x| x * 10.0).collect();
+    let mut out = vec![0.0; 16];
+    let params = AttentionParams {
+        q_heads: 1,
+        scale: 40.0,
+        threads: 1,
+    };
+    let bt = BlockTable {
+        table: &table,
+        stride: 8,
+    };
+    paged_attention(
+        &layout,
+        arena.as_slice::<f32>(),
+        0,
+        bt,
+        &[SeqQuery::decode(0, len as u32)],
+        &q,
+        &mut out,
+        params,
+    )
+    .unwrap();
+    let want = reference_attention(&k, &v, len, 1, 16, &q, 1, 40.0);
+    assert!(out.iter().all(|x| x.is_finite()));
+    assert!(rel_error(&out, &want) < 1e-5);
+}
+
+#[test]
+fn shared_prefix_blocks_and_copy_on_write() {
+    // Two sequences share their first two blocks (as after a fork or a prefix-cache
+    // hit); the second then diverges inside a copied third block.
+    let mut rng = rng(6);
+    let (bs, hd) = (4usize, 8usize);
+    let layout = KvLayout::new(1, 1, hd as u32, bs as u32, 16).unwrap();
+    let mut arena = Arena::for_layout::<f32>(&layout).unwrap();
+    let len = 10; // two full blocks + 2 tokens in a shared partial block
+    let k = random_vec(&mut rng, len * hd);
+    let v = random_vec(&mut rng, len * hd);
+    let parent = [9u32, 2, 13];
+    let slots: Vec<u32> = (0..len)
+        .map(|t| parent[t / bs] * bs as u32 + (t % bs) as u32)
+        .collect();
+    write_kv(&layout, arena.as_mut_slice::<f32>(), 0, &slots, &k, &v).unwrap();
+    // Copy-on-write of the partial block 13 -> 5 for the child, then each appends.
+    copy_blocks(&layout, arena.as_mut_slice::<f32>(), &[(13, 5)]).unwrap();
+    let child = [9u32, 2, 5];
+    let (kp, vp) = (random_vec(&mut rng, hd), random_vec(&mut rng, hd));
+    let (kc, vc) = (random_vec(&mut rng, hd), random_vec(&mut rng, hd));
+    write_kv(
+        &layout,
+        arena.as_mut_slice::<f32>(),
+        0,
+        &[13 * 4 + 2],
+        &kp,
+        &vp,
+    )
+    .unwrap();
+    write_kv(
+        &layout,
+        arena.as_mut_slice::<f32>(),
+        0,
+        &[5 * 4 + 2],
+        &kc,
+        &vc,
+    )
+    .unwrap();
+
+    let stride = 4;
+    let mut table = vec![u32::MAX; 2 * stride];
+    table[..3].copy_from_slice(&parent);
+    table[stride..stride + 3].copy_from_slice(&child);
+    let q = random_vec(&mut rng, 2 * hd);
+    let mut out = vec![0.0; 2 * hd];
+    let params = AttentionParams {
+        q_heads: 1,
+        scale: 0.3,
+        threads: 2,
+    };
+    let seqs = [SeqQuery::decode(0, 11), SeqQuery::decode(1, 11)];
+    let bt = BlockTable {
+        table: &table,
+        stride: stride as u32,
+    };
+    paged_attention(
+        &layout,
+        arena.as_slice::<f32>(),
+        0,
+        bt,
+        &seqs,
+        &q,
+        &mut out,
+        params,
+    )
+    .unwrap();
+    for (i, (kn, vn)) in [(&kp, &vp), (&kc, &vc)].into_iter().enumerate() {
+        let kk = [&k[..], kn].concat();
+        let vv = [&v[..], vn].concat();
+        let want = reference_attention(&kk, &vv, 11, 1, hd, &q[i * hd..(i + 1) * hd], 1, 0.3);
+        assert!(
+            rel_error(&out[i * hd..(i + 1) * hd], &want) < 1e-5,
+            "sequence {i}"
+        );
+    }
+}
+
+/// A small valid setup for the error tests.
+struct Setup {
+    layout: KvLayout,
+    arena: Arena,
+    table: Vec<u32>,
+    q: Vec<f32>,
+}
+
+fn setup() -> Setup {
+    let layout = KvLayout::new(2, 2, 8, 4, 6).unwrap();
+    let mut arena = Arena::for_layout::<f16>(&layout).unwrap();
+    let mut rng = rng(7);
+    let table = vec![3, 1, 4, 0, 2, 5];
+    let slots: Vec<u32> = (0..9).map(|t| table[t / 4] * 4 + (t % 4) as u32).collect();
+    let k = random_vec(&mut rng, 9 * 16);
+    write_kv(&layout, arena.as_mut_slice::<f16>(), 1, &slots, &k, &k).unwrap();
+    Setup {
+        layout,
+        arena,
+        q: random_vec(&mut rng, 4 * 8),
+        table,
+    }
+}
+
+#[test]
+fn attention_errors_write_nothing() {
+    let s = setup();
+    let arena = s.arena.as_slice::<f16>();
+    let bt = BlockTable {
+        table: &s.table,
+        stride: 3,
+    };
+    let ok = AttentionParams {
+        q_heads: 4,
+        scale: 0.5,
+        threads: 2,
+    };
+    let one = [SeqQuery::decode(0, 9)];
+    let cases: Vec<(
+        KernelError,
+        Box<dyn Fn(&mut Vec<f32>) -> Result<(), KernelError>>,
+    )> = vec![
+        (
+            KernelError::LayerOutOfRange {
+                layer: 2,
+                layers: 2,
+            },
+            Box::new(|o| paged_attention(&s.layout, arena, 2, bt, &one, &s.q, o, ok)),
+        ),
+        (
+            KernelError::HeadsNotDivisible {
+                q_heads: 3,
+                kv_heads: 2,
+            },
+            Box::new(|o| {
+                paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &one,
+                    &s.q[..24],
+                    &mut o[..24],
+                    AttentionParams { q_heads: 3, ..ok },
+                )
+            }),
+        ),
+        (
+            KernelError::HeadsNotDivisible {
+                q_heads: 0,
+                kv_heads: 2,
+            },
+            Box::new(|o| {
+                paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &one,
+                    &s.q,
+                    o,
+                    AttentionParams { q_heads: 0, ..ok },
+                )
+            }),
+        ),
+        (
+            KernelError::BadScale,
+            Box::new(|o| {
+                paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &one,
+                    &s.q,
+                    o,
+                    AttentionParams {
+                        scale: f32::NAN,
+                        ..ok
+                    },
+                )
+            }),
+        ),
+        (
+            KernelError::BufferLength {
+                buffer: Buffer::Query,
+                expected: 32,
+                actual: 31,
+            },
+            Box::new(|o| paged_attention(&s.layout, arena, 1, bt, &one, &s.q[..31], o, ok)),
+        ),
+        (
+            KernelError::BufferLength {
+                buffer: Buffer::Output,
+                expected: 32,
+                actual: 33,
+            },
+            Box::new(|o| {
+                o.push(1.5);
+                let r = paged_attention(&s.layout, arena, 1, bt, &one, &s.q, o, ok);
+                o.pop();
+                r
+            }),
+        ),
+        (
+            KernelError::BufferLength {
+                buffer: Buffer::Arena,
+                expected: s.layout.arena_elems(),
+                actual: 10,
+            },
+            Box::new(|o| paged_attention(&s.layout, &arena[..10], 1, bt, &one, &s.q, o, ok)),
+        ),
+        (
+            KernelError::RowOutOfRange { row: 2, rows: 2 },
+            Box::new(|o| {
+                paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &[SeqQuery::decode(2, 1)],
+                    &s.q,
+                    o,
+                    ok,
+                )
+            }),
+        ),
+        (
+            KernelError::ContextTooLong {
+                context_len: 13,
+                capacity: 12,
+            },
+            Box::new(|o| {
+                paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &[SeqQuery::decode(0, 13)],
+                    &s.q,
+                    o,
+                    ok,
+                )
+            }),
+        ),
+        (
+            KernelError::QueriesExceedContext {
+                queries: 2,
+                context_len: 1,
+            },
+            Box::new(|o| {
+                let q = [s.q.clone(), s.q.clone()].concat();
+                let mut o2 = [o.clone(), o.clone()].concat();
+                let r = paged_attention(
+                    &s.layout,
+                    arena,
+                    1,
+                    bt,
+                    &[SeqQuery {
+                        row: 0,
+                        context_len: 1,
+                        queries: 2,
+                    }],
+                    &q,
+                    &mut o2,
+                    ok,
+                );
+                assert!(o2.iter().all(|x| *x == 7.0));
+                r
+            }),
+        ),
+        (
+            KernelError::BlockOutOfRange {
+                block: 9,
+                blocks: 6,
+            },
+            Box::new(|o| {
+                let t = [3, 1, 9];
+                let bt = BlockTable {
+                    table: &t,
+                    stride: 3,
+                };
+                paged_attention(&s.layout, arena, 1, bt, &one, &s.q, o, ok)
+            }),
+        ),
+    ];
+    for (want, call) in cases {
+        let mut out = vec![7.0f32; 32];
+        assert_eq!(call(&mut out), Err(want));
+        assert!(out.iter().all(|x| *x == 7.0), "{want}: output was written");
+        assert!(!want.to_string().is_empty());
+    }
+    // And the valid call does write.
+    let mut out = vec![7.0f32; 32];
+    paged_attention(&s.layout, arena, 1, bt, &one, &s.q, &mut out, ok).unwrap();
+    assert!(out.iter().all(|x| *x != 7.0 && x.is_finite()));
+}
+
+#[test]
+fn write_and_copy_errors_write_nothing() {
+    let mut s = setup();
+    let before: Vec<f16> = s.arena.as_slice::<f16>().to_vec();
+    let layout = s.layout;
+    let a = s.arena.as_mut_slice::<f16>();
+    let kv = vec![0.25f32; 16];
+    assert_eq!(
+        write_kv(&layout, a, 2, &[0], &kv, &kv),
+        Err(KernelError::LayerOutOfRange {
+            layer: 2,
+            layers: 2
+        })
+    );
+    assert_eq!(
+        write_kv(&layout, a, 0, &[0, 1], &kv, &kv),
+        Err(KernelError::BufferLength {
+            buffer: Buffer::Keys,
+            expected: 32,
+            actual: 16
+        })
+    );
+    assert_eq!(
+        write_kv(&layout, a, 0, &[0], &kv, &kv[..15]),
+        Err(KernelError::BufferLength {
+            buffer: Buffer::Values,
+            expected: 16,
+            actual: 15
+        })
+    );
+    let two = [kv.clone(), kv.clone()].concat();
+    assert_eq!(
+        write_kv(&layout, a, 0, &[0, 24], &two, &two),
+        Err(KernelError::SlotOutOfRange {
+            slot: 24,
+            slots: 24
+        })
+    );
+    assert_eq!(
+        copy_blocks(&layout, a, &[(0, 1), (6, 1)]),
+        Err(KernelError::BlockOutOfRange {
+            block: 6,
+            blocks: 6
+        })
+    );
+    assert_eq!(
+        copy_blocks(&layout, a, &[(0, 1), (2, 2)]),
+        Err(KernelError::CopyOntoItself { block: 2 })
+    );
+    assert_eq!(s.arena.as_slice::<f16>(), &before[..], "arena was written");
+    assert_eq!(
+        KvLayout::new(1, 1, 300, 4, 4),
+        Err(KernelError::HeadDimTooLarge { head_dim: 300 })
+    );
+    assert_eq!(KvLayout::new(1, 0, 8, 4, 4), Err(KernelError::BadLayout));
+}
+
+#[test]
+fn copy_blocks_copies_every_layer() {
+    let mut rng = rng(8);
+    let layout = KvLayout::new(3, 2, 8, 4, 5).unwrap();
+    let mut arena = Arena::for_layout::<bf16>(&layout).unwrap();
+    let n = layout.elems_per_block();
+    let vals = random_vec(&mut rng, layout.arena_elems());
+    bf16::narrow(&vals, arena.as_mut_slice::<bf16>());
+    let before = arena.as_slice::<bf16>().to_vec();
+    copy_blocks(&layout, arena.as_mut_slice::<bf16>(), &[(1, 3), (3, 0)]).unwrap();
+    let after = arena.as_slice::<bf16>();
+    assert_eq!(&after[3 * n..4 * n], &before[n..2 * n]);
+    assert_eq!(&after[..n], &before[n..2 * n]);
+    assert_eq!(&after[n..3 * n], &before[n..3 * n]);
+    assert_eq!(&after[4 * n..], &before[4 * n..]);
+}
