@@ -2,8 +2,14 @@
 //! roofline step model, a first-fit byte allocator (the contiguous baseline), the
 //! continuous-batching replay engine and its reports.
 
+pub mod contiguous;
 pub mod first_fit;
+pub mod metrics;
+pub mod paged;
 pub mod presets;
 pub mod rng;
+pub mod sim;
+#[cfg(test)]
+mod sim_tests;
 pub mod step_model;
 pub mod trace;

@@ -50,8 +50,11 @@ pub struct DeviceSpec {
     pub host_bw: f64,
 }
 
-/// Model presets: `(names, layers, heads, kv_heads, head_dim, params)`.
-const MODELS: &[(&[&str], u32, u32, u32, u32, f64)] = &[
+/// A model preset row: `(names, layers, heads, kv_heads, head_dim, params)`.
+type ModelRow = (&'static [&'static str], u32, u32, u32, u32, f64);
+
+/// Model presets.
+const MODELS: &[ModelRow] = &[
     // Llama 2 7B: multi-head attention.
     (&["llama-2-7b", "7b"], 32, 32, 32, 128, 6.74e9),
     // Llama 2 13B: multi-head attention.
@@ -80,8 +83,11 @@ const MODELS: &[(&[&str], u32, u32, u32, u32, f64)] = &[
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// Device presets: `(names, memory MiB, bandwidth B/s, dense f16 FLOP/s, host link B/s)`.
-const DEVICES: &[(&[&str], f64, f64, f64, f64)] = &[
+/// A device preset row: `(names, memory MiB, bandwidth B/s, dense f16 FLOP/s, host B/s)`.
+type DeviceRow = (&'static [&'static str], f64, f64, f64, f64);
+
+/// Device presets.
+const DEVICES: &[DeviceRow] = &[
     // A100 SXM 80 GB: HBM2e 2.039 TB/s, 312 TFLOP/s, PCIe 4.0 x16 (~25 GB/s achieved).
     (&["a100-80gb", "a100"], 81_920.0, 2.039e12, 312e12, 25e9),
     // H100 SXM 80 GB: HBM3 3.35 TB/s, 989 TFLOP/s, PCIe 5.0 x16 (~50 GB/s achieved).

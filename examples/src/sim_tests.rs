@@ -1,0 +1,389 @@
+//! Engine tests: tiny hand-made traces whose outcome is computed by hand in the comments,
+//! and invariants on larger random traces.
+
+use kvpage_core::{DType, Geometry};
+
+use crate::contiguous::Contiguous;
+use crate::paged::{Paged, PagedConfig};
+use crate::rng::SplitMix64;
+use crate::sim::{
+    run, EngineConfig, Hooks, KvPolicy, Outcome, Preemption, RunOutput, SimError, StepView,
+    TokenSource,
+};
+use crate::step_model::UnitSteps;
+use crate::trace::Request;
+
+fn reqs(rows: &[(f64, u32, u32)]) -> Vec<Request> {
+    rows.iter()
+        .enumerate()
+        .map(|(i, &(t, p, g))| Request {
+            id: i as u32,
+            line: i + 2,
+            arrival_s: t,
+            prompt_tokens: p,
+            output_tokens: g,
+        })
+        .collect()
+}
+
+fn engine(bpt: u64, preemption: Preemption, max_batched_tokens: u32) -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 64,
+        max_batched_tokens,
+        preemption,
+        kv_bytes_per_token: bpt,
+        record_series: true,
+    }
+}
+
+fn go(
+    r: &[Request],
+    policy: &mut dyn KvPolicy,
+    cfg: &EngineConfig,
+    tokens: &TokenSource,
+    views: &mut Vec<StepView>,
+) -> Result<RunOutput, SimError> {
+    let mut obs = |v: &StepView| views.push(*v);
+    run(
+        "t",
+        r,
+        policy,
+        &UnitSteps,
+        cfg,
+        tokens,
+        Hooks {
+            progress: None,
+            observer: Some(&mut obs),
+        },
+    )
+}
+
+fn outcome(ttft: f64, finish: f64, preempted: u32) -> Outcome {
+    Outcome {
+        completions: 1,
+        first_token_s: ttft,
+        finish_s: finish,
+        preempted,
+    }
+}
+
+/// Smallest geometry: 2 × 1 layer × 1 head × 1 dim × 2 B = 4 B per token.
+fn tiny(block_size: u32) -> Geometry {
+    Geometry::new(1, 1, 1, block_size, DType::F16).unwrap()
+}
+
+fn paged_cfg(block_size: u32, blocks: u64, prefix: bool, host_blocks: u64) -> PagedConfig {
+    let g = tiny(block_size);
+    PagedConfig {
+        geometry: g,
+        budget_bytes: blocks * g.bytes_per_block(),
+        max_seqs: 64,
+        max_seq_len: 8,
+        watermark_blocks: 0,
+        prefix,
+        host_bytes: host_blocks * g.bytes_per_block(),
+    }
+}
+
+#[test]
+fn contiguous_hand_computed() {
+    // 1 B per token, max_seq_len 10, 25 B: two regions fit, 5 B are a useless tail.
+    // A(P3,G2) B(P2,G4) C(P1,G1), all at t=0.
+    // step 1: A and B admitted and prefilled (first tokens at t=1); C finds no hole.
+    // step 2: A decodes its 2nd token and finishes at t=2; B 2nd token.
+    // step 3: C gets A's region, prefills, finishes at t=3 (G=1); B 3rd token.
+    // step 4: B 4th token, finishes at t=4.
+    let r = reqs(&[(0.0, 3, 2), (0.0, 2, 4), (0.0, 1, 1)]);
+    let mut p = Contiguous::new(25, 1, 10);
+    let mut views = Vec::new();
+    let out = go(
+        &r,
+        &mut p,
+        &engine(1, Preemption::Recompute, 1000),
+        &TokenSource::new(3, 0, 0, 0),
+        &mut views,
+    )
+    .unwrap();
+    assert_eq!(
+        out.outcomes,
+        vec![
+            outcome(1.0, 2.0, 0),
+            outcome(1.0, 4.0, 0),
+            outcome(3.0, 3.0, 0)
+        ]
+    );
+    let rep = &out.report;
+    assert_eq!(
+        (
+            rep.completed,
+            rep.extra.steps,
+            rep.peak_running,
+            rep.preemptions
+        ),
+        (3, 4, 2, 0)
+    );
+    assert_eq!(rep.extra.generated_tokens, 7);
+    assert_eq!(rep.tokens_per_s, 7.0 / 4.0);
+    assert_eq!(rep.mean_running, (2.0 + 2.0 + 2.0 + 1.0) / 4.0);
+    // stored/slots per step: 5/20, 7/20, 5/20, 5/10.
+    assert_eq!(rep.kv_utilization, 22.0 / 70.0);
+    // waste = empty slots + the 5 B tail (and at step 4 the free 10 B hole is usable):
+    // 15+5, 13+5, 15+5, 5+5 = 68 B·steps over 25 B × 4 steps.
+    assert_eq!(rep.waste_fraction, 68.0 / 100.0);
+    assert_eq!((rep.ttft_p50_s, rep.ttft_p99_s), (1.0, 3.0));
+    assert_eq!((rep.latency_p50_s, rep.latency_p99_s), (3.0, 4.0));
+    let running: Vec<usize> = views.iter().map(|v| v.running).collect();
+    assert_eq!(running, vec![2, 2, 2, 1]);
+    assert_eq!(views[0].waiting, 1);
+    assert_eq!(views[0].usage.largest_free_bytes, 5);
+}
+
+#[test]
+fn paged_recompute_preemption_hand_computed() {
+    // Block size 2, 4 blocks. A(P3,G4) B(P3,G4) at t=0.
+    // step 1: both admitted (2 blocks each), prefilled: first tokens at t=1, lengths 3, 3.
+    // step 2: both grow to 4 (still 2 blocks each): 2nd tokens.
+    // step 3: A needs a 3rd block, none free: B (most recently admitted) is preempted by
+    //         recompute, its 2 blocks freed; A grows to 5, 3rd token. No admission.
+    // step 4: A grows to 6, 4th token, done at t=4. B needs ceil(5/2) = 3 blocks, 1 free.
+    // step 5: B re-admitted, prefills 3 prompt + 2 generated = 5 tokens: 3rd token.
+    // step 6: B 4th token, done at t=6.
+    let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
+    let cfg = paged_cfg(2, 4, false, 0);
+    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let mut views = Vec::new();
+    let out = go(
+        &r,
+        &mut p,
+        &engine(4, Preemption::Recompute, 1000),
+        &TokenSource::new(2, 0, 0, 0),
+        &mut views,
+    )
+    .unwrap();
+    assert_eq!(
+        out.outcomes,
+        vec![outcome(1.0, 4.0, 0), outcome(1.0, 6.0, 1)]
+    );
+    let rep = &out.report;
+    assert_eq!(
+        (rep.extra.steps, rep.preemptions, rep.extra.swaps),
+        (6, 1, 0)
+    );
+    assert_eq!(rep.extra.recomputed_tokens, 5);
+    assert_eq!(rep.extra.generated_tokens, 8);
+    let running: Vec<usize> = views.iter().map(|v| v.running).collect();
+    assert_eq!(running, vec![2, 2, 1, 1, 1, 1]);
+    // Used blocks (8 B each) per step: 4, 4, 3, 3, 3, 3.
+    let used: Vec<u64> = views.iter().map(|v| v.usage.reserved_bytes / 8).collect();
+    assert_eq!(used, vec![4, 4, 3, 3, 3, 3]);
+}
+
+#[test]
+fn paged_swap_preemption_hand_computed() {
+    // As above, but B is swapped out at step 3 (2 blocks = 16 B) and swapped back in at
+    // step 5 (16 B), where it decodes its 3rd token at once (no prefill again).
+    let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
+    let cfg = paged_cfg(2, 4, false, 8);
+    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let mut views = Vec::new();
+    let out = go(
+        &r,
+        &mut p,
+        &engine(4, Preemption::Swap, 1000),
+        &TokenSource::new(2, 0, 0, 0),
+        &mut views,
+    )
+    .unwrap();
+    assert_eq!(
+        out.outcomes,
+        vec![outcome(1.0, 4.0, 0), outcome(1.0, 6.0, 1)]
+    );
+    let rep = &out.report;
+    assert_eq!(
+        (rep.extra.steps, rep.preemptions, rep.extra.swaps),
+        (6, 1, 1)
+    );
+    assert_eq!((rep.extra.swap_bytes, rep.extra.recomputed_tokens), (32, 0));
+    let swapped: Vec<usize> = views.iter().map(|v| v.swapped).collect();
+    assert_eq!(swapped, vec![0, 0, 1, 1, 0, 0]);
+    assert_eq!(views[2].usage.host_bytes, 16);
+}
+
+#[test]
+fn swap_falls_back_to_recompute_when_the_host_tier_is_full() {
+    let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
+    let cfg = paged_cfg(2, 4, false, 1); // host holds 1 block, B needs 2
+    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let out = go(
+        &r,
+        &mut p,
+        &engine(4, Preemption::Swap, 1000),
+        &TokenSource::new(2, 0, 0, 0),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        (out.report.extra.swaps, out.report.extra.recomputed_tokens),
+        (0, 5)
+    );
+    assert_eq!(out.outcomes[1], outcome(1.0, 6.0, 1));
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    // Budget 4 tokens per step. A(P10,G1), B(P1,G2) at t=0.
+    // steps 1, 2: A prefills 4 + 4; the budget is spent, B is not admitted.
+    // step 3: A prefills its last 2 and finishes (G=1) at t=3; B admitted with the 2
+    //         tokens left, prefills 1: first token at t=3.
+    // step 4: B decodes its 2nd token, done at t=4.
+    let r = reqs(&[(0.0, 10, 1), (0.0, 1, 2)]);
+    let mut p = Contiguous::new(100, 1, 16);
+    let out = go(
+        &r,
+        &mut p,
+        &engine(1, Preemption::Recompute, 4),
+        &TokenSource::new(2, 0, 0, 0),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        out.outcomes,
+        vec![outcome(3.0, 3.0, 0), outcome(3.0, 4.0, 0)]
+    );
+    assert_eq!(out.report.extra.steps, 4);
+}
+
+#[test]
+fn prefix_cache_shares_the_system_prompt_and_idle_time_is_skipped() {
+    // Block size 2, shared prefix 4 tokens, one group. A(P5,G1) at t=0 registers blocks
+    // [t0 t1] [t2 t3]; done at t=1, they stay cached. B(P5,G1) at t=10 (time jumps there)
+    // reuses both blocks: 4 hit tokens, prefills only its 5th, done at t=11.
+    let r = reqs(&[(0.0, 5, 1), (10.0, 5, 1)]);
+    let cfg = paged_cfg(2, 8, true, 0);
+    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let ts = TokenSource::new(2, 4, 1, 9);
+    assert_eq!(ts.token(&r[0], 3), ts.token(&r[1], 3));
+    assert_ne!(ts.token(&r[0], 4), ts.token(&r[1], 4));
+    let out = go(
+        &r,
+        &mut p,
+        &engine(4, Preemption::Recompute, 1000),
+        &ts,
+        &mut Vec::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        out.outcomes,
+        vec![outcome(1.0, 1.0, 0), outcome(11.0, 11.0, 0)]
+    );
+    let rep = &out.report;
+    assert_eq!((rep.prefix_hit_tokens, rep.extra.steps), (4, 2));
+    assert_eq!(rep.mean_running, 2.0 / 11.0);
+    assert_eq!(rep.extra.makespan_s, 11.0);
+}
+
+#[test]
+fn a_request_that_never_fits_is_an_error_not_a_hang() {
+    let r = reqs(&[(0.0, 3, 2)]);
+    let mut p = Contiguous::new(5, 1, 10); // a region is 10 B, the budget 5 B
+    let e = go(
+        &r,
+        &mut p,
+        &engine(1, Preemption::Recompute, 100),
+        &TokenSource::new(1, 0, 0, 0),
+        &mut Vec::new(),
+    )
+    .unwrap_err();
+    assert_eq!(e, SimError::Stuck { line: 2, tokens: 5 });
+    assert!(e.to_string().contains("trace line 2"));
+}
+
+fn random_trace(seed: u64, n: usize) -> Vec<Request> {
+    let mut rng = SplitMix64::new(seed);
+    let mut t = 0.0;
+    let rows: Vec<(f64, u32, u32)> = (0..n)
+        .map(|_| {
+            t += f64::from(rng.range_u32(0, 3));
+            let p = rng.range_u32(1, 60);
+            let g = rng.range_u32(1, 64 - p);
+            (t, p, g)
+        })
+        .collect();
+    reqs(&rows)
+}
+
+#[test]
+fn random_traces_keep_the_invariants() {
+    let bs = 4u32;
+    for seed in 0..4u64 {
+        let r = random_trace(seed, 300);
+        let ts = TokenSource::new(r.len(), 12, 3, seed);
+        for (name, prefix, host, pre) in [
+            ("paged", false, 0, Preemption::Recompute),
+            ("paged-swap", false, 40, Preemption::Swap),
+            ("paged-prefix", true, 0, Preemption::Recompute),
+        ] {
+            let g = tiny(bs);
+            let cfg = PagedConfig {
+                geometry: g,
+                budget_bytes: 40 * g.bytes_per_block() + 3, // 40 blocks and a 3 B tail
+                max_seqs: 64,
+                max_seq_len: 64,
+                watermark_blocks: 1,
+                prefix,
+                host_bytes: host * g.bytes_per_block(),
+            };
+            let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+            let mut p = Paged::new(cfg, &mut storage).unwrap();
+            let mut views = Vec::new();
+            let out = go(&r, &mut p, &engine(4, pre, 32), &ts, &mut views).unwrap();
+            check(&r, &out, &views, cfg.budget_bytes, name);
+            assert!(
+                out.report.preemptions > 0,
+                "{name}: the budget is meant to be tight"
+            );
+            for v in &views {
+                let waste = v.usage.slot_tokens - v.usage.stored_tokens;
+                assert!(
+                    waste <= v.running as u64 * u64::from(bs - 1),
+                    "{name}: waste {waste} slots with {} running",
+                    v.running
+                );
+            }
+            if prefix {
+                assert!(out.report.prefix_hit_tokens > 0);
+            }
+        }
+        let mut c = Contiguous::new(400, 4, 64); // 1 region of 256 B
+        let mut views = Vec::new();
+        let out = go(
+            &r,
+            &mut c,
+            &engine(4, Preemption::Recompute, 32),
+            &ts,
+            &mut views,
+        )
+        .unwrap();
+        check(&r, &out, &views, 400, "contiguous");
+        assert_eq!(out.report.peak_running, 1);
+    }
+}
+
+fn check(r: &[Request], out: &RunOutput, views: &[StepView], budget: u64, name: &str) {
+    assert_eq!(out.report.completed, r.len() as u64, "{name}");
+    for (req, o) in r.iter().zip(&out.outcomes) {
+        assert_eq!(o.completions, 1, "{name}: request {} completions", req.id);
+        assert!(o.first_token_s > req.arrival_s && o.finish_s >= o.first_token_s);
+    }
+    let want: u64 = r.iter().map(|q| u64::from(q.output_tokens)).sum();
+    assert_eq!(out.report.extra.generated_tokens, want, "{name}");
+    for v in views {
+        assert!(v.usage.reserved_bytes <= budget, "{name}: over budget");
+        assert!(v.usage.stored_tokens <= v.usage.slot_tokens || name == "paged-prefix");
+    }
+    assert!(out.report.kv_utilization > 0.0 && out.report.kv_utilization <= 1.0);
+}
