@@ -28,7 +28,7 @@
 mod config;
 mod error;
 mod geometry;
-mod index_set;
+pub mod index_set;
 mod log;
 mod manager;
 mod prefix;
@@ -37,6 +37,7 @@ mod stats;
 mod storage;
 
 pub use config::Config;
+pub use index_set::IndexSet;
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};

@@ -322,3 +322,115 @@ impl<'a> PrefixCache<'a> {
         Some(b)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: usize = 8;
+    const BS: u32 = 2;
+
+    struct Arrays {
+        u64s: [[u64; N]; 2],
+        u32s: [[u32; N]; 9],
+        tokens: [u32; N * BS as usize],
+        table: [u32; 16],
+    }
+
+    fn cache(a: &mut Arrays) -> PrefixCache<'_> {
+        let [hash, namespace] = &mut a.u64s;
+        let [flags, parent, parent_gen, gen, link, link_gen, prev, next, _] = &mut a.u32s;
+        PrefixCache::new(
+            BS,
+            PrefixStorage {
+                hash,
+                namespace,
+                flags,
+                parent,
+                parent_gen,
+                gen,
+                link,
+                link_gen,
+                prev,
+                next,
+                tokens: &mut a.tokens,
+                table: &mut a.table,
+            },
+        )
+    }
+
+    fn arrays() -> Arrays {
+        Arrays { u64s: [[0; N]; 2], u32s: [[0; N]; 9], tokens: [0; N * BS as usize], table: [0; 16] }
+    }
+
+    #[test]
+    fn a_colliding_hash_never_returns_other_content() {
+        let mut a = arrays();
+        let mut c = cache(&mut a);
+        c.tokens_mut(0).copy_from_slice(&[1, 2]);
+        let root = c.register(0, 42, 7, Link::ROOT);
+        // Same hash, other tokens / namespace / parent: all refused.
+        assert_eq!(c.find(42, 7, Link::ROOT, &[1, 3]), None);
+        assert_eq!(c.find(42, 8, Link::ROOT, &[1, 2]), None);
+        assert_eq!(c.find(42, 7, root, &[1, 2]), None);
+        assert_eq!(c.find(42, 7, Link::ROOT, &[1, 2]), Some(0));
+        // A second block under the same hash with other tokens is found by its own tokens.
+        c.tokens_mut(1).copy_from_slice(&[1, 3]);
+        c.register(1, 42, 7, Link::ROOT);
+        assert_eq!(c.find(42, 7, Link::ROOT, &[1, 3]), Some(1));
+        assert_eq!(c.find(42, 7, Link::ROOT, &[1, 2]), Some(0));
+    }
+
+    #[test]
+    fn a_child_of_an_evicted_parent_is_unreachable() {
+        let mut a = arrays();
+        let mut c = cache(&mut a);
+        c.tokens_mut(0).copy_from_slice(&[1, 2]);
+        let parent = c.register(0, 10, 0, Link::ROOT);
+        c.tokens_mut(1).copy_from_slice(&[3, 4]);
+        c.register(1, 11, 0, parent);
+        assert_eq!(c.find(11, 0, parent, &[3, 4]), Some(1));
+        c.unregister(0);
+        c.tokens_mut(0).copy_from_slice(&[1, 2]);
+        let reborn = c.register(0, 10, 0, Link::ROOT);
+        assert_ne!(reborn, parent, "generation moves on");
+        assert_eq!(c.find(11, 0, parent, &[3, 4]), None);
+        assert_eq!(c.find(11, 0, reborn, &[3, 4]), None);
+    }
+
+    #[test]
+    fn removal_keeps_probe_runs_intact() {
+        let mut a = arrays();
+        let mut c = cache(&mut a);
+        // Blocks 0..6 all hash to slot 15 or 0 so their probe runs wrap around.
+        let hashes = [15u64, 15, 0, 15, 0, 1];
+        for (b, &h) in hashes.iter().enumerate() {
+            c.tokens_mut(b as u32).copy_from_slice(&[b as u32, 0]);
+            c.register(b as u32, h, 0, Link::ROOT);
+        }
+        for remove in [1u32, 0, 4] {
+            c.unregister(remove);
+        }
+        for (b, &h) in hashes.iter().enumerate() {
+            let found = c.find(h, 0, Link::ROOT, &[b as u32, 0]);
+            let expect = (![1, 0, 4].contains(&b)).then_some(b as u32);
+            assert_eq!(found, expect, "block {b}");
+        }
+    }
+
+    #[test]
+    fn lru_order() {
+        let mut a = arrays();
+        let mut c = cache(&mut a);
+        for b in [3, 1, 2] {
+            c.lru_push_back(b);
+        }
+        c.lru_remove(1);
+        c.lru_push_back(1);
+        assert_eq!(c.lru_len(), 3);
+        assert_eq!(c.lru_pop_front(), Some(3));
+        assert_eq!(c.lru_pop_front(), Some(2));
+        assert_eq!(c.lru_pop_front(), Some(1));
+        assert_eq!(c.lru_pop_front(), None);
+    }
+}

@@ -1,0 +1,228 @@
+//! Behaviour of the manager on hand-computed cases: errors on bad input (state unchanged),
+//! copy-on-write, prefix reuse, namespaces, eviction order.
+
+use kvpage_core::{
+    BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, Stats,
+};
+
+const CONFIG: Config =
+    Config { num_blocks: 8, block_size: 4, max_seqs: 4, max_blocks_per_seq: 4, instance: 9 };
+
+fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
+    let mut storage = vec![0u64; CONFIG.storage_words()];
+    let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
+    f(&mut kv);
+}
+
+fn prompt(len: u32) -> Vec<u32> {
+    (0..len).map(|i| 10 + i).collect()
+}
+
+#[test]
+fn geometry_sizes_and_rejections() {
+    // 7B: 32 layers, 32 heads, 128 dims, f16: 0.5 MiB per token.
+    let g = Geometry::new(32, 32, 128, 16, DType::F16).unwrap();
+    assert_eq!(g.bytes_per_token(), 2 * 32 * 32 * 128 * 2);
+    assert_eq!(g.bytes_per_block(), g.bytes_per_token() * 16);
+    assert_eq!(g.blocks_in(g.bytes_per_block() * 3 + 1), 3);
+    assert_eq!(g.tile_offset(1, 1, 2), ((2 + 1) * 32 + 2) * 16 * 128);
+    for zero in [(0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)] {
+        assert_eq!(
+            Geometry::new(zero.0, zero.1, zero.2, zero.3, DType::F32),
+            Err(GeometryError::ZeroDimension)
+        );
+    }
+    assert_eq!(
+        Geometry::new(u32::MAX, u32::MAX, u32::MAX, 2, DType::F32),
+        Err(GeometryError::Overflow)
+    );
+}
+
+#[test]
+fn config_rejections() {
+    let mut storage = vec![0u64; CONFIG.storage_words()];
+    let zero = Config { max_seqs: 0, ..CONFIG };
+    assert_eq!(BlockManager::new(zero, &mut storage).err(), Some(InitError::ZeroSize));
+    let huge = Config { num_blocks: u32::MAX, block_size: 16, ..CONFIG };
+    assert_eq!(BlockManager::new(huge, &mut storage).err(), Some(InitError::TooLarge));
+    let short = CONFIG.storage_words() - 1;
+    assert_eq!(
+        BlockManager::new(CONFIG, &mut storage[..short]).err(),
+        Some(InitError::StorageTooSmall { needed: CONFIG.storage_words(), got: short })
+    );
+}
+
+#[test]
+fn stale_foreign_and_double_release() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 8];
+        let a = kv.create(0).unwrap();
+        kv.append(a, 5, &mut slots).unwrap();
+        let before = kv.stats();
+        let foreign = kvpage_core::SeqId::from_parts(a.index(), a.generation(), 1);
+        assert_eq!(kv.append(foreign, 1, &mut slots), Err(SeqError::ForeignHandle));
+        assert_eq!(kv.release(foreign), Err(SeqError::ForeignHandle));
+        let forged = kvpage_core::SeqId::from_parts(99, 0, CONFIG.instance);
+        assert_eq!(kv.len(forged), Err(SeqError::StaleHandle));
+        assert_eq!(kv.stats(), before);
+        kv.release(a).unwrap();
+        assert_eq!(kv.release(a), Err(SeqError::StaleHandle));
+        // The row is reused by a new sequence; the old handle still cannot reach it.
+        let b = kv.create(0).unwrap();
+        assert_eq!(b.index(), a.index());
+        assert_eq!(kv.append(a, 1, &mut slots), Err(SeqError::StaleHandle));
+        assert_eq!(kv.len(b), Ok(0));
+    });
+}
+
+#[test]
+fn too_long_full_pool_and_short_buffers_change_nothing() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 32];
+        let a = kv.create(0).unwrap();
+        kv.append(a, 10, &mut slots).unwrap();
+        let before = (kv.stats(), kv.blocks(a).unwrap().to_vec());
+        assert_eq!(
+            kv.append(a, 7, &mut slots),
+            Err(SeqError::TooLong { tokens: 17, max_tokens: 16 })
+        );
+        assert_eq!(
+            kv.append(a, 3, &mut slots[..2]),
+            Err(SeqError::SlotBufferTooSmall { needed: 3, got: 2 })
+        );
+        assert_eq!((kv.stats(), kv.blocks(a).unwrap().to_vec()), before);
+        // Fill the pool: 3 blocks used by `a`, 4 by `b`, one left.
+        let b = kv.create(0).unwrap();
+        kv.append(b, 16, &mut slots).unwrap();
+        let c = kv.create(0).unwrap();
+        let before = kv.stats();
+        assert_eq!(before.free_blocks, 1);
+        assert_eq!(kv.append(c, 5, &mut slots), Err(SeqError::OutOfBlocks { needed: 2, available: 1 }));
+        assert_eq!(kv.len(c), Ok(0));
+        assert_eq!(kv.stats(), before);
+        let long = prompt(9);
+        assert_eq!(
+            kv.create_with_prompt(0, &long, &mut slots).err(),
+            Some(SeqError::OutOfBlocks { needed: 3, available: 1 })
+        );
+        assert_eq!(kv.stats(), before);
+        let d = kv.create(0).unwrap();
+        assert_eq!(kv.create(0), Err(SeqError::NoFreeSequence));
+        assert_eq!(kv.fork(d), Err(SeqError::NoFreeSequence));
+        assert_eq!(kv.create_with_prompt(0, &[1], &mut slots).err(), Some(SeqError::NoFreeSequence));
+        assert_eq!(kv.stats().live_seqs, 4);
+    });
+}
+
+#[test]
+fn fork_then_append_copies_the_shared_partial_block() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 8];
+        let a = kv.create(0).unwrap();
+        kv.append(a, 6, &mut slots).unwrap(); // blocks 0 (full) and 1 (2 of 4 tokens)
+        let b = kv.fork(a).unwrap();
+        assert_eq!(kv.blocks(b).unwrap(), &[0, 1]);
+        assert_eq!(kv.refcount(1), Some(2));
+        assert_eq!(kv.stats().blocks_saved_by_sharing, 2);
+        let appended = kv.append(b, 1, &mut slots).unwrap();
+        assert_eq!(appended.copy, Some(BlockCopy { src: 1, dst: 2 }));
+        assert_eq!(slots[0], 2 * 4 + 2);
+        assert_eq!(kv.blocks(b).unwrap(), &[0, 2]);
+        assert_eq!(kv.refcount(1), Some(1));
+        // `a` now holds block 1 alone: appending writes in place.
+        let appended = kv.append(a, 1, &mut slots).unwrap();
+        assert_eq!(appended.copy, None);
+        assert_eq!(slots[0], 4 + 2);
+        let s: Stats = kv.stats();
+        assert_eq!((s.used_blocks, s.tokens_stored, s.token_slots, s.logical_tokens), (3, 4 + 3 + 3, 12, 14));
+    });
+}
+
+#[test]
+fn prefix_reuse_namespaces_and_lru_eviction() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 16];
+        let p = prompt(10); // two full blocks + 2 tokens
+        let a = kv.create_with_prompt(5, &p, &mut slots).unwrap();
+        assert_eq!(a.reused_tokens, 0);
+        assert_eq!(&slots[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11][..10]);
+        let b = kv.create_with_prompt(5, &p, &mut slots).unwrap();
+        assert_eq!(b.reused_tokens, 8);
+        assert_eq!(kv.blocks(b.seq).unwrap(), &[0, 1, 3]);
+        assert_eq!(slots[..2], [12, 13]);
+        // Another namespace never shares.
+        let c = kv.create_with_prompt(6, &p, &mut slots).unwrap();
+        assert_eq!(c.reused_tokens, 0);
+        assert_eq!(kv.stats().prefix_hit_tokens, 8);
+        // A prompt of exactly two blocks reuses only one, so one token is computed.
+        let d = kv.create_with_prompt(5, &p[..8], &mut slots).unwrap();
+        assert_eq!(d.reused_tokens, 4);
+        for s in [a.seq, b.seq, c.seq, d.seq] {
+            kv.release(s).unwrap();
+        }
+        // Blocks 0, 1 (ns 5) and 4, 5 (ns 6) are cached; 7 free ones were never registered.
+        let s = kv.stats();
+        assert_eq!((s.cached_blocks, s.free_blocks, s.used_blocks), (4, 4, 0));
+        // Allocation prefers never-registered blocks: a 16-token sequence takes the 4 free
+        // ones and leaves the cache alone.
+        let e = kv.create(0).unwrap();
+        kv.append(e, 16, &mut slots).unwrap();
+        assert_eq!(kv.blocks(e).unwrap(), &[2, 3, 6, 7]);
+        assert_eq!(kv.stats().cached_blocks, 4);
+        // Next allocation evicts the least recently used cached block. Reference counts
+        // reached zero in the order 1 (when `b` left), 4, 5 (`c`), 0 (`d`): block 1 goes.
+        let f = kv.create(0).unwrap();
+        kv.append(f, 1, &mut slots).unwrap();
+        assert_eq!(kv.blocks(f).unwrap(), &[1]);
+        // The ns-5 chain now stops after block 0.
+        kv.release(e).unwrap();
+        let g = kv.create_with_prompt(5, &p, &mut slots).unwrap();
+        assert_eq!(g.reused_tokens, 4);
+        // The ns-6 chain still hits.
+        let h = kv.create_with_prompt(6, &p[..9], &mut slots).unwrap();
+        assert_eq!(h.reused_tokens, 8);
+    });
+}
+
+#[test]
+fn truncate_rolls_back_and_reregisters() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 16];
+        let p = prompt(9);
+        let a = kv.create_with_prompt(0, &p, &mut slots).unwrap().seq;
+        assert!(kv.is_registered(0) && kv.is_registered(1));
+        kv.truncate(a, 6).unwrap();
+        assert_eq!(kv.blocks(a).unwrap(), &[0, 1]);
+        assert!(!kv.is_registered(1), "a partly kept exclusive block leaves the cache");
+        // Re-appending the same tokens registers block 1 again and a new prompt hits it.
+        kv.append_tokens(a, &p[6..9], &mut slots).unwrap();
+        assert!(kv.is_registered(1));
+        let b = kv.create_with_prompt(0, &p, &mut slots).unwrap();
+        assert_eq!(b.reused_tokens, 8);
+        assert_eq!(kv.truncate(a, 10), Err(SeqError::BeyondLength { requested: 10, len: 9 }));
+        kv.truncate(a, 0).unwrap();
+        assert_eq!(kv.blocks(a).unwrap(), &[] as &[u32]);
+    });
+}
+
+#[test]
+fn shared_manager_serves_threads() {
+    let mut storage = vec![0u64; CONFIG.storage_words()];
+    let shared = kvpage_core::SharedManager::new(BlockManager::new(CONFIG, &mut storage).unwrap());
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                let mut slots = [0u32; 2];
+                for _ in 0..100 {
+                    let mut kv = shared.lock();
+                    let s = kv.create(0).unwrap();
+                    kv.append(s, 2, &mut slots).unwrap();
+                    kv.release(s).unwrap();
+                }
+            });
+        }
+    });
+    let kv = shared.into_inner();
+    assert_eq!(kv.stats().free_blocks, CONFIG.num_blocks);
+    assert_eq!(kv.stats().live_seqs, 0);
+}
