@@ -7,9 +7,11 @@ pub mod first_fit;
 pub mod metrics;
 pub mod paged;
 pub mod presets;
+pub mod replay;
 pub mod rng;
 pub mod sim;
 #[cfg(test)]
 mod sim_tests;
 pub mod step_model;
+pub mod svg;
 pub mod trace;

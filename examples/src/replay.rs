@@ -1,0 +1,771 @@
+//! The `replay` tool: options, set-up and output. `src/bin/replay.rs` only parses the
+//! command line and calls [`main_with`].
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kvpage_core::{DType, Geometry};
+
+use crate::contiguous::Contiguous;
+use crate::metrics::Report;
+use crate::paged::{Paged, PagedConfig};
+use crate::presets::{self, DeviceSpec, ModelSpec};
+use crate::sim::{run, EngineConfig, Hooks, KvPolicy, Preemption, RunOutput, TokenSource};
+use crate::step_model::Roofline;
+use crate::svg;
+use crate::trace::{self, Request};
+
+const AFTER_HELP: &str = "\
+SIMULATED TIME (the step model)
+  Each engine step runs every scheduled sequence once (a prefill chunk or one decode
+  token) and takes
+      max(bytes / memory bandwidth, FLOPs / peak FLOP/s) + overhead + swap bytes / host link
+  bytes = weight bytes + Σ context tokens of the scheduled sequences × KV bytes per token
+  FLOPs = 2 × params × tokens processed + 4 × layers × heads × head_dim × Σ keys attended
+  with the device's peak bandwidth and dense f16 throughput (times --gpus). It ignores
+  kernel efficiency and communication: absolute times are optimistic; the policies differ
+  only in which sequences their memory lets run, and that is what the comparison shows.
+
+SCHEDULER
+  Continuous batching: each step the running sequences take the token budget
+  (--max-batched-tokens) in admission order (chunked prefill, one decode token each),
+  then swapped-out sequences come back, then waiting requests are admitted first come,
+  first served while memory (keeping --watermark of the blocks free) and --max-num-seqs
+  allow. When a decode finds no free block, the most recently admitted sequence is
+  preempted: `-swap` policies move it to a host tier of --swap-space-gb, the others (or
+  when the host tier is full) free it and prefill it again later.
+
+POLICIES
+  contiguous     reserve --max-seq-len tokens per request in a first-fit byte allocator
+  paged          kvpage blocks of --block-size tokens, on demand; recompute preemption
+  paged-swap     paged, preemption by swap to the host tier
+  paged-prefix   paged plus the prefix cache: requests share one of --prefix-groups system
+                 prompts of --shared-prefix-tokens tokens (drawn with --seed)
+  paged-prefix-swap  both
+
+METRICS
+  kv utilization = tokens stored / token slots reserved (time-integrated); waste = slots
+  reserved but empty plus free bytes in holes too small for a request, over the budget
+  (time-averaged); TTFT and latency are measured from arrival; tokens/s over the makespan.
+
+The default trace is an excerpt of the Azure LLM inference trace 2023 (conversation),
+CC-BY 4.0, Patel et al., \"Splitwise\", ISCA 2024 (see examples/traces/README.md).";
+
+/// Replay a request trace through a contiguous baseline and kvpage's paged cache.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "replay", version, about, after_long_help = AFTER_HELP)]
+pub struct Args {
+    /// Trace in the Azure format (TIMESTAMP,ContextTokens,GeneratedTokens); default: the
+    /// excerpt shipped in examples/traces/
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Model preset (llama-2-7b, llama-2-13b, llama-3.1-8b, mistral-7b, llama-3.1-70b; or 7b, 13b, 8b, 70b)
+    #[arg(long, default_value = "llama-2-13b")]
+    pub model: String,
+    /// Override: transformer layers
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Override: attention (query) heads
+    #[arg(long)]
+    pub heads: Option<u32>,
+    /// Override: key/value heads
+    #[arg(long)]
+    pub kv_heads: Option<u32>,
+    /// Override: head dimension
+    #[arg(long)]
+    pub head_dim: Option<u32>,
+    /// Override: parameters, in billions
+    #[arg(long, value_name = "B")]
+    pub params_b: Option<f64>,
+    /// KV cache element type: f16, bf16 or f32
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+    /// Device preset (a100-80gb, h100-80gb, h200-141gb; or a100, h100, h200)
+    #[arg(long, default_value = "a100-80gb")]
+    pub device: String,
+    /// Devices (tensor parallel): memory, bandwidth and FLOP/s add up
+    #[arg(long, default_value_t = 1)]
+    pub gpus: u32,
+    /// Share of device memory the engine may use (weights + KV)
+    #[arg(long, default_value_t = 0.9)]
+    pub mem_fraction: f64,
+    /// KV budget in GB (1e9 B), instead of memory × mem-fraction − weights
+    #[arg(long, value_name = "GB")]
+    pub kv_budget_gb: Option<f64>,
+    /// Override: memory bandwidth per device, GB/s
+    #[arg(long, value_name = "GB/S")]
+    pub mem_bw_gbs: Option<f64>,
+    /// Override: peak dense f16 TFLOP/s per device
+    #[arg(long)]
+    pub tflops: Option<f64>,
+    /// Fixed overhead per step, ms
+    #[arg(long, default_value_t = 3.0)]
+    pub step_overhead_ms: f64,
+    /// Arrival speed-up: X replays X times faster than recorded; `inf` submits everything at t=0
+    #[arg(long, default_value = "1")]
+    pub rate: String,
+    /// Longest sequence (prompt + output); the contiguous policy reserves this much per request
+    #[arg(long, default_value_t = 4096)]
+    pub max_seq_len: u32,
+    /// Tokens per KV block (paged policies)
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Most sequences running at once
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Per-step token budget (prefill chunks plus decode tokens)
+    #[arg(long, default_value_t = 2048)]
+    pub max_batched_tokens: u32,
+    /// Share of blocks kept free at admission (paged policies)
+    #[arg(long, default_value_t = 0.01)]
+    pub watermark: f64,
+    /// Host tier for swapping, GB
+    #[arg(long, default_value_t = 64.0)]
+    pub swap_space_gb: f64,
+    /// Policies to compare, comma-separated [default: contiguous,paged,paged-swap, plus
+    /// paged-prefix when --shared-prefix-tokens > 0]
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Option<Vec<String>>,
+    /// Tokens of shared system prompt at the start of every prompt (paged-prefix)
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix_tokens: u32,
+    /// Number of distinct shared system prompts
+    #[arg(long, default_value_t = 1)]
+    pub prefix_groups: u32,
+    /// Seed for the prefix-group draw
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the results as a JSON array to PATH
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// Draw memory in use and running sequences over time to PATH.svg
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+    /// No progress bar
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// A policy to run, parsed from its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// Its name in the table.
+    pub name: String,
+    /// Paged (else contiguous).
+    pub paged: bool,
+    /// Prefix cache.
+    pub prefix: bool,
+    /// Swap preemption.
+    pub swap: bool,
+}
+
+/// Parses a policy name: `contiguous`, `paged`, `paged-prefix`, each paged one with an
+/// optional `-swap`.
+///
+/// # Errors
+/// A message naming `--policies` and the known names.
+pub fn parse_policy(name: &str) -> Result<PolicySpec, String> {
+    let n = name.trim().to_ascii_lowercase();
+    let (base, swap) = match n.strip_suffix("-swap") {
+        Some(b) => (b, true),
+        None => (n.as_str(), false),
+    };
+    let (paged, prefix) = match base {
+        "contiguous" if !swap => (false, false),
+        "paged" => (true, false),
+        "paged-prefix" => (true, true),
+        _ => {
+            return Err(format!(
+                "--policies: unknown policy {name:?}; known: contiguous, paged, paged-swap, paged-prefix, paged-prefix-swap"
+            ))
+        }
+    };
+    Ok(PolicySpec {
+        name: n.clone(),
+        paged,
+        prefix,
+        swap,
+    })
+}
+
+/// Everything derived from the options, ready to run.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The model.
+    pub model: ModelSpec,
+    /// The device (per GPU).
+    pub device: DeviceSpec,
+    /// KV geometry.
+    pub geometry: Geometry,
+    /// KV budget, bytes.
+    pub budget_bytes: u64,
+    /// Requests replayed (arrivals scaled by the rate), ids `0..n`.
+    pub requests: Vec<Request>,
+    /// Requests left out, with reasons (line: reason).
+    pub skipped: Vec<String>,
+    /// The trace's display name.
+    pub trace_name: String,
+    /// The policies.
+    pub policies: Vec<PolicySpec>,
+    /// Step model.
+    pub roofline: Roofline,
+    /// The rate as given.
+    pub rate: f64,
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    if t == "inf" || t == "infinity" {
+        return Ok(f64::INFINITY);
+    }
+    match t.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!(
+            "--rate {s:?}: expected a positive number (speed-up over the recorded pace) or `inf`"
+        )),
+    }
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "f16" | "fp16" | "half" => Ok(DType::F16),
+        "bf16" => Ok(DType::Bf16),
+        "f32" | "fp32" => Ok(DType::F32),
+        _ => Err(format!("--kv-dtype {s:?}: expected f16, bf16 or f32")),
+    }
+}
+
+fn positive(flag: &str, v: f64) -> Result<f64, String> {
+    if v > 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{flag} {v}: must be a positive number"))
+    }
+}
+
+/// Checks the options, reads the trace and sizes everything. O(trace).
+///
+/// # Errors
+/// A message naming the flag or the trace line at fault.
+pub fn setup(a: &Args) -> Result<Setup, String> {
+    let mut model = presets::model(&a.model).map_err(|e| e.to_string())?;
+    let custom = a.layers.is_some()
+        || a.heads.is_some()
+        || a.kv_heads.is_some()
+        || a.head_dim.is_some()
+        || a.params_b.is_some();
+    if let Some(v) = a.layers {
+        model.layers = v;
+    }
+    if let Some(v) = a.heads {
+        model.heads = v;
+        if a.kv_heads.is_none() && v < model.kv_heads {
+            model.kv_heads = v;
+        }
+    }
+    if let Some(v) = a.kv_heads {
+        model.kv_heads = v;
+    }
+    if let Some(v) = a.head_dim {
+        model.head_dim = v;
+    }
+    if let Some(v) = a.params_b {
+        model.params = positive("--params-b", v)? * 1e9;
+    }
+    if custom {
+        model.name = format!("{} (custom)", model.name);
+    }
+    if model.heads == 0 || model.kv_heads == 0 || model.kv_heads > model.heads {
+        return Err(format!(
+            "--heads {} / --kv-heads {}: need 0 < kv heads <= heads",
+            model.heads, model.kv_heads
+        ));
+    }
+    let dtype = parse_dtype(&a.kv_dtype)?;
+    let geometry = Geometry::new(
+        model.layers,
+        model.kv_heads,
+        model.head_dim,
+        a.block_size,
+        dtype,
+    )
+    .map_err(|e| {
+        format!(
+            "--layers/--kv-heads/--head-dim/--block-size ({}, {}, {}, {}): {e}",
+            model.layers, model.kv_heads, model.head_dim, a.block_size
+        )
+    })?;
+    let mut device = presets::device(&a.device).map_err(|e| e.to_string())?;
+    if let Some(v) = a.mem_bw_gbs {
+        device.mem_bw = positive("--mem-bw-gbs", v)? * 1e9;
+        device.name = format!("{} (custom)", device.name);
+    }
+    if let Some(v) = a.tflops {
+        device.flops = positive("--tflops", v)? * 1e12;
+        device.name = format!("{} (custom)", device.name);
+    }
+    if a.gpus == 0 {
+        return Err("--gpus 0: need at least one device".into());
+    }
+    if !(a.mem_fraction > 0.0 && a.mem_fraction <= 1.0) {
+        return Err(format!(
+            "--mem-fraction {}: must be in (0, 1]",
+            a.mem_fraction
+        ));
+    }
+    let budget = match a.kv_budget_gb {
+        Some(gb) => positive("--kv-budget-gb", gb)? * 1e9,
+        None => presets::kv_budget_bytes(&model, &device, a.gpus, a.mem_fraction).ok_or_else(|| {
+            format!(
+                "--model {} needs {:.1} GB of weights, more than {} × {} × --mem-fraction {} = {:.1} GB: raise --gpus or set --kv-budget-gb",
+                model.name,
+                model.weight_bytes() / 1e9,
+                a.gpus,
+                device.name,
+                a.mem_fraction,
+                device.memory_bytes * f64::from(a.gpus) * a.mem_fraction / 1e9
+            )
+        })?,
+    };
+    let budget_bytes = budget as u64;
+    let region = geometry.bytes_per_token() * u64::from(a.max_seq_len);
+    if a.max_seq_len == 0 || region > budget_bytes {
+        return Err(format!(
+            "--max-seq-len {}: one sequence needs {:.2} GB of KV, the budget is {:.2} GB",
+            a.max_seq_len,
+            region as f64 / 1e9,
+            budget / 1e9
+        ));
+    }
+    if a.max_batched_tokens == 0 || a.max_num_seqs == 0 {
+        return Err("--max-batched-tokens and --max-num-seqs must be at least 1".into());
+    }
+    if !(0.0..0.5).contains(&a.watermark) {
+        return Err(format!("--watermark {}: must be in [0, 0.5)", a.watermark));
+    }
+    if !(a.swap_space_gb >= 0.0 && a.swap_space_gb.is_finite()) {
+        return Err(format!("--swap-space-gb {}: must be >= 0", a.swap_space_gb));
+    }
+    if a.shared_prefix_tokens > 0 && a.prefix_groups == 0 {
+        return Err(
+            "--prefix-groups 0: need at least one group when --shared-prefix-tokens > 0".into(),
+        );
+    }
+    if !(a.step_overhead_ms >= 0.0 && a.step_overhead_ms.is_finite()) {
+        return Err(format!(
+            "--step-overhead-ms {}: must be >= 0",
+            a.step_overhead_ms
+        ));
+    }
+    let rate = parse_rate(&a.rate)?;
+    let policies = match &a.policies {
+        Some(list) => {
+            let mut v = Vec::new();
+            for n in list.iter().filter(|n| !n.trim().is_empty()) {
+                let p = parse_policy(n)?;
+                if !v.contains(&p) {
+                    v.push(p);
+                }
+            }
+            if v.is_empty() {
+                return Err("--policies: empty list".into());
+            }
+            v
+        }
+        None => {
+            let mut names = vec!["contiguous", "paged", "paged-swap"];
+            if a.shared_prefix_tokens > 0 {
+                names.push("paged-prefix");
+            }
+            names
+                .into_iter()
+                .map(|n| parse_policy(n).expect("known name"))
+                .collect()
+        }
+    };
+
+    let path = a.trace.clone().unwrap_or_else(trace::shipped_excerpt_path);
+    let trace_name = match &a.trace {
+        Some(p) => p.display().to_string(),
+        None => "shipped excerpt (examples/traces/azure-conv-excerpt.csv)".into(),
+    };
+    let t = trace::load_trace(&path).map_err(|e| e.to_string())?;
+    let mut skipped: Vec<String> = t
+        .skipped
+        .iter()
+        .map(|s| format!("line {}: {}", s.line, s.reason))
+        .collect();
+    let mut requests = Vec::with_capacity(t.requests.len());
+    for r in t.requests.iter().take(a.limit.unwrap_or(usize::MAX)) {
+        if r.total_tokens() > u64::from(a.max_seq_len) {
+            skipped.push(format!(
+                "line {}: {} prompt + {} output tokens exceed --max-seq-len {}",
+                r.line, r.prompt_tokens, r.output_tokens, a.max_seq_len
+            ));
+            continue;
+        }
+        requests.push(Request {
+            id: requests.len() as u32,
+            arrival_s: if rate.is_infinite() {
+                0.0
+            } else {
+                r.arrival_s / rate
+            },
+            ..*r
+        });
+    }
+    if requests.is_empty() {
+        return Err(format!("{trace_name}: no request left to replay"));
+    }
+    let roofline = Roofline {
+        weight_bytes: model.weight_bytes(),
+        kv_bytes_per_token: geometry.bytes_per_token() as f64,
+        params: model.params,
+        attn_width: f64::from(model.layers) * f64::from(model.heads) * f64::from(model.head_dim),
+        mem_bw: device.mem_bw * f64::from(a.gpus),
+        flops: device.flops * f64::from(a.gpus),
+        host_bw: device.host_bw * f64::from(a.gpus),
+        overhead_s: a.step_overhead_ms / 1e3,
+    };
+    Ok(Setup {
+        model,
+        device,
+        geometry,
+        budget_bytes,
+        requests,
+        skipped,
+        trace_name,
+        policies,
+        roofline,
+        rate,
+    })
+}
+
+/// Runs one policy of `setup`. O(steps × running).
+///
+/// # Errors
+/// A message if the core refuses the configuration or the run fails.
+pub fn run_policy(
+    a: &Args,
+    s: &Setup,
+    p: &PolicySpec,
+    tokens: &TokenSource,
+    progress: Option<&AtomicU64>,
+    record_series: bool,
+) -> Result<RunOutput, String> {
+    let cfg = EngineConfig {
+        max_num_seqs: a.max_num_seqs,
+        max_batched_tokens: a.max_batched_tokens,
+        preemption: if p.swap {
+            Preemption::Swap
+        } else {
+            Preemption::Recompute
+        },
+        kv_bytes_per_token: s.geometry.bytes_per_token(),
+        record_series,
+    };
+    let hooks = Hooks {
+        progress,
+        observer: None,
+    };
+    let started = Instant::now();
+    let mut out = if p.paged {
+        let pc = PagedConfig {
+            geometry: s.geometry,
+            budget_bytes: s.budget_bytes,
+            max_seqs: a.max_num_seqs,
+            max_seq_len: a.max_seq_len,
+            watermark_blocks: (a.watermark * s.geometry.blocks_in(s.budget_bytes) as f64) as u32,
+            prefix: p.prefix,
+            host_bytes: if p.swap {
+                (a.swap_space_gb * 1e9) as u64
+            } else {
+                0
+            },
+        };
+        let core = pc.core_config();
+        core.validate()
+            .map_err(|e| format!("{}: block manager configuration {core:?}: {e}", p.name))?;
+        let blocks_needed = u64::from(core.max_blocks_per_seq) + u64::from(pc.watermark_blocks);
+        if blocks_needed > u64::from(core.num_blocks) {
+            return Err(format!(
+                "--watermark {}: one --max-seq-len sequence ({} blocks) plus the watermark ({} blocks) exceed the {} blocks of the budget",
+                a.watermark, core.max_blocks_per_seq, pc.watermark_blocks, core.num_blocks
+            ));
+        }
+        let mut storage = vec![0u64; Paged::storage_words(&pc)];
+        let mut policy = Paged::new(pc, &mut storage).map_err(|e| format!("{}: {e}", p.name))?;
+        run_one(&p.name, s, &mut policy, &cfg, tokens, hooks)?
+    } else {
+        let mut policy =
+            Contiguous::new(s.budget_bytes, s.geometry.bytes_per_token(), a.max_seq_len);
+        run_one(&p.name, s, &mut policy, &cfg, tokens, hooks)?
+    };
+    out.report.extra.wall_s = started.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+fn run_one(
+    name: &str,
+    s: &Setup,
+    policy: &mut dyn KvPolicy,
+    cfg: &EngineConfig,
+    tokens: &TokenSource,
+    hooks: Hooks<'_>,
+) -> Result<RunOutput, String> {
+    run(name, &s.requests, policy, &s.roofline, cfg, tokens, hooks)
+        .map_err(|e| format!("{name}: {e}"))
+}
+
+/// Runs every policy of `setup`, in parallel threads, with a progress bar on stderr when
+/// it is a terminal and `--quiet` is off. Results in policy order.
+///
+/// # Errors
+/// The first policy's failure.
+pub fn run_all(a: &Args, s: &Setup) -> Result<Vec<RunOutput>, String> {
+    let tokens = TokenSource::new(
+        s.requests.len(),
+        a.shared_prefix_tokens,
+        a.prefix_groups,
+        a.seed,
+    );
+    let counters: Vec<AtomicU64> = s.policies.iter().map(|_| AtomicU64::new(0)).collect();
+    let done = AtomicBool::new(false);
+    let total = (s.requests.len() * s.policies.len()) as u64;
+    let show = !a.quiet && std::io::stderr().is_terminal();
+    let record = a.plot.is_some();
+    std::thread::scope(|scope| {
+        let bar = show.then(|| {
+            scope.spawn(|| {
+                let start = Instant::now();
+                while !done.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(150));
+                    let n: u64 = counters.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+                    let frac = n as f64 / total.max(1) as f64;
+                    let filled = (frac * 30.0) as usize;
+                    eprint!(
+                        "\rreplaying [{}{}] {:>3.0}%  {n}/{total} request completions  {:.1}s ",
+                        "#".repeat(filled),
+                        ".".repeat(30 - filled.min(30)),
+                        frac * 100.0,
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+                eprint!("\r{:79}\r", "");
+            })
+        });
+        let handles: Vec<_> = s
+            .policies
+            .iter()
+            .zip(&counters)
+            .map(|(p, c)| {
+                let tokens = &tokens;
+                scope.spawn(move || run_policy(a, s, p, tokens, Some(c), record))
+            })
+            .collect();
+        let results: Vec<Result<RunOutput, String>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a replay thread panicked".into()))
+            })
+            .collect();
+        done.store(true, Ordering::Relaxed);
+        if let Some(b) = bar {
+            let _ = b.join();
+        }
+        results.into_iter().collect()
+    })
+}
+
+fn gb(b: f64) -> String {
+    format!("{:.2} GB", b / 1e9)
+}
+
+/// The header lines: what was replayed on what.
+pub fn describe(a: &Args, s: &Setup) -> String {
+    let mut o = String::new();
+    let g = &s.geometry;
+    let m = &s.model;
+    let _ = writeln!(
+        o,
+        "trace:   {} — {} requests replayed{}",
+        s.trace_name,
+        s.requests.len(),
+        if s.skipped.is_empty() {
+            String::new()
+        } else {
+            format!(", {} skipped", s.skipped.len())
+        }
+    );
+    let _ = writeln!(
+        o,
+        "model:   {} — {} layers, {} heads, {} KV heads × {} dims, {:.2}B params; KV {} B/token ({:.3} MB), {} B/block of {} tokens",
+        m.name, m.layers, m.heads, m.kv_heads, m.head_dim, m.params / 1e9,
+        g.bytes_per_token(), g.bytes_per_token() as f64 / 1e6, g.bytes_per_block(), g.block_size()
+    );
+    let _ = writeln!(
+        o,
+        "device:  {}{} — {:.0} GB/s, {:.0} TFLOP/s; KV budget {} ({}), {} blocks, contiguous region {} ({} tokens)",
+        if a.gpus > 1 { format!("{} × ", a.gpus) } else { String::new() },
+        s.device.name,
+        s.device.mem_bw / 1e9,
+        s.device.flops / 1e12,
+        gb(s.budget_bytes as f64),
+        if a.kv_budget_gb.is_some() { "--kv-budget-gb".to_string() } else { format!("{:.0}% of memory − {} weights", a.mem_fraction * 100.0, gb(m.weight_bytes())) },
+        g.blocks_in(s.budget_bytes),
+        gb((g.bytes_per_token() * u64::from(a.max_seq_len)) as f64),
+        a.max_seq_len
+    );
+    let _ = writeln!(
+        o,
+        "engine:  rate {}, max {} running, {} tokens/step, watermark {:.0}%, step overhead {} ms, swap space {} GB{}",
+        if s.rate.is_infinite() { "inf (all at t=0)".to_string() } else { format!("{}× recorded", s.rate) },
+        a.max_num_seqs, a.max_batched_tokens, a.watermark * 100.0, a.step_overhead_ms, a.swap_space_gb,
+        if a.shared_prefix_tokens > 0 { format!(", shared prefix {} tokens in {} groups", a.shared_prefix_tokens, a.prefix_groups) } else { String::new() }
+    );
+    if !s.skipped.is_empty() {
+        let first: Vec<&str> = s.skipped.iter().take(3).map(String::as_str).collect();
+        let _ = writeln!(
+            o,
+            "skipped: {} (for every policy); first: {}",
+            s.skipped.len(),
+            first.join("; ")
+        );
+    }
+    o
+}
+
+fn f(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// The side-by-side table: one column per policy.
+pub fn table(reports: &[Report]) -> String {
+    type Row = (&'static str, fn(&Report) -> String);
+    let rows: [Row; 17] = [
+        ("completed requests", |r| r.completed.to_string()),
+        ("generated tokens/s", |r| f(r.tokens_per_s, 1)),
+        ("peak running seqs", |r| r.peak_running.to_string()),
+        ("mean running seqs", |r| f(r.mean_running, 1)),
+        ("KV utilization", |r| {
+            format!("{}%", f(r.kv_utilization * 100.0, 1))
+        }),
+        ("waste (of budget)", |r| {
+            format!("{}%", f(r.waste_fraction * 100.0, 1))
+        }),
+        ("peak KV reserved", |r| {
+            gb(r.extra.peak_reserved_bytes as f64)
+        }),
+        ("TTFT p50 (s)", |r| f(r.ttft_p50_s, 3)),
+        ("TTFT p99 (s)", |r| f(r.ttft_p99_s, 3)),
+        ("latency p50 (s)", |r| f(r.latency_p50_s, 2)),
+        ("latency p99 (s)", |r| f(r.latency_p99_s, 2)),
+        ("preemptions", |r| r.preemptions.to_string()),
+        ("  of which swaps", |r| r.extra.swaps.to_string()),
+        ("prefix hit tokens", |r| r.prefix_hit_tokens.to_string()),
+        ("engine steps", |r| r.extra.steps.to_string()),
+        ("makespan (sim s)", |r| f(r.extra.makespan_s, 1)),
+        ("replay wall time (s)", |r| f(r.extra.wall_s, 2)),
+    ];
+    let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(_, g)| reports.iter().map(g).collect())
+        .collect();
+    let widths: Vec<usize> = (0..reports.len())
+        .map(|j| {
+            cells
+                .iter()
+                .map(|c| c[j].len())
+                .chain([reports[j].policy.len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut o = String::new();
+    let _ = write!(o, "{:w0$}", "");
+    for (r, w) in reports.iter().zip(&widths) {
+        let _ = write!(o, "  {:>w$}", r.policy);
+    }
+    o.push('\n');
+    let _ = writeln!(
+        o,
+        "{}",
+        "-".repeat(w0 + widths.iter().map(|w| w + 2).sum::<usize>())
+    );
+    for ((label, _), c) in rows.iter().zip(&cells) {
+        let _ = write!(o, "{label:w0$}");
+        for (v, w) in c.iter().zip(&widths) {
+            let _ = write!(o, "  {v:>w$}");
+        }
+        o.push('\n');
+    }
+    o
+}
+
+/// The whole tool: set up, run, print, write `--json` and `--plot`. Returns the text
+/// printed on stdout.
+///
+/// # Errors
+/// A message naming the flag, the trace line or the file at fault.
+pub fn main_with(a: &Args) -> Result<String, String> {
+    let started = Instant::now();
+    let s = setup(a)?;
+    let mut out = describe(a, &s);
+    let results = run_all(a, &s)?;
+    let reports: Vec<Report> = results.iter().map(|r| r.report.clone()).collect();
+    out.push('\n');
+    out.push_str(&table(&reports));
+    if let Some(p) = &a.json {
+        let text = serde_json::to_string_pretty(&reports).map_err(|e| format!("--json: {e}"))?;
+        std::fs::write(p, text + "\n").map_err(|e| format!("--json {}: {e}", p.display()))?;
+        let _ = writeln!(out, "\nwrote {}", p.display());
+    }
+    if let Some(p) = &a.plot {
+        let lines: Vec<svg::Line<'_>> = results
+            .iter()
+            .map(|r| svg::Line {
+                label: &r.report.policy,
+                points: &r.series,
+            })
+            .collect();
+        let title = format!(
+            "{} on {}, {} requests of {}, rate {}",
+            s.model.name,
+            s.device.name,
+            s.requests.len(),
+            s.trace_name,
+            if s.rate.is_infinite() {
+                "inf".to_string()
+            } else {
+                s.rate.to_string()
+            }
+        );
+        std::fs::write(p, svg::render(&title, &lines, s.budget_bytes))
+            .map_err(|e| format!("--plot {}: {e}", p.display()))?;
+        let _ = writeln!(
+            out,
+            "{}wrote {}",
+            if a.json.is_some() { "" } else { "\n" },
+            p.display()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nreplay wall time: {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
