@@ -4,6 +4,7 @@
 
 pub mod contiguous;
 pub mod first_fit;
+pub mod incident;
 pub mod metrics;
 pub mod paged;
 pub mod presets;
