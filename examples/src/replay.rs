@@ -769,3 +769,149 @@ pub fn main_with(a: &Args) -> Result<String, String> {
     );
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["replay", "--quiet"];
+        v.extend_from_slice(extra);
+        Args::try_parse_from(v).unwrap()
+    }
+
+    fn err(extra: &[&str]) -> String {
+        setup(&args(extra)).unwrap_err()
+    }
+
+    #[test]
+    fn bad_options_name_the_flag() {
+        assert!(err(&["--model", "gpt"]).starts_with("--model \"gpt\" is not a known preset"));
+        assert!(err(&["--device", "tpu-v5"]).starts_with("--device \"tpu-v5\""));
+        assert!(err(&["--rate", "fast"]).starts_with("--rate \"fast\""));
+        assert!(err(&["--rate", "0"]).starts_with("--rate"));
+        assert!(err(&["--policies", "paged,lru"]).starts_with("--policies: unknown policy \"lru\""));
+        assert!(err(&["--policies", "contiguous-swap"]).starts_with("--policies"));
+        assert!(err(&["--kv-dtype", "fp8"]).starts_with("--kv-dtype"));
+        assert!(err(&["--model", "70b"]).contains("raise --gpus or set --kv-budget-gb"));
+        assert!(err(&["--kv-budget-gb", "1"]).starts_with("--max-seq-len 4096"));
+        assert!(err(&["--block-size", "0"]).contains("--block-size"));
+        assert!(err(&["--kv-heads", "64"]).contains("--kv-heads"));
+        assert!(err(&["--trace", "/nonexistent/t.csv"])
+            .starts_with("cannot read trace /nonexistent/t.csv"));
+        assert!(Args::try_parse_from(["replay", "--max-seq-len", "-3"]).is_err());
+    }
+
+    #[test]
+    fn malformed_trace_names_the_line() {
+        let dir = std::env::temp_dir().join(format!("kvpage-replay-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("bad.csv");
+        std::fs::write(
+            &p,
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,5\n1,ten,5\n",
+        )
+        .unwrap();
+        let e = err(&["--trace", p.to_str().unwrap()]);
+        assert!(e.starts_with("trace line 3: ContextTokens \"ten\""), "{e}");
+        std::fs::write(
+            &p,
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,5\n1,5000,5\n2,0,3\n",
+        )
+        .unwrap();
+        let s = setup(&args(&["--trace", p.to_str().unwrap()])).unwrap();
+        assert_eq!(s.requests.len(), 1);
+        assert_eq!(s.skipped.len(), 2);
+        assert!(s
+            .skipped
+            .iter()
+            .any(|m| m.starts_with("line 3:") && m.contains("--max-seq-len 4096")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn presets_budget_and_rate() {
+        let s = setup(&args(&[
+            "--model", "8b", "--device", "h200", "--rate", "inf", "--limit", "50",
+        ]))
+        .unwrap();
+        // Llama 3.1 8B: 2 × 32 × 8 × 128 × 2 B = 131072 B per token.
+        assert_eq!(s.geometry.bytes_per_token(), 131_072);
+        assert!(s.requests.iter().all(|r| r.arrival_s == 0.0));
+        assert!(s.requests.len() <= 50);
+        let s = setup(&args(&[
+            "--rate",
+            "2",
+            "--kv-budget-gb",
+            "40",
+            "--limit",
+            "10",
+        ]))
+        .unwrap();
+        assert_eq!(s.budget_bytes, 40_000_000_000);
+        let t = trace::load_trace(&trace::shipped_excerpt_path()).unwrap();
+        let last = s.requests.last().unwrap();
+        let orig = t.requests.iter().find(|r| r.line == last.line).unwrap();
+        assert_eq!(last.arrival_s, orig.arrival_s / 2.0);
+        let names: Vec<&str> = s.policies.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["contiguous", "paged", "paged-swap"]);
+        let s = setup(&args(&["--shared-prefix-tokens", "64", "--limit", "1"])).unwrap();
+        assert_eq!(s.policies.len(), 4);
+    }
+
+    #[test]
+    fn a_short_replay_writes_json_and_svg() {
+        let dir = std::env::temp_dir().join(format!("kvpage-replay-out-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (j, p) = (dir.join("r.json"), dir.join("r.svg"));
+        let a = args(&[
+            "--limit",
+            "300",
+            "--model",
+            "7b",
+            "--shared-prefix-tokens",
+            "128",
+            "--prefix-groups",
+            "2",
+            "--policies",
+            "contiguous,paged,paged-prefix,paged-prefix-swap",
+            "--json",
+            j.to_str().unwrap(),
+            "--plot",
+            p.to_str().unwrap(),
+        ]);
+        let text = main_with(&a).unwrap();
+        assert!(text.contains("completed requests") && text.contains("replay wall time"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&j).unwrap()).unwrap();
+        let arr = v.as_array().unwrap();
+        assert_eq!(arr.len(), 4);
+        let n = setup(&a).unwrap().requests.len() as u64;
+        for r in arr {
+            assert_eq!(r["completed"].as_u64(), Some(n));
+        }
+        assert_eq!(arr[2]["policy"], "paged-prefix");
+        assert!(arr[2]["prefix_hit_tokens"].as_u64().unwrap() > 0);
+        assert_eq!(arr[1]["prefix_hit_tokens"].as_u64(), Some(0));
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(svg.matches("<polyline").count(), 8);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_whole_shipped_excerpt_replays_with_default_options() {
+        let a = args(&[]);
+        let s = setup(&a).unwrap();
+        assert_eq!(s.requests.len() + s.skipped.len(), 2500);
+        for r in run_all(&a, &s).unwrap() {
+            assert_eq!(
+                r.report.completed,
+                s.requests.len() as u64,
+                "{}",
+                r.report.policy
+            );
+            assert!(r.outcomes.iter().all(|o| o.completions == 1));
+            assert!(r.report.extra.peak_reserved_bytes <= s.budget_bytes);
+        }
+    }
+}
