@@ -894,7 +894,7 @@ mod tests {
         assert!(arr[2]["prefix_hit_tokens"].as_u64().unwrap() > 0);
         assert_eq!(arr[1]["prefix_hit_tokens"].as_u64(), Some(0));
         let svg = std::fs::read_to_string(&p).unwrap();
-        assert_eq!(svg.matches("<polyline").count(), 8);
+        assert_eq!(svg.matches("<polyline").count(), 12);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

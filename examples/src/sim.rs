@@ -203,6 +203,8 @@ pub struct SeriesPoint {
     pub t_s: f64,
     /// KV bytes reserved.
     pub reserved_bytes: u64,
+    /// KV bytes holding tokens (a shared block's counted once).
+    pub stored_bytes: u64,
     /// Running sequences.
     pub running: u32,
 }
@@ -541,6 +543,7 @@ pub fn run(
             series.push(SeriesPoint {
                 t_s: now,
                 reserved_bytes: usage.reserved_bytes,
+                stored_bytes: usage.stored_tokens * cfg.kv_bytes_per_token,
                 running: running.len() as u32,
             });
         }
@@ -579,9 +582,11 @@ pub fn run(
     }
 
     if cfg.record_series {
+        let u = policy.usage();
         series.push(SeriesPoint {
             t_s: now,
-            reserved_bytes: policy.usage().reserved_bytes,
+            reserved_bytes: u.reserved_bytes,
+            stored_bytes: u.stored_tokens * cfg.kv_bytes_per_token,
             running: 0,
         });
     }

@@ -86,6 +86,7 @@ fn panel(
     y_max: f64,
     hline: Option<(f64, &str)>,
     f: &dyn Fn(&SeriesPoint) -> f64,
+    dashed: Option<&dyn Fn(&SeriesPoint) -> f64>,
 ) {
     let plot_w = W - LEFT - RIGHT;
     let x = |t: f64| LEFT + t / t_max * plot_w;
@@ -143,18 +144,31 @@ fn panel(
         );
     }
     for (i, l) in lines.iter().enumerate() {
-        let pts = downsample(l.points, t_max, f);
-        let mut d = String::with_capacity(pts.len() * 14);
-        for (t, v) in pts {
-            let _ = write!(d, "{:.1},{:.1} ", x(t), y(v));
+        // Earlier policies are drawn wider so identical curves stay visible underneath.
+        let width = (2.8 - 0.5 * i as f64).max(1.0);
+        let color = COLORS[i % COLORS.len()];
+        if let Some(g) = dashed {
+            let d = path(&downsample(l.points, t_max, g), &x, &y);
+            let _ = writeln!(
+                svg,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="{width:.1}" stroke-opacity="0.6" stroke-dasharray="5 3" points="{d}"/>"#
+            );
         }
+        let d = path(&downsample(l.points, t_max, f), &x, &y);
         let _ = writeln!(
             svg,
-            r#"<polyline fill="none" stroke="{}" stroke-width="1.3" stroke-opacity="0.85" points="{}"/>"#,
-            COLORS[i % COLORS.len()],
-            d.trim_end()
+            r#"<polyline fill="none" stroke="{color}" stroke-width="{width:.1}" stroke-opacity="0.85" points="{d}"/>"#
         );
     }
+}
+
+fn path(pts: &[(f64, f64)], x: &dyn Fn(f64) -> f64, y: &dyn Fn(f64) -> f64) -> String {
+    let mut d = String::with_capacity(pts.len() * 14);
+    for &(t, v) in pts {
+        let _ = write!(d, "{:.1},{:.1} ", x(t), y(v));
+    }
+    d.truncate(d.trim_end().len());
+    d
 }
 
 fn trim(v: f64) -> String {
@@ -177,7 +191,7 @@ pub fn render(title: &str, lines: &[Line<'_>], budget_bytes: u64) -> String {
         .flat_map(|l| l.points.iter().map(|p| f64::from(p.running)))
         .fold(1.0, f64::max)
         * 1.05;
-    let h = TOP + 2.0 * PANEL_H + GAP + 70.0;
+    let h = TOP + 2.0 * PANEL_H + GAP + 80.0;
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -194,11 +208,12 @@ pub fn render(title: &str, lines: &[Line<'_>], budget_bytes: u64) -> String {
         lines,
         TOP + 10.0,
         t_max,
-        "KV memory reserved",
+        "KV memory reserved (solid) and holding tokens (dashed)",
         "GB",
         mem_max,
         Some((budget_gb, "KV budget")),
         &|p| p.reserved_bytes as f64 / 1e9,
+        Some(&|p: &SeriesPoint| p.stored_bytes as f64 / 1e9),
     );
     let top2 = TOP + 10.0 + PANEL_H + GAP;
     panel(
@@ -211,8 +226,9 @@ pub fn render(title: &str, lines: &[Line<'_>], budget_bytes: u64) -> String {
         run_max,
         None,
         &|p| f64::from(p.running),
+        None,
     );
-    let ly = top2 + PANEL_H + 38.0;
+    let ly = top2 + PANEL_H + 48.0;
     let _ = writeln!(
         svg,
         r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">simulated time (s)</text>"#,
@@ -261,6 +277,7 @@ mod tests {
             .map(|i| SeriesPoint {
                 t_s: f64::from(i) * 0.01,
                 reserved_bytes: u64::from(i as u32 % 100) * 1_000_000_000,
+                stored_bytes: 0,
                 running: i as u32 % 7,
             })
             .collect();
@@ -279,7 +296,7 @@ mod tests {
             100_000_000_000,
         );
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
-        assert_eq!(svg.matches("<polyline").count(), 4);
+        assert_eq!(svg.matches("<polyline").count(), 6);
         assert!(svg.contains("a &lt;b&gt;"));
         let longest = svg
             .lines()
