@@ -57,7 +57,7 @@ CC-BY 4.0, Patel et al., \"Splitwise\", ISCA 2024 (see examples/traces/README.md
 
 /// Replay a request trace through a contiguous baseline and kvpage's paged cache.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "replay", version, about, after_long_help = AFTER_HELP)]
+#[command(name = "replay", version, after_long_help = AFTER_HELP)]
 pub struct Args {
     /// Trace in the Azure format (TIMESTAMP,ContextTokens,GeneratedTokens); default: the
     /// excerpt shipped in examples/traces/

@@ -8,7 +8,7 @@ use clap::Parser;
 
 /// Replay the design document's incident: contiguous reservations vs. kvpage blocks.
 #[derive(Parser)]
-#[command(name = "incident", version, about)]
+#[command(name = "incident", version)]
 struct Args {
     /// Seed for prompt and output lengths
     #[arg(long, default_value_t = 2024)]
