@@ -1,1 +1,295 @@
-fn main() {}
+//! Benchmarks of the core, each beside a baseline measured in the same run.
+//!
+//! Run with `cargo bench -p kvpage-core`. Criterion measures every pair; at the end a table
+//! prints each figure, its baseline and the ratio, read back from criterion's estimates.
+//! Operations that need a reset between timed calls use `iter_custom` and time only the
+//! operation itself.
+
+use criterion::{criterion_group, BenchmarkId, Criterion};
+use kvpage_core::{BlockManager, Config, IndexSet, SeqId};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+const BS: u32 = 16;
+
+fn manager_storage(config: &Config) -> Vec<u64> {
+    vec![0u64; config.storage_words()]
+}
+
+/// Allocate + free of one block: the free bitset against a `Vec<u32>` LIFO free list.
+fn alloc_free(c: &mut Criterion) {
+    const N: u32 = 1 << 16;
+    let mut g = c.benchmark_group("alloc_free");
+    let mut words = vec![0u32; kvpage_core::index_set::words_for(N)];
+    let mut set = IndexSet::new(&mut words, N, true);
+    for i in 0..N / 2 {
+        set.remove(i);
+    }
+    g.bench_function("bitset", |b| {
+        b.iter(|| {
+            let i = set.pop_first().unwrap();
+            set.insert(black_box(i));
+        })
+    });
+    let mut list: Vec<u32> = (N / 2..N).rev().collect();
+    g.bench_function("vec_lifo", |b| {
+        b.iter(|| {
+            let i = list.pop().unwrap();
+            list.push(black_box(i));
+        })
+    });
+    g.finish();
+}
+
+/// Sequences for the append benchmarks: `count` sequences of `len` tokens each.
+fn sequences(kv: &mut BlockManager<'_>, count: usize, len: u32) -> Vec<SeqId> {
+    let mut slots = vec![0u32; len as usize];
+    (0..count)
+        .map(|_| {
+            let s = kv.create(0).unwrap();
+            kv.append(s, len, &mut slots).unwrap();
+            s
+        })
+        .collect()
+}
+
+/// Append of one token, within a block and crossing into a new block, against pushing one
+/// slot onto a preallocated `Vec<u32>` (what a contiguous cache does per token).
+fn append(c: &mut Criterion) {
+    const SEQS: usize = 1024;
+    let config = Config {
+        num_blocks: 8192,
+        block_size: BS,
+        max_seqs: 1024,
+        max_blocks_per_seq: 8,
+        instance: 0,
+    };
+    let mut storage = manager_storage(&config);
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let mut g = c.benchmark_group("append_one_token");
+    for (name, start) in [("within_block", 1u32), ("new_block", BS)] {
+        let seqs = sequences(&mut kv, SEQS, start);
+        g.bench_function(BenchmarkId::new("paged", name), |b| {
+            b.iter_custom(|iters| {
+                let mut slot = [0u32; 1];
+                let mut total = Duration::ZERO;
+                let mut done = 0;
+                while done < iters {
+                    let round = (iters - done).min(SEQS as u64) as usize;
+                    let t = Instant::now();
+                    for &s in &seqs[..round] {
+                        kv.append(black_box(s), 1, &mut slot).unwrap();
+                    }
+                    total += t.elapsed();
+                    for &s in &seqs[..round] {
+                        kv.truncate(s, start).unwrap();
+                    }
+                    done += round as u64;
+                }
+                total
+            })
+        });
+        for s in seqs {
+            kv.release(s).unwrap();
+        }
+    }
+    let mut slots: Vec<u32> = Vec::with_capacity(1 << 16);
+    g.bench_function(BenchmarkId::new("vec_push", "baseline"), |b| {
+        b.iter(|| {
+            if slots.len() == slots.capacity() {
+                slots.clear();
+            }
+            slots.push(black_box(7));
+        })
+    });
+    g.finish();
+}
+
+/// Fork of a 4096-token sequence (256 blocks) against copying its 256-entry block list.
+fn fork(c: &mut Criterion) {
+    let config = Config {
+        num_blocks: 4096,
+        block_size: BS,
+        max_seqs: 4,
+        max_blocks_per_seq: 256,
+        instance: 0,
+    };
+    let mut storage = manager_storage(&config);
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let parent = sequences(&mut kv, 1, 4096)[0];
+    let mut g = c.benchmark_group("fork_4096_tokens");
+    g.bench_function("paged", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                let child = kv.fork(black_box(parent)).unwrap();
+                total += t.elapsed();
+                kv.release(child).unwrap();
+            }
+            total
+        })
+    });
+    let list: Vec<u32> = (0..256).collect();
+    let mut copy: Vec<u32> = Vec::with_capacity(256);
+    g.bench_function("copy_block_list", |b| {
+        b.iter(|| {
+            copy.clear();
+            copy.extend_from_slice(black_box(&list));
+        })
+    });
+    g.finish();
+}
+
+/// Prefix lookup of a fully cached 4096-token prompt (255 blocks reused, 16 tokens
+/// appended) against hashing the prompt once with std's SipHash.
+fn prefix_lookup(c: &mut Criterion) {
+    let config = Config {
+        num_blocks: 4096,
+        block_size: BS,
+        max_seqs: 4,
+        max_blocks_per_seq: 256,
+        instance: 0,
+    };
+    let mut storage = manager_storage(&config);
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let prompt: Vec<u32> = (0..4096u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 32_000)
+        .collect();
+    let mut slots = vec![0u32; 4096];
+    let first = kv.create_with_prompt(0, &prompt, &mut slots).unwrap();
+    let mut g = c.benchmark_group("prefix_lookup_4096_tokens");
+    g.bench_function("paged", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                let hit = kv
+                    .create_with_prompt(0, black_box(&prompt), &mut slots)
+                    .unwrap();
+                total += t.elapsed();
+                assert_eq!(hit.reused_tokens, 4080);
+                kv.release(hit.seq).unwrap();
+            }
+            total
+        })
+    });
+    g.bench_function("siphash_prompt", |b| {
+        b.iter(|| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            black_box(&prompt).hash(&mut h);
+            h.finish()
+        })
+    });
+    g.finish();
+    kv.release(first.seq).unwrap();
+}
+
+/// Worst case of one allocation: a 1M-block pool with only the last block free and the
+/// hint pointing at an empty word, so the search descends every level. Each iteration also
+/// resets the hint (insert + remove of block 0) and frees the block again, so the figure
+/// is an upper bound. Baseline: the same pool when the hint is right.
+fn worst_case(c: &mut Criterion) {
+    const N: u32 = 1 << 20;
+    let mut words = vec![0u32; kvpage_core::index_set::words_for(N)];
+    let mut set = IndexSet::new(&mut words, N, false);
+    set.insert(N - 1);
+    let mut g = c.benchmark_group("alloc_1m_pool_last_block_free");
+    g.bench_function("descend_all_levels", |b| {
+        b.iter(|| {
+            set.insert(0);
+            set.remove(0);
+            let i = set.pop_first().unwrap();
+            set.insert(black_box(i));
+        })
+    });
+    g.bench_function("hinted", |b| {
+        b.iter(|| {
+            let i = set.pop_first().unwrap();
+            set.insert(black_box(i));
+        })
+    });
+    g.finish();
+}
+
+/// Mean time of one criterion benchmark in nanoseconds, read from its estimates file.
+fn mean_ns(group: &str, id: &str) -> Option<f64> {
+    let dir = std::env::var("CARGO_TARGET_DIR")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target").to_string());
+    let path = format!("{dir}/criterion/{group}/{id}/new/estimates.json");
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["mean"]["point_estimate"].as_f64()
+}
+
+fn report() {
+    let rows = [
+        (
+            "allocate + free one block",
+            "alloc_free",
+            "bitset",
+            "vec_lifo",
+            "ratio <= 1.5",
+        ),
+        (
+            "append 1 token, within a block",
+            "append_one_token",
+            "paged/within_block",
+            "vec_push/baseline",
+            "<= 10 ns",
+        ),
+        (
+            "append 1 token, new block",
+            "append_one_token",
+            "paged/new_block",
+            "vec_push/baseline",
+            "<= 30 ns",
+        ),
+        (
+            "fork 4096 tokens (256 blocks)",
+            "fork_4096_tokens",
+            "paged",
+            "copy_block_list",
+            "<= 1000 ns",
+        ),
+        (
+            "prefix lookup 4096-token prompt",
+            "prefix_lookup_4096_tokens",
+            "paged",
+            "siphash_prompt",
+            "<= 20000 ns",
+        ),
+        (
+            "worst-case alloc, 1M blocks (bound)",
+            "alloc_1m_pool_last_block_free",
+            "descend_all_levels",
+            "hinted",
+            "<= 100 ns",
+        ),
+    ];
+    println!(
+        "\n{:<38} {:>12} {:>12} {:>8}  target",
+        "benchmark", "kvpage ns", "baseline ns", "ratio"
+    );
+    for (name, group, ours, base, target) in rows {
+        match (mean_ns(group, ours), mean_ns(group, base)) {
+            (Some(o), Some(b)) => {
+                println!("{name:<38} {o:>12.2} {b:>12.2} {:>8.2}  {target}", o / b)
+            }
+            _ => println!("{name:<38} (not measured in this run)"),
+        }
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = alloc_free, append, fork, prefix_lookup, worst_case
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    report();
+}

@@ -37,9 +37,9 @@ mod stats;
 mod storage;
 
 pub use config::Config;
-pub use index_set::IndexSet;
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
+pub use index_set::IndexSet;
 pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};
 pub use shared::SharedManager;
 pub use stats::Stats;

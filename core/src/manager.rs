@@ -105,6 +105,9 @@ pub struct PromptStart {
 #[derive(Debug)]
 pub struct BlockManager<'a> {
     config: Config,
+    /// `log2(block_size)` when the block size is a power of two (the usual case), so
+    /// token-to-block arithmetic is a shift; `u32::MAX` otherwise.
+    block_shift: u32,
     free: IndexSet<'a>,
     refcount: &'a mut [u32],
     fill: &'a mut [u32],
@@ -180,6 +183,11 @@ impl<'a> BlockManager<'a> {
         let table = carve.u32s(s * config.max_blocks_per_seq as usize);
         let manager = Self {
             config,
+            block_shift: if config.block_size.is_power_of_two() {
+                config.block_size.trailing_zeros()
+            } else {
+                u32::MAX
+            },
             free,
             refcount,
             fill,
@@ -318,8 +326,25 @@ impl<'a> BlockManager<'a> {
         }
     }
 
-    fn blocks_for(&self, tokens: u64) -> u64 {
-        tokens.div_ceil(u64::from(self.config.block_size))
+    /// `(tokens / block_size, tokens % block_size)`: a shift for power-of-two sizes.
+    fn split(&self, tokens: u32) -> (u32, u32) {
+        if self.block_shift != u32::MAX {
+            (
+                tokens >> self.block_shift,
+                tokens & (self.config.block_size - 1),
+            )
+        } else {
+            (
+                tokens / self.config.block_size,
+                tokens % self.config.block_size,
+            )
+        }
+    }
+
+    /// Blocks that hold `tokens` tokens.
+    fn blocks_for(&self, tokens: u32) -> u32 {
+        let (full, rest) = self.split(tokens);
+        full + u32::from(rest != 0)
     }
 
     fn row(&self, i: usize) -> usize {
@@ -396,7 +421,7 @@ impl<'a> BlockManager<'a> {
             hash = h;
             hits += 1;
         }
-        let needed = (self.blocks_for(len) - hits as u64) as u32;
+        let needed = self.blocks_for(len as u32) - hits as u32;
         let available = self.available_blocks() - idle_hits;
         if needed > available {
             return Err(SeqError::OutOfBlocks { needed, available });
@@ -491,10 +516,10 @@ impl<'a> BlockManager<'a> {
                 got: slots.len(),
             });
         }
-        let old_blocks = self.blocks_for(u64::from(len)) as usize;
-        let grow = (self.blocks_for(new_len) as usize - old_blocks) as u32;
+        let (full_blocks, offset) = self.split(len);
+        let old_blocks = (full_blocks + u32::from(offset != 0)) as usize;
+        let grow = self.blocks_for(new_len as u32) - old_blocks as u32;
         let row = self.row(i);
-        let offset = len % bs;
         let partial = if offset != 0 && n > 0 {
             Some(self.table[row + old_blocks - 1])
         } else {
@@ -517,11 +542,11 @@ impl<'a> BlockManager<'a> {
                 self.release_block(last);
                 self.table[row + old_blocks - 1] = dst;
                 copy = Some(BlockCopy { src: last, dst });
-            } else {
+            } else if self.prefix.is_tracked(last) || self.fill[last as usize] != offset {
                 self.claim_partial(last, offset);
             }
         }
-        let mut block_index = (len / bs) as usize;
+        let mut block_index = full_blocks as usize;
         let mut off = offset;
         let mut hashable = ids.is_some() && self.seq_flags[i] & HASHABLE != 0;
         for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
@@ -602,7 +627,7 @@ impl<'a> BlockManager<'a> {
         let dst = self.seq_free.first().ok_or(SeqError::NoFreeSequence)? as usize;
         self.seq_free.remove(dst as u32);
         let len = self.seq_len[src];
-        let blocks = self.blocks_for(u64::from(len)) as usize;
+        let blocks = self.blocks_for(len) as usize;
         let (from, to) = (self.row(src), self.row(dst));
         self.table.copy_within(from..from + blocks, to);
         for k in 0..blocks {
@@ -635,15 +660,15 @@ impl<'a> BlockManager<'a> {
                 len,
             });
         }
-        let bs = self.config.block_size;
-        let keep = self.blocks_for(u64::from(new_len)) as usize;
-        let old = self.blocks_for(u64::from(len)) as usize;
+        let keep = self.blocks_for(new_len) as usize;
+        let old = self.blocks_for(len) as usize;
         let row = self.row(i);
         for k in keep..old {
             let b = self.table[row + k];
             self.release_block(b);
         }
-        let offset = new_len % bs;
+        let (full, offset) = self.split(new_len);
+        let full = full as usize;
         if offset != 0 {
             let b = self.table[row + keep - 1];
             if self.refcount[b as usize] == 1 {
@@ -652,7 +677,6 @@ impl<'a> BlockManager<'a> {
         }
         self.seq_len[i] = new_len;
         self.logical_tokens -= u64::from(len - new_len);
-        let full = (new_len / bs) as usize;
         let chain = if full == 0 {
             let namespace = self.seq_namespace[i];
             Some((root_hash(namespace), Link::ROOT))
@@ -679,7 +703,7 @@ impl<'a> BlockManager<'a> {
     /// [`SeqError::StaleHandle`] (also on a second release), [`SeqError::ForeignHandle`].
     pub fn release(&mut self, seq: SeqId) -> Result<(), SeqError> {
         let i = self.check(seq)?;
-        let blocks = self.blocks_for(u64::from(self.seq_len[i])) as usize;
+        let blocks = self.blocks_for(self.seq_len[i]) as usize;
         let row = self.row(i);
         for k in 0..blocks {
             let b = self.table[row + k];
@@ -710,7 +734,7 @@ impl<'a> BlockManager<'a> {
     pub fn blocks(&self, seq: SeqId) -> Result<&[u32], SeqError> {
         let i = self.check(seq)?;
         let row = self.row(i);
-        let blocks = self.blocks_for(u64::from(self.seq_len[i])) as usize;
+        let blocks = self.blocks_for(self.seq_len[i]) as usize;
         Ok(&self.table[row..row + blocks])
     }
 

@@ -142,6 +142,11 @@ impl<'a> PrefixCache<'a> {
         self.tokens.copy_within(s..s + n as usize, d);
     }
 
+    /// Whether the cache knows anything about `b` (registered or hashed). O(1).
+    pub(crate) fn is_tracked(&self, b: u32) -> bool {
+        self.flags[b as usize] != 0
+    }
+
     pub(crate) fn is_registered(&self, b: u32) -> bool {
         self.flags[b as usize] & REGISTERED != 0
     }
@@ -360,7 +365,12 @@ mod tests {
     }
 
     fn arrays() -> Arrays {
-        Arrays { u64s: [[0; N]; 2], u32s: [[0; N]; 9], tokens: [0; N * BS as usize], table: [0; 16] }
+        Arrays {
+            u64s: [[0; N]; 2],
+            u32s: [[0; N]; 9],
+            tokens: [0; N * BS as usize],
+            table: [0; 16],
+        }
     }
 
     #[test]

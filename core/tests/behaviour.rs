@@ -5,8 +5,13 @@ use kvpage_core::{
     BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, Stats,
 };
 
-const CONFIG: Config =
-    Config { num_blocks: 8, block_size: 4, max_seqs: 4, max_blocks_per_seq: 4, instance: 9 };
+const CONFIG: Config = Config {
+    num_blocks: 8,
+    block_size: 4,
+    max_seqs: 4,
+    max_blocks_per_seq: 4,
+    instance: 9,
+};
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
     let mut storage = vec![0u64; CONFIG.storage_words()];
@@ -41,14 +46,30 @@ fn geometry_sizes_and_rejections() {
 #[test]
 fn config_rejections() {
     let mut storage = vec![0u64; CONFIG.storage_words()];
-    let zero = Config { max_seqs: 0, ..CONFIG };
-    assert_eq!(BlockManager::new(zero, &mut storage).err(), Some(InitError::ZeroSize));
-    let huge = Config { num_blocks: u32::MAX, block_size: 16, ..CONFIG };
-    assert_eq!(BlockManager::new(huge, &mut storage).err(), Some(InitError::TooLarge));
+    let zero = Config {
+        max_seqs: 0,
+        ..CONFIG
+    };
+    assert_eq!(
+        BlockManager::new(zero, &mut storage).err(),
+        Some(InitError::ZeroSize)
+    );
+    let huge = Config {
+        num_blocks: u32::MAX,
+        block_size: 16,
+        ..CONFIG
+    };
+    assert_eq!(
+        BlockManager::new(huge, &mut storage).err(),
+        Some(InitError::TooLarge)
+    );
     let short = CONFIG.storage_words() - 1;
     assert_eq!(
         BlockManager::new(CONFIG, &mut storage[..short]).err(),
-        Some(InitError::StorageTooSmall { needed: CONFIG.storage_words(), got: short })
+        Some(InitError::StorageTooSmall {
+            needed: CONFIG.storage_words(),
+            got: short
+        })
     );
 }
 
@@ -60,7 +81,10 @@ fn stale_foreign_and_double_release() {
         kv.append(a, 5, &mut slots).unwrap();
         let before = kv.stats();
         let foreign = kvpage_core::SeqId::from_parts(a.index(), a.generation(), 1);
-        assert_eq!(kv.append(foreign, 1, &mut slots), Err(SeqError::ForeignHandle));
+        assert_eq!(
+            kv.append(foreign, 1, &mut slots),
+            Err(SeqError::ForeignHandle)
+        );
         assert_eq!(kv.release(foreign), Err(SeqError::ForeignHandle));
         let forged = kvpage_core::SeqId::from_parts(99, 0, CONFIG.instance);
         assert_eq!(kv.len(forged), Err(SeqError::StaleHandle));
@@ -84,7 +108,10 @@ fn too_long_full_pool_and_short_buffers_change_nothing() {
         let before = (kv.stats(), kv.blocks(a).unwrap().to_vec());
         assert_eq!(
             kv.append(a, 7, &mut slots),
-            Err(SeqError::TooLong { tokens: 17, max_tokens: 16 })
+            Err(SeqError::TooLong {
+                tokens: 17,
+                max_tokens: 16
+            })
         );
         assert_eq!(
             kv.append(a, 3, &mut slots[..2]),
@@ -97,19 +124,31 @@ fn too_long_full_pool_and_short_buffers_change_nothing() {
         let c = kv.create(0).unwrap();
         let before = kv.stats();
         assert_eq!(before.free_blocks, 1);
-        assert_eq!(kv.append(c, 5, &mut slots), Err(SeqError::OutOfBlocks { needed: 2, available: 1 }));
+        assert_eq!(
+            kv.append(c, 5, &mut slots),
+            Err(SeqError::OutOfBlocks {
+                needed: 2,
+                available: 1
+            })
+        );
         assert_eq!(kv.len(c), Ok(0));
         assert_eq!(kv.stats(), before);
         let long = prompt(9);
         assert_eq!(
             kv.create_with_prompt(0, &long, &mut slots).err(),
-            Some(SeqError::OutOfBlocks { needed: 3, available: 1 })
+            Some(SeqError::OutOfBlocks {
+                needed: 3,
+                available: 1
+            })
         );
         assert_eq!(kv.stats(), before);
         let d = kv.create(0).unwrap();
         assert_eq!(kv.create(0), Err(SeqError::NoFreeSequence));
         assert_eq!(kv.fork(d), Err(SeqError::NoFreeSequence));
-        assert_eq!(kv.create_with_prompt(0, &[1], &mut slots).err(), Some(SeqError::NoFreeSequence));
+        assert_eq!(
+            kv.create_with_prompt(0, &[1], &mut slots).err(),
+            Some(SeqError::NoFreeSequence)
+        );
         assert_eq!(kv.stats().live_seqs, 4);
     });
 }
@@ -134,7 +173,15 @@ fn fork_then_append_copies_the_shared_partial_block() {
         assert_eq!(appended.copy, None);
         assert_eq!(slots[0], 4 + 2);
         let s: Stats = kv.stats();
-        assert_eq!((s.used_blocks, s.tokens_stored, s.token_slots, s.logical_tokens), (3, 4 + 3 + 3, 12, 14));
+        assert_eq!(
+            (
+                s.used_blocks,
+                s.tokens_stored,
+                s.token_slots,
+                s.logical_tokens
+            ),
+            (3, 4 + 3 + 3, 12, 14)
+        );
     });
 }
 
@@ -193,13 +240,22 @@ fn truncate_rolls_back_and_reregisters() {
         assert!(kv.is_registered(0) && kv.is_registered(1));
         kv.truncate(a, 6).unwrap();
         assert_eq!(kv.blocks(a).unwrap(), &[0, 1]);
-        assert!(!kv.is_registered(1), "a partly kept exclusive block leaves the cache");
+        assert!(
+            !kv.is_registered(1),
+            "a partly kept exclusive block leaves the cache"
+        );
         // Re-appending the same tokens registers block 1 again and a new prompt hits it.
         kv.append_tokens(a, &p[6..9], &mut slots).unwrap();
         assert!(kv.is_registered(1));
         let b = kv.create_with_prompt(0, &p, &mut slots).unwrap();
         assert_eq!(b.reused_tokens, 8);
-        assert_eq!(kv.truncate(a, 10), Err(SeqError::BeyondLength { requested: 10, len: 9 }));
+        assert_eq!(
+            kv.truncate(a, 10),
+            Err(SeqError::BeyondLength {
+                requested: 10,
+                len: 9
+            })
+        );
         kv.truncate(a, 0).unwrap();
         assert_eq!(kv.blocks(a).unwrap(), &[] as &[u32]);
     });

@@ -47,8 +47,13 @@ impl Rng {
 
 #[test]
 fn random_operations_allocate_nothing() {
-    const CONFIG: Config =
-        Config { num_blocks: 512, block_size: 8, max_seqs: 32, max_blocks_per_seq: 32, instance: 0 };
+    const CONFIG: Config = Config {
+        num_blocks: 512,
+        block_size: 8,
+        max_seqs: 32,
+        max_blocks_per_seq: 32,
+        instance: 0,
+    };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
     let mut live: [Option<SeqId>; 32] = [None; 32];
@@ -62,7 +67,10 @@ fn random_operations_allocate_nothing() {
         let k = rng.below(32) as usize;
         let op = rng.below(7);
         let ok = match (op, live[k]) {
-            (0, None) => kv.create(u64::from(rng.below(2))).map(|s| live[k] = Some(s)).is_ok(),
+            (0, None) => kv
+                .create(u64::from(rng.below(2)))
+                .map(|s| live[k] = Some(s))
+                .is_ok(),
             (1, None) => {
                 let len = rng.below(200) as usize;
                 let base = rng.below(4);
@@ -102,7 +110,11 @@ fn random_operations_allocate_nothing() {
     }
     COUNTING.store(false, Ordering::SeqCst);
 
-    assert_eq!(ALLOCATIONS.load(Ordering::SeqCst), 0, "operations after construction allocated");
+    assert_eq!(
+        ALLOCATIONS.load(Ordering::SeqCst),
+        0,
+        "operations after construction allocated"
+    );
     // The run exercised every operation many times.
     assert!(done.iter().all(|&d| d > 1000), "operation counts {done:?}");
     assert!(kv.stats().prefix_hit_tokens > 0);

@@ -1,0 +1,344 @@
+// Shared body of the model tests; the including file defines `BLOCK_SIZE`.
+use kvpage_core::{BlockManager, Config, SeqError, SeqId, Stats};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+const CONFIG: Config = Config {
+    num_blocks: 24,
+    block_size: BLOCK_SIZE,
+    max_seqs: 6,
+    max_blocks_per_seq: 32 / BLOCK_SIZE,
+    instance: 3,
+};
+const BS: u32 = CONFIG.block_size;
+
+/// What a token slot holds: (content, position). Content is a token id, or a unique
+/// value above 2^32 for tokens appended without ids.
+type Cell = (u64, u32);
+
+#[derive(Debug, Clone)]
+enum Op {
+    Create { ns: u8 },
+    CreatePrompt { ns: u8, base: u8, len: u8, tail: u8 },
+    Append { seq: u8, n: u8, with_ids: bool, alphabet: u8 },
+    Fork { seq: u8 },
+    Truncate { seq: u8, keep_percent: u8 },
+    Release { seq: u8 },
+    Evict { n: u8 },
+    UseStale { which: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => any::<u8>().prop_map(|ns| Op::Create { ns: ns % 2 }),
+        3 => (any::<u8>(), any::<u8>(), 0u8..30, any::<u8>())
+            .prop_map(|(ns, base, len, tail)| Op::CreatePrompt { ns: ns % 2, base: base % 3, len, tail }),
+        5 => (any::<u8>(), 0u8..11, any::<bool>(), 1u8..4)
+            .prop_map(|(seq, n, with_ids, alphabet)| Op::Append { seq, n, with_ids, alphabet }),
+        2 => any::<u8>().prop_map(|seq| Op::Fork { seq }),
+        2 => (any::<u8>(), 0u8..=100).prop_map(|(seq, keep_percent)| Op::Truncate { seq, keep_percent }),
+        2 => any::<u8>().prop_map(|seq| Op::Release { seq }),
+        1 => (0u8..5).prop_map(|n| Op::Evict { n }),
+        1 => any::<u8>().prop_map(|which| Op::UseStale { which }),
+    ]
+}
+
+/// Prompt `base` of the three shared bases: deterministic token ids.
+fn base_prompt(base: u8, len: usize) -> Vec<u32> {
+    (0..len).map(|i| 100 * u32::from(base) + (i as u32 % 7)).collect()
+}
+
+struct Model {
+    seqs: BTreeMap<SeqId, Vec<Cell>>,
+    stale: Vec<SeqId>,
+    arena: Vec<Option<Cell>>,
+    next_unique: u64,
+}
+
+/// Everything observable about the manager, to prove a failed operation changed nothing.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    stats: Stats,
+    refcounts: Vec<u32>,
+    registered: Vec<bool>,
+    rows: Vec<(SeqId, u32, Vec<u32>)>,
+}
+
+fn snapshot(kv: &BlockManager<'_>, model: &Model) -> Snapshot {
+    Snapshot {
+        stats: kv.stats(),
+        refcounts: (0..CONFIG.num_blocks).map(|b| kv.refcount(b).unwrap()).collect(),
+        registered: (0..CONFIG.num_blocks).map(|b| kv.is_registered(b)).collect(),
+        rows: model
+            .seqs
+            .keys()
+            .map(|&s| (s, kv.len(s).unwrap(), kv.blocks(s).unwrap().to_vec()))
+            .collect(),
+    }
+}
+
+fn pick(model: &Model, k: u8) -> Option<SeqId> {
+    let n = model.seqs.len();
+    (n > 0).then(|| *model.seqs.keys().nth(k as usize % n).unwrap())
+}
+
+fn slot_of(kv: &BlockManager<'_>, seq: SeqId, pos: u32) -> u32 {
+    kv.blocks(seq).unwrap()[(pos / BS) as usize] * BS + pos % BS
+}
+
+/// Applies the backend's side of an operation: the copy, then the writes.
+fn write_back(
+    model: &mut Model,
+    copy: Option<kvpage_core::BlockCopy>,
+    slots: &[u32],
+    cells: &[Cell],
+) {
+    if let Some(c) = copy {
+        for k in 0..BS {
+            model.arena[(c.dst * BS + k) as usize] = model.arena[(c.src * BS + k) as usize];
+        }
+    }
+    for (&s, &cell) in slots.iter().zip(cells) {
+        model.arena[s as usize] = Some(cell);
+    }
+}
+
+/// New slots must not be read by any other live token.
+fn assert_new_slots_unique(kv: &BlockManager<'_>, model: &Model, seq: SeqId, first: u32, slots: &[u32]) {
+    let new: HashSet<u32> = slots.iter().copied().collect();
+    assert_eq!(new.len(), slots.len(), "duplicate slots in one append");
+    for (&s, cells) in &model.seqs {
+        let limit = if s == seq { first } else { cells.len() as u32 };
+        for pos in 0..limit {
+            assert!(!new.contains(&slot_of(kv, s, pos)), "slot of a live token handed out again");
+        }
+    }
+}
+
+fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
+    let stats = kv.stats();
+    assert_eq!(stats.free_blocks + stats.cached_blocks + stats.used_blocks, stats.total_blocks);
+    let mut refs: HashMap<u32, u32> = HashMap::new();
+    let mut logical = 0u64;
+    for (&s, cells) in &model.seqs {
+        let len = kv.len(s).unwrap();
+        assert_eq!(len as usize, cells.len());
+        logical += u64::from(len);
+        let blocks = kv.blocks(s).unwrap();
+        assert_eq!(blocks.len(), (len as usize).div_ceil(BS as usize));
+        for &b in blocks {
+            *refs.entry(b).or_default() += 1;
+        }
+        for (pos, &cell) in cells.iter().enumerate() {
+            let slot = slot_of(kv, s, pos as u32);
+            assert_eq!(model.arena[slot as usize], Some(cell), "{s:?} reads a wrong value at {pos}");
+        }
+    }
+    let mut cached = 0;
+    for b in 0..CONFIG.num_blocks {
+        let rc = kv.refcount(b).unwrap();
+        assert_eq!(rc, refs.get(&b).copied().unwrap_or(0), "refcount of block {b}");
+        if rc == 0 && kv.is_registered(b) {
+            cached += 1;
+        }
+    }
+    assert_eq!(stats.used_blocks as usize, refs.len());
+    assert_eq!(stats.cached_blocks, cached);
+    assert_eq!(stats.logical_tokens, logical);
+    assert_eq!(stats.live_seqs as usize, model.seqs.len());
+    let total_refs: u64 = refs.values().map(|&r| u64::from(r)).sum();
+    assert_eq!(stats.blocks_saved_by_sharing, total_refs - refs.len() as u64);
+    assert!(stats.tokens_stored <= stats.token_slots);
+    // Each table row agrees with the dense table kernels read.
+    for &s in model.seqs.keys() {
+        let row = s.index() as usize * CONFIG.max_blocks_per_seq as usize;
+        let blocks = kv.blocks(s).unwrap();
+        assert_eq!(&kv.block_table()[row..row + blocks.len()], blocks);
+        assert_eq!(kv.seq_lens()[s.index() as usize] as usize, model.seqs[&s].len());
+    }
+}
+
+fn run(ops: &[Op]) {
+    let mut storage = vec![0u64; CONFIG.storage_words()];
+    let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
+    let mut model = Model {
+        seqs: BTreeMap::new(),
+        stale: Vec::new(),
+        arena: vec![None; (CONFIG.num_blocks * BS) as usize],
+        next_unique: 1 << 32,
+    };
+    let mut slots = vec![0u32; 64];
+    for op in ops {
+        let before = snapshot(&kv, &model);
+        let failed: Option<SeqError> = match *op {
+            Op::Create { ns } => match kv.create(u64::from(ns)) {
+                Ok(s) => {
+                    model.seqs.insert(s, Vec::new());
+                    None
+                }
+                Err(e) => Some(e),
+            },
+            Op::CreatePrompt { ns, base, len, tail } => {
+                let mut prompt = base_prompt(base, len as usize);
+                if tail % 2 == 1 {
+                    prompt.push(1000 + u32::from(tail));
+                }
+                match kv.create_with_prompt(u64::from(ns), &prompt, &mut slots) {
+                    Ok(start) => {
+                        let r = start.reused_tokens as usize;
+                        assert_eq!(r % BS as usize, 0);
+                        assert!(r == 0 || r < prompt.len());
+                        assert_eq!(start.appended.copy, None);
+                        let cells: Vec<Cell> =
+                            prompt.iter().enumerate().map(|(p, &t)| (u64::from(t), p as u32)).collect();
+                        model.seqs.insert(start.seq, cells[..r].to_vec());
+                        assert_new_slots_unique(&kv, &model, start.seq, r as u32, &slots[..prompt.len() - r]);
+                        write_back(&mut model, None, &slots[..prompt.len() - r], &cells[r..]);
+                        model.seqs.insert(start.seq, cells);
+                        None
+                    }
+                    Err(e) => Some(e),
+                }
+            }
+            Op::Append { seq, n, with_ids, alphabet } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let len = model.seqs[&s].len() as u32;
+                    let ids: Vec<u32> = (0..n).map(|k| (len + u32::from(k)) % u32::from(alphabet)).collect();
+                    let result = if with_ids {
+                        kv.append_tokens(s, &ids, &mut slots)
+                    } else {
+                        kv.append(s, u32::from(n), &mut slots)
+                    };
+                    match result {
+                        Ok(appended) => {
+                            let cells: Vec<Cell> = (0..n)
+                                .map(|k| {
+                                    let content = if with_ids {
+                                        u64::from(ids[k as usize])
+                                    } else {
+                                        model.next_unique += 1;
+                                        model.next_unique
+                                    };
+                                    (content, len + u32::from(k))
+                                })
+                                .collect();
+                            let new = &slots[..n as usize];
+                            if let Some(c) = appended.copy {
+                                assert_eq!(kv.refcount(c.dst), Some(1));
+                                assert!(kv.refcount(c.src).unwrap() >= 1);
+                            }
+                            // The copy is applied before checking uniqueness of the targets.
+                            write_back(&mut model, appended.copy, &[], &[]);
+                            assert_new_slots_unique(&kv, &model, s, len, new);
+                            write_back(&mut model, None, new, &cells);
+                            model.seqs.get_mut(&s).unwrap().extend(cells);
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
+            Op::Fork { seq } => match pick(&model, seq) {
+                None => None,
+                Some(s) => match kv.fork(s) {
+                    Ok(child) => {
+                        let cells = model.seqs[&s].clone();
+                        model.seqs.insert(child, cells);
+                        None
+                    }
+                    Err(e) => Some(e),
+                },
+            },
+            Op::Truncate { seq, keep_percent } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let len = model.seqs[&s].len();
+                    let keep = len * keep_percent as usize / 100;
+                    kv.truncate(s, keep as u32).unwrap();
+                    model.seqs.get_mut(&s).unwrap().truncate(keep);
+                    let over = kv.truncate(s, keep as u32 + 1);
+                    assert_eq!(over, Err(SeqError::BeyondLength { requested: keep as u32 + 1, len: keep as u32 }));
+                    None
+                }
+            },
+            Op::Release { seq } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    kv.release(s).unwrap();
+                    model.seqs.remove(&s);
+                    model.stale.push(s);
+                    None
+                }
+            },
+            Op::Evict { n } => {
+                let cached = kv.stats().cached_blocks;
+                let evicted = kv.evict_cached(u32::from(n));
+                assert_eq!(evicted, cached.min(u32::from(n)));
+                assert_eq!(kv.stats().cached_blocks, cached - evicted);
+                None
+            }
+            Op::UseStale { which } => {
+                if let Some(&s) = model.stale.get(which as usize % model.stale.len().max(1)) {
+                    assert_eq!(kv.release(s), Err(SeqError::StaleHandle));
+                    assert_eq!(kv.append(s, 1, &mut slots), Err(SeqError::StaleHandle));
+                    assert_eq!(kv.fork(s), Err(SeqError::StaleHandle));
+                    assert_eq!(kv.truncate(s, 0), Err(SeqError::StaleHandle));
+                    assert_eq!(kv.len(s), Err(SeqError::StaleHandle));
+                    Some(SeqError::StaleHandle)
+                } else {
+                    None
+                }
+            }
+        };
+        if let Some(e) = failed {
+            assert!(
+                matches!(
+                    e,
+                    SeqError::OutOfBlocks { .. }
+                        | SeqError::TooLong { .. }
+                        | SeqError::NoFreeSequence
+                        | SeqError::StaleHandle
+                ),
+                "unexpected error {e:?} for {op:?}"
+            );
+            assert_eq!(snapshot(&kv, &model), before, "failed {op:?} changed the state");
+        }
+        check_invariants(&kv, &model);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_operations_match_the_model(ops in proptest::collection::vec(op(), 1..120)) {
+        run(&ops);
+    }
+}
+
+/// The same operations give the same block ids, every time.
+#[test]
+fn deterministic_block_ids() {
+    let script = |kv: &mut BlockManager<'_>| -> Vec<Vec<u32>> {
+        let mut slots = [0u32; 64];
+        let a = kv.create_with_prompt(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &mut slots).unwrap().seq;
+        let b = kv.fork(a).unwrap();
+        kv.append_tokens(b, &[4, 4, 4], &mut slots).unwrap();
+        kv.append(a, 5, &mut slots).unwrap();
+        kv.truncate(a, 3).unwrap();
+        let c = kv.create_with_prompt(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 9], &mut slots).unwrap().seq;
+        kv.release(b).unwrap();
+        let d = kv.create(1).unwrap();
+        kv.append(d, 13, &mut slots).unwrap();
+        [a, c, d].iter().map(|&s| kv.blocks(s).unwrap().to_vec()).collect()
+    };
+    let mut s1 = vec![0u64; CONFIG.storage_words()];
+    let mut s2 = vec![0u64; CONFIG.storage_words()];
+    let first = script(&mut BlockManager::new(CONFIG, &mut s1).unwrap());
+    let second = script(&mut BlockManager::new(CONFIG, &mut s2).unwrap());
+    assert_eq!(first, second);
+    // Lowest free index first: `a` took block 0..3 of the prompt; `c` reuses 0 and 1.
+    assert_eq!(first[0], vec![0]);
+    assert_eq!(&first[1][..2], &[0, 1]);
+}
