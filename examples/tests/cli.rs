@@ -1,0 +1,56 @@
+//! The binaries end to end: bad input is an error message and exit code 2, never a panic.
+
+use std::process::Command;
+
+fn replay(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_replay"))
+        .args(args)
+        .output()
+        .expect("run replay");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_flags_and_traces_exit_2_with_a_message() {
+    let (code, _, err) = replay(&["--model", "nope"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.starts_with("error: --model \"nope\" is not a known preset"),
+        "{err}"
+    );
+    let dir = std::env::temp_dir().join(format!("kvpage-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("t.csv");
+    std::fs::write(&p, "TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n1,2\n").unwrap();
+    let (code, _, err) = replay(&["--trace", p.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("trace line 3: expected 3 comma-separated fields"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_small_replay_prints_the_table() {
+    let (code, out, err) = replay(&["--limit", "200", "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("contiguous") && out.contains("paged-swap"));
+    assert!(out.contains("replay wall time"));
+    assert!(err.is_empty(), "--quiet prints nothing on stderr: {err}");
+}
+
+#[test]
+fn incident_runs() {
+    let out = Command::new(env!("CARGO_BIN_EXE_incident"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("admitted in step 1"));
+}
