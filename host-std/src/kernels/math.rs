@@ -1,11 +1,70 @@
-//! Vector arithmetic of the attention inner loops: dot products, scaled accumulation
-//! and a branch-free `exp`, written over fixed-width lane arrays so that the compiler
-//! vectorizes them (SSE2 in the portable build, AVX2 + FMA in the x86 build of the same
-//! code, see [`super::online`]).
-//!
-//! `FUSED` selects `mul_add` (one rounding, one instruction with FMA) or a separate
-//! multiply and add; the portable build must not use `mul_add`, which becomes a library
-//! call on CPUs without FMA.
+//! Vector arithmetic of the attention inner loops, behind the [`Simd`] trait: the
+//! portable implementation here (lane arrays the compiler may vectorize, separate
+//! multiply and add: `mul_add` is a library call on CPUs without FMA), and an AVX2 + FMA
+//! one in [`super::avx2`]. Also the branch-free scalar `exp` both use.
+
+/// The arithmetic of one chunk of attention, implemented per instruction set. Every
+/// method is O(its inputs); all take `f32` slices already widened from storage.
+pub(crate) trait Simd: Copy {
+    /// `s[r * s_stride + t] = q_r · k_t` for the four rows `q_r = q[r * hd..(r + 1) * hd]`
+    /// and tokens `t < n` (`k_t = k[t * hd..(t + 1) * hd]`).
+    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize);
+    /// `s[t] = q · k_t` for tokens `t < n`.
+    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]);
+    /// `acc_r[d] += Σ_{t<n} p_r[t] * v_t[d]` for the two rows `acc_r = acc[r * hd..]`
+    /// with weights `p0`, `p1`.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize);
+    /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
+    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize);
+    /// Maximum of `x` (`-inf` when empty).
+    fn max(self, x: &[f32]) -> f32;
+    /// `x[i] = exp(x[i] - shift)` (with [`exp`]'s accuracy), returns `Σ x[i]`.
+    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32;
+    /// `x[i] *= c`.
+    fn scale(self, x: &mut [f32], c: f32);
+}
+
+/// The portable implementation (any CPU).
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+impl Simd for Portable {
+    #[inline(always)]
+    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
+        for r in 0..4 {
+            self.scores1(&q[r * hd..(r + 1) * hd], k, hd, n, &mut s[r * s_stride..]);
+        }
+    }
+    #[inline(always)]
+    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+        for (st, kt) in s[..n].iter_mut().zip(k.chunks_exact(hd)) {
+            *st = dot(q, kt);
+        }
+    }
+    #[inline(always)]
+    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+        let (a0, a1) = acc[..2 * hd].split_at_mut(hd);
+        accumulate(a0, &p0[..n], v);
+        accumulate(a1, &p1[..n], v);
+    }
+    #[inline(always)]
+    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+        accumulate(&mut acc[..hd], &p[..n], v);
+    }
+    #[inline(always)]
+    fn max(self, x: &[f32]) -> f32 {
+        max(x)
+    }
+    #[inline(always)]
+    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
+        exp_shifted_sum(x, shift)
+    }
+    #[inline(always)]
+    fn scale(self, x: &mut [f32], c: f32) {
+        scale(x, c)
+    }
+}
 
 /// Lanes of the accumulators: 16 `f32`, two AVX2 registers or one AVX-512 register.
 const LANES: usize = 16;
@@ -13,19 +72,9 @@ const LANES: usize = 16;
 /// Width of the register-blocked accumulation in [`accumulate`].
 const ACC_BLOCK: usize = 32;
 
-/// `a * b + c`, fused when `FUSED`. O(1).
-#[inline(always)]
-pub(crate) fn fma<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FUSED {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
 /// Dot product of two equally long slices, accumulated in `LANES` partial sums. O(n).
 #[inline(always)]
-pub(crate) fn dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0.0f32; LANES];
@@ -33,12 +82,12 @@ pub(crate) fn dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut bc = b.chunks_exact(LANES);
     for (x, y) in (&mut ac).zip(&mut bc) {
         for l in 0..LANES {
-            acc[l] = fma::<FUSED>(x[l], y[l], acc[l]);
+            acc[l] = x[l] * y[l] + acc[l];
         }
     }
     let mut tail = 0.0f32;
     for (x, y) in ac.remainder().iter().zip(bc.remainder()) {
-        tail = fma::<FUSED>(*x, *y, tail);
+        tail = *x * *y + tail;
     }
     // Pairwise reduction of the lanes.
     let mut w = LANES / 2;
@@ -55,7 +104,7 @@ pub(crate) fn dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
 /// Register-blocked: a block of `ACC_BLOCK` outputs stays in registers over all tokens.
 /// O(p.len() * dim).
 #[inline(always)]
-pub(crate) fn accumulate<const FUSED: bool>(acc: &mut [f32], p: &[f32], v: &[f32]) {
+pub(crate) fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
     let dim = acc.len();
     if dim == 0 {
         return;
@@ -70,7 +119,7 @@ pub(crate) fn accumulate<const FUSED: bool>(acc: &mut [f32], p: &[f32], v: &[f32
         for (vt, &pt) in v.chunks_exact(dim).zip(p) {
             let vt = &vt[d0..d0 + ACC_BLOCK];
             for l in 0..ACC_BLOCK {
-                a[l] = fma::<FUSED>(pt, vt[l], a[l]);
+                a[l] = pt * vt[l] + a[l];
             }
         }
         acc[d0..d0 + ACC_BLOCK].copy_from_slice(&a);
@@ -79,7 +128,7 @@ pub(crate) fn accumulate<const FUSED: bool>(acc: &mut [f32], p: &[f32], v: &[f32
     if whole < dim {
         for (vt, &pt) in v.chunks_exact(dim).zip(p) {
             for (a, &x) in acc[whole..].iter_mut().zip(&vt[whole..]) {
-                *a = fma::<FUSED>(pt, x, *a);
+                *a = pt * x + *a;
             }
         }
     }
@@ -132,6 +181,14 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     r + sum.iter().sum::<f32>()
 }
 
+/// `ln 2` split into a part with few mantissa bits (exact products with small integers)
+/// and the remainder (Cody–Waite).
+pub(crate) const LN2_HI: f32 = 0.693_145_75;
+/// See [`LN2_HI`].
+pub(crate) const LN2_LO: f32 = 1.428_606_8e-6;
+/// `1.5 * 2^23`: adding it rounds an `f32` to an integer held in the low mantissa bits.
+pub(crate) const EXP_MAGIC: f32 = 12_582_912.0;
+
 /// `e^x` for `x <= 0` (larger arguments are clamped to 0), relative error below
 /// 2e-7; `0` for `x < -87` (including `-inf`). Branch-free so that it vectorizes:
 /// `x = k ln2 + r` with `|r| <= ln2 / 2`, `e^r` by a degree-6 Taylor polynomial
@@ -139,15 +196,10 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = core::f32::consts::LOG2_E;
-    // ln 2 split into a part with few mantissa bits (exact products) and a remainder.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
     let xc = x.clamp(-87.0, 0.0);
-    let t = xc * LOG2E + MAGIC;
-    let k = t.to_bits() as i32 - MAGIC.to_bits() as i32;
-    let kf = t - MAGIC;
+    let t = xc * LOG2E + EXP_MAGIC;
+    let k = t.to_bits() as i32 - EXP_MAGIC.to_bits() as i32;
+    let kf = t - EXP_MAGIC;
     let r = xc - kf * LN2_HI - kf * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -187,8 +239,7 @@ mod tests {
         let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
         let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot::<false>(&a, &b) - want).abs() < 1e-5);
-        assert!((dot::<true>(&a, &b) - want).abs() < 1e-5);
+        assert!((dot(&a, &b) - want).abs() < 1e-5);
 
         for dim in [1usize, 31, 32, 45, 64] {
             let n = 5;
@@ -201,7 +252,7 @@ mod tests {
                     want[d] += p[t] * v[t * dim + d];
                 }
             }
-            accumulate::<false>(&mut acc, &p, &v);
+            accumulate(&mut acc, &p, &v);
             for (g, w) in acc.iter().zip(&want) {
                 assert!((g - w).abs() < 1e-5);
             }

@@ -14,6 +14,8 @@
 //! [`KernelError`]: crate::KernelError
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod contiguous;
 mod copy;
 mod math;

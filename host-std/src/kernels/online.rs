@@ -11,10 +11,10 @@
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
 //!
-//! The routine is compiled twice: portable, and for x86-64 with AVX2 + FMA + F16C,
-//! chosen at run time per task ([`attend`]).
+//! The routine is compiled twice: with the portable arithmetic, and on x86-64 with the
+//! AVX2 + FMA arithmetic ([`super::avx2`]), chosen at run time per task ([`attend`]).
 
-use super::math;
+use super::math::{self, Simd};
 use crate::dtype::Element;
 
 /// Query rows (query token × query head of one group) per task.
@@ -96,7 +96,7 @@ impl Scratch {
 }
 
 /// Runs `task` over `src`, leaving the normalised output rows in `scratch.acc`
-/// (`[task.rows][task.head_dim]`). Picks the AVX2 + FMA build when the CPU has it.
+/// (`[task.rows][task.head_dim]`). Uses the AVX2 + FMA arithmetic when the CPU has it.
 /// O(rows × limit × head_dim). The caller has validated the task (rows within
 /// `MAX_ROWS`, head dim within `MAX_HEAD_DIM`, query rows inside `q`, `src` covering
 /// `context_len` tokens).
@@ -107,44 +107,53 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
     scratch: &mut Scratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if x86::available() {
-        // SAFETY: AVX2, FMA and F16C were detected on this CPU just above.
-        unsafe { x86::attend(task, src, scratch) };
+    if let Some(simd) = super::avx2::Avx2::detect() {
+        // SAFETY: `Avx2::detect` found AVX2, FMA and F16C on this CPU.
+        unsafe { attend_x86(simd, task, src, scratch) };
         return;
     }
-    attend_body::<T, S, false>(task, src, scratch);
+    attend_body(math::Portable, task, src, scratch);
 }
 
+/// [`attend_body`] compiled with AVX2 + FMA enabled, so that the whole body (not just
+/// the intrinsics) uses them.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (as the `Avx2` value proves).
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{attend_body, KvSource, RowTask, Scratch};
-    use crate::dtype::Element;
-
-    /// Whether the CPU has AVX2, FMA and F16C. O(1) after the first call.
-    #[inline]
-    pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    }
-
-    /// [`attend_body`] compiled for AVX2 + FMA.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA and F16C ([`available`] returned true).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend<T: Element, S: KvSource<T>>(
-        task: &RowTask<'_>,
-        src: &S,
-        scratch: &mut Scratch,
-    ) {
-        attend_body::<T, S, true>(task, src, scratch);
-    }
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_x86<T: Element, S: KvSource<T>>(
+    simd: super::avx2::Avx2,
+    task: &RowTask<'_>,
+    src: &S,
+    scratch: &mut Scratch,
+) {
+    attend_body(simd, task, src, scratch);
 }
 
-/// The routine itself; `FUSED` selects fused multiply-add (see [`math::fma`]).
+/// Hints the CPU to fetch `tile` into the cache (no effect on other architectures).
 #[inline(always)]
-fn attend_body<T: Element, S: KvSource<T>, const FUSED: bool>(
+fn prefetch<T>(tile: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = core::mem::size_of_val(tile);
+        let base = tile.as_ptr().cast::<i8>();
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: a prefetch never faults; the address is inside `tile` anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = tile;
+}
+
+/// The routine itself, over the arithmetic `simd`.
+#[inline(always)]
+fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
+    simd: V,
     task: &RowTask<'_>,
     src: &S,
     sc: &mut Scratch,
@@ -166,54 +175,99 @@ fn attend_body<T: Element, S: KvSource<T>, const FUSED: bool>(
         sc.l[j] = 0.0;
         sc.acc[j * hd..(j + 1) * hd].fill(0.0);
     }
-    // Rows are ordered by query token, so the last row sees the most tokens.
+    // Rows are ordered by query token, so later rows see at least as many tokens.
     let end = sc.limit[rows - 1];
+    let visible = |limit: usize, t0: usize, n: usize| limit.saturating_sub(t0).min(n);
 
     let mut t0 = 0;
+    let mut n = src.run(0).min(chunk_max).min(end);
     while t0 < end {
-        let n = src.run(t0).min(chunk_max).min(end - t0);
+        let next = t0 + n;
+        let next_n = if next < end {
+            src.run(next).min(chunk_max).min(end - next)
+        } else {
+            0
+        };
+        if next_n > 0 {
+            prefetch(src.tile(0, next, next_n));
+            prefetch(src.tile(1, next, next_n));
+        }
 
-        // Scores from the widened K tile.
+        // Scores from the widened K tile, four rows at a time (each K vector loaded
+        // once for four query rows). Scores past a row's limit are computed for the
+        // group's widest row and zeroed after the exponentials.
         T::widen(src.tile(0, t0, n), &mut sc.tile[..n * hd]);
-        for j in 0..rows {
-            let vis = sc.limit[j].saturating_sub(t0).min(n);
-            let q = &sc.q[j * hd..(j + 1) * hd];
-            let s = &mut sc.s[j * MAX_CHUNK..j * MAX_CHUNK + vis];
-            for (st, kt) in s.iter_mut().zip(sc.tile.chunks_exact(hd)) {
-                *st = math::dot::<FUSED>(q, kt);
+        let k = &sc.tile[..n * hd];
+        let mut j = 0;
+        while j < rows {
+            let group = (rows - j).min(4);
+            let vis = visible(sc.limit[j + group - 1], t0, n);
+            if group == 1 {
+                simd.scores1(
+                    &sc.q[j * hd..(j + 1) * hd],
+                    k,
+                    hd,
+                    vis,
+                    &mut sc.s[j * MAX_CHUNK..],
+                );
+            } else {
+                simd.scores4(
+                    &sc.q[j * hd..(j + 4) * hd],
+                    k,
+                    hd,
+                    vis,
+                    &mut sc.s[j * MAX_CHUNK..],
+                    MAX_CHUNK,
+                );
             }
-            // Online softmax: new running max, rescale what was accumulated so far.
+            j += group;
+        }
+
+        // Online softmax: new running max, weights, rescale what was accumulated.
+        for j in 0..rows {
+            let vis = visible(sc.limit[j], t0, n);
+            let s = &mut sc.s[j * MAX_CHUNK..(j + 1) * MAX_CHUNK];
             if vis > 0 {
-                let m_new = sc.m[j].max(math::max(s));
+                let m_new = sc.m[j].max(simd.max(&s[..vis]));
                 let corr = math::exp(sc.m[j] - m_new);
-                let sum = math::exp_shifted_sum(s, m_new);
+                let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
                 sc.l[j] = sc.l[j] * corr + sum;
                 if corr != 1.0 {
-                    math::scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
+                    simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
                 }
                 sc.m[j] = m_new;
             }
+            s[vis..n].fill(0.0);
         }
 
-        // Weighted values from the widened V tile.
+        // Weighted values from the widened V tile, two rows at a time.
         T::widen(src.tile(1, t0, n), &mut sc.tile[..n * hd]);
-        for j in 0..rows {
-            let vis = sc.limit[j].saturating_sub(t0).min(n);
-            if vis > 0 {
-                let p = &sc.s[j * MAX_CHUNK..j * MAX_CHUNK + vis];
-                math::accumulate::<FUSED>(
+        let v = &sc.tile[..n * hd];
+        let mut j = 0;
+        while j < rows {
+            if j + 1 < rows {
+                let vis = visible(sc.limit[j + 1], t0, n);
+                let (p0, p1) = sc.s[j * MAX_CHUNK..(j + 2) * MAX_CHUNK].split_at(MAX_CHUNK);
+                simd.accumulate2(&mut sc.acc[j * hd..(j + 2) * hd], p0, p1, v, hd, vis);
+                j += 2;
+            } else {
+                let vis = visible(sc.limit[j], t0, n);
+                simd.accumulate1(
                     &mut sc.acc[j * hd..(j + 1) * hd],
-                    p,
-                    &sc.tile[..vis * hd],
+                    &sc.s[j * MAX_CHUNK..],
+                    v,
+                    hd,
+                    vis,
                 );
+                j += 1;
             }
         }
-        t0 += n;
+        t0 = next;
+        n = next_n;
     }
 
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
-        let inv = 1.0 / sc.l[j];
-        math::scale(&mut sc.acc[j * hd..(j + 1) * hd], inv);
+        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], 1.0 / sc.l[j]);
     }
 }

@@ -1,0 +1,638 @@
+//! [`KvCache`]: the owned paged KV cache — the core's block manager, its storage, the
+//! arena and the kernels behind one type.
+//!
+//! Everything is allocated once in [`KvCache::new`]: the manager's tables, the arena, and
+//! two small buffers (a slot buffer of `max_seq_len` entries, a batch buffer of
+//! `max_seqs` entries). No later operation allocates.
+//!
+//! What the type enforces, beyond the core's own checks:
+//! - A [`Seq`] from another cache is refused: each cache gets its own instance tag from a
+//!   process-wide counter, and the core refuses handles with another tag
+//!   ([`SeqError::ForeignHandle`]). A released handle is stale ([`SeqError::StaleHandle`]).
+//! - Copy-on-write is executed inside the append that reports it; the caller cannot
+//!   forget it.
+//! - K/V can only be written at positions appended since the sequence last became
+//!   shareable (the pending range `[pending, len)`): never into a block another sequence
+//!   reads. A fork closes the pending range of both sequences.
+
+use core::mem::ManuallyDrop;
+use core::sync::atomic::{AtomicU32, Ordering};
+
+use half::{bf16, f16};
+use kvpage_core::{
+    BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, SeqId, Stats,
+};
+
+use crate::arena::{Arena, ArenaAllocError, KvLayout};
+use crate::error::KernelError;
+use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery};
+
+/// Instance tags handed to caches; 0 is never used.
+static NEXT_INSTANCE: AtomicU32 = AtomicU32::new(1);
+
+/// The core manager together with the storage it borrows.
+///
+/// `BlockManager<'a>` borrows `&'a mut [u64]`; to keep both in one owned value the
+/// storage is turned into a raw pointer (`Box::into_raw`) and the manager is built over a
+/// `'static` reborrow of it. The `'static` never leaves this type: [`Tables::get`]
+/// shortens it to `&self`'s lifetime, and [`Tables::get_mut`] is private to this module
+/// and only ever used to call the manager's methods, never to move a manager in or out.
+/// `Drop` drops the manager first and frees the storage after. (The `self_cell` crate
+/// only lends the owner immutably, which a manager over `&mut [u64]` cannot use.)
+struct Tables {
+    manager: ManuallyDrop<BlockManager<'static>>,
+    storage: *mut [u64],
+}
+
+// SAFETY: `Tables` owns the storage exclusively (nothing else holds the pointer); the
+// manager is plain data over that storage, so moving both to another thread is sound.
+unsafe impl Send for Tables {}
+// SAFETY: `&Tables` only gives out `&BlockManager`, whose methods taking `&self` read.
+unsafe impl Sync for Tables {}
+
+impl Tables {
+    /// Allocates `config.storage_words()` words and builds the manager over them.
+    fn new(config: Config) -> Result<Self, InitError> {
+        let storage = Box::into_raw(vec![0u64; config.storage_words()].into_boxed_slice());
+        // SAFETY: `storage` comes from `Box::into_raw`, so it is valid and unique; it
+        // stays allocated until `Drop` (or the error path below) frees it, after the
+        // manager borrowing it is gone.
+        let words: &'static mut [u64] = unsafe { &mut *storage };
+        match BlockManager::new(config, words) {
+            Ok(m) => Ok(Self {
+                manager: ManuallyDrop::new(m),
+                storage,
+            }),
+            Err(e) => {
+                // SAFETY: the failed `new` dropped its borrow; nothing else points here.
+                drop(unsafe { Box::from_raw(storage) });
+                Err(e)
+            }
+        }
+    }
+
+    fn get(&self) -> &BlockManager<'_> {
+        &self.manager
+    }
+
+    /// Only for calling the manager's methods (see the type's docs).
+    fn get_mut(&mut self) -> &mut BlockManager<'static> {
+        &mut self.manager
+    }
+}
+
+impl Drop for Tables {
+    fn drop(&mut self) {
+        // SAFETY: the manager is dropped exactly once, here, before its storage is freed;
+        // the storage pointer came from `Box::into_raw` and is freed exactly once.
+        unsafe {
+            ManuallyDrop::drop(&mut self.manager);
+            drop(Box::from_raw(self.storage));
+        }
+    }
+}
+
+/// How large the arena is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capacity {
+    /// This many blocks.
+    Blocks(u32),
+    /// As many whole blocks as fit in this many bytes.
+    Bytes(u64),
+}
+
+/// What a [`KvCache`] is built from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// The model's KV geometry (layers, KV heads, head dim, block size, storage dtype).
+    pub geometry: Geometry,
+    /// Size of the arena.
+    pub capacity: Capacity,
+    /// Sequences live at once.
+    pub max_seqs: u32,
+    /// Tokens one sequence may hold.
+    pub max_seq_len: u32,
+    /// Threads the attention kernels use (the calling thread included); 0 = one per
+    /// available core.
+    pub threads: usize,
+}
+
+/// Handle of a sequence of one [`KvCache`]. `Copy`; stale once released, refused by
+/// every other cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Seq(SeqId);
+
+impl Seq {
+    /// The core's handle (row, generation, instance tag), e.g. to cross an FFI boundary.
+    pub const fn id(&self) -> SeqId {
+        self.0
+    }
+}
+
+/// A sequence created from a prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptSeq {
+    /// The sequence; it holds the whole prompt.
+    pub seq: Seq,
+    /// Leading prompt tokens whose K/V came from the prefix cache. Write K/V (and run
+    /// attention) for positions `reused_tokens..prompt_len` only.
+    pub reused_tokens: u32,
+}
+
+/// Why a [`KvCache`] operation failed. Nothing changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheError {
+    /// The geometry is invalid.
+    Geometry(GeometryError),
+    /// The core refused the configuration.
+    Init(InitError),
+    /// Capacity, lengths or counts do not fit (e.g. more than `u32::MAX` blocks, or a
+    /// zero `max_seq_len`).
+    BadConfig,
+    /// The arena could not be allocated.
+    Alloc(ArenaAllocError),
+    /// A sequence operation failed (stale or foreign handle, out of blocks, ...).
+    Seq(SeqError),
+    /// A kernel refused its inputs (buffer lengths, layer, heads, ...).
+    Kernel(KernelError),
+    /// K/V written outside the sequence's pending range `[pending, len)`.
+    NotWritable {
+        /// First position written.
+        first: u32,
+        /// Tokens written.
+        tokens: u32,
+        /// Start of the pending range.
+        pending: u32,
+        /// Length of the sequence.
+        len: u32,
+    },
+    /// More sequences in one attention call than `max_seqs`.
+    BatchTooLarge {
+        /// Sequences passed.
+        seqs: usize,
+        /// `max_seqs`.
+        max: usize,
+    },
+}
+
+impl core::fmt::Display for CacheError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Geometry(e) => write!(f, "geometry: {e}"),
+            Self::Init(e) => write!(f, "configuration: {e}"),
+            Self::BadConfig => f.write_str("configuration sizes are zero or do not fit"),
+            Self::Alloc(e) => e.fmt(f),
+            Self::Seq(e) => e.fmt(f),
+            Self::Kernel(e) => e.fmt(f),
+            Self::NotWritable {
+                first,
+                tokens,
+                pending,
+                len,
+            } => write!(
+                f,
+                "positions {first}..{} are outside the writable range {pending}..{len}",
+                u64::from(*first) + u64::from(*tokens)
+            ),
+            Self::BatchTooLarge { seqs, max } => {
+                write!(f, "{seqs} sequences in one call, at most {max}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CacheError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Geometry(e) => Some(e),
+            Self::Init(e) => Some(e),
+            Self::Alloc(e) => Some(e),
+            Self::Seq(e) => Some(e),
+            Self::Kernel(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<SeqError> for CacheError {
+    fn from(e: SeqError) -> Self {
+        Self::Seq(e)
+    }
+}
+
+impl From<KernelError> for CacheError {
+    fn from(e: KernelError) -> Self {
+        Self::Kernel(e)
+    }
+}
+
+/// Runs `$body` with `$arena` bound to the arena viewed as its storage type.
+macro_rules! with_dtype {
+    ($dtype:expr, $arena:expr, |$a:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                let $a = $arena.as_slice::<f32>();
+                $body
+            }
+            DType::F16 => {
+                let $a = $arena.as_slice::<f16>();
+                $body
+            }
+            DType::Bf16 => {
+                let $a = $arena.as_slice::<bf16>();
+                $body
+            }
+        }
+    };
+}
+
+/// The owned paged KV cache. See the module docs for what it enforces.
+pub struct KvCache {
+    tables: Tables,
+    arena: Arena,
+    layout: KvLayout,
+    geometry: Geometry,
+    threads: usize,
+    /// Per block-table row: start of the range K/V may be written to.
+    pending: Vec<u32>,
+    /// Slot output of the core's appends (`max_seq_len` entries).
+    slots: Vec<u32>,
+    /// Batch of one attention call (`max_seqs` entries).
+    batch: Vec<SeqQuery>,
+}
+
+impl core::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("geometry", &self.geometry)
+            .field("layout", &self.layout)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl KvCache {
+    /// Allocates everything: the core's tables, the arena (zeroed, every page touched),
+    /// and the small buffers. O(arena bytes + tables).
+    ///
+    /// # Errors
+    /// [`CacheError::BadConfig`] (zero `max_seq_len`, a capacity of zero blocks or more
+    /// than `u32::MAX`), [`CacheError::Init`] from the core, [`CacheError::Kernel`] if
+    /// the layout is unsupported (head dim over [`kernels::MAX_HEAD_DIM`]),
+    /// [`CacheError::Alloc`] if memory is refused.
+    pub fn new(config: CacheConfig) -> Result<Self, CacheError> {
+        let g = config.geometry;
+        let num_blocks = match config.capacity {
+            Capacity::Blocks(n) => u64::from(n),
+            Capacity::Bytes(bytes) => g.blocks_in(bytes),
+        };
+        let num_blocks = u32::try_from(num_blocks).map_err(|_| CacheError::BadConfig)?;
+        if num_blocks == 0 || config.max_seq_len == 0 {
+            return Err(CacheError::BadConfig);
+        }
+        let layout = KvLayout::from_geometry(&g, num_blocks)?;
+        let core_config = Config {
+            num_blocks,
+            block_size: g.block_size(),
+            max_seqs: config.max_seqs,
+            max_blocks_per_seq: config.max_seq_len.div_ceil(g.block_size()),
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1),
+        };
+        core_config.validate().map_err(CacheError::Init)?;
+        let tables = Tables::new(core_config).map_err(CacheError::Init)?;
+        let elem = g.dtype().size_bytes() as usize;
+        let arena = Arena::new(layout.arena_elems() * elem).map_err(CacheError::Alloc)?;
+        let threads = match config.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        Ok(Self {
+            tables,
+            arena,
+            layout,
+            geometry: g,
+            threads,
+            pending: vec![0; config.max_seqs as usize],
+            slots: vec![0; core_config.max_blocks_per_seq as usize * g.block_size() as usize],
+            batch: Vec::with_capacity(config.max_seqs as usize),
+        })
+    }
+
+    fn with_manager<R>(tables: &mut Tables, f: impl FnOnce(&mut BlockManager<'static>) -> R) -> R {
+        f(tables.get_mut())
+    }
+
+    fn manager(&self) -> &BlockManager<'_> {
+        self.tables.get()
+    }
+
+    /// The core's manager, read-only: block table, lengths, reference counts. O(1).
+    pub fn block_manager(&self) -> &BlockManager<'_> {
+        self.manager()
+    }
+
+    /// The model geometry. O(1).
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The arena's element layout. O(1).
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The arena, read-only (e.g. to swap or upload blocks). O(1).
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// Counters of the pool and the sequences. O(1).
+    pub fn stats(&self) -> Stats {
+        self.manager().stats()
+    }
+
+    /// Tokens held by `seq`. O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn len(&self, seq: Seq) -> Result<u32, CacheError> {
+        Ok(self.manager().len(seq.0)?)
+    }
+
+    /// Creates an empty sequence sharing prefix blocks only within `namespace`. O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::NoFreeSequence`].
+    pub fn create(&mut self, namespace: u64) -> Result<Seq, CacheError> {
+        let id = Self::with_manager(&mut self.tables, |m| m.create(namespace))?;
+        self.pending[id.index() as usize] = 0;
+        Ok(Seq(id))
+    }
+
+    /// Creates a sequence holding `prompt`, reusing the longest verified run of cached
+    /// whole blocks of `namespace`; the caller then writes K/V for positions
+    /// `reused_tokens..` only. O(prompt).
+    ///
+    /// # Errors
+    /// The core's ([`SeqError::NoFreeSequence`], [`SeqError::TooLong`],
+    /// [`SeqError::OutOfBlocks`]). Nothing changes on error.
+    pub fn create_with_prompt(
+        &mut self,
+        namespace: u64,
+        prompt: &[u32],
+    ) -> Result<PromptSeq, CacheError> {
+        let slots = &mut self.slots;
+        let start = Self::with_manager(&mut self.tables, |m| {
+            m.create_with_prompt(namespace, prompt, slots)
+        })?;
+        // A new sequence's last block is never shared (the core computes >= 1 token).
+        self.execute_copy(start.appended.copy);
+        self.pending[start.seq.index() as usize] = start.reused_tokens;
+        Ok(PromptSeq {
+            seq: Seq(start.seq),
+            reused_tokens: start.reused_tokens,
+        })
+    }
+
+    /// Appends `tokens` (ids known: full blocks are registered in the prefix cache),
+    /// executing the copy-on-write the core reports. Their K/V must then be written
+    /// with [`KvCache::write_kv`]. O(tokens + block copy).
+    ///
+    /// # Errors
+    /// The core's ([`SeqError::StaleHandle`], [`SeqError::ForeignHandle`],
+    /// [`SeqError::TooLong`], [`SeqError::OutOfBlocks`]). Nothing changes on error.
+    pub fn append_tokens(&mut self, seq: Seq, tokens: &[u32]) -> Result<(), CacheError> {
+        let slots = &mut self.slots;
+        let (len, done) = Self::with_manager(&mut self.tables, |m| {
+            let len = m.len(seq.0)?;
+            m.append_tokens(seq.0, tokens, slots).map(|a| (len, a))
+        })?;
+        self.after_append(seq, len, done.copy);
+        Ok(())
+    }
+
+    /// Appends `n` tokens whose ids are unknown (not registered in the prefix cache);
+    /// otherwise as [`KvCache::append_tokens`]. O(n + block copy).
+    ///
+    /// # Errors
+    /// As [`KvCache::append_tokens`].
+    pub fn append(&mut self, seq: Seq, n: u32) -> Result<(), CacheError> {
+        let slots = &mut self.slots;
+        let (len, done) = Self::with_manager(&mut self.tables, |m| {
+            let len = m.len(seq.0)?;
+            m.append(seq.0, n, slots).map(|a| (len, a))
+        })?;
+        self.after_append(seq, len, done.copy);
+        Ok(())
+    }
+
+    fn after_append(&mut self, seq: Seq, old_len: u32, copy: Option<kvpage_core::BlockCopy>) {
+        self.execute_copy(copy);
+        let p = &mut self.pending[seq.0.index() as usize];
+        *p = (*p).min(old_len);
+    }
+
+    /// Performs a copy-on-write the core reported. The core's block ids are always in
+    /// range and distinct, so this cannot fail.
+    fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
+        if let Some(c) = copy {
+            let pairs = [(c.src, c.dst)];
+            let done = match self.geometry.dtype() {
+                DType::F32 => {
+                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<f32>(), &pairs)
+                }
+                DType::F16 => {
+                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<f16>(), &pairs)
+                }
+                DType::Bf16 => {
+                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<bf16>(), &pairs)
+                }
+            };
+            debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
+        }
+    }
+
+    /// Creates a sequence sharing every block of `seq` (nothing is copied now; the first
+    /// append into a shared partial block copies it). Closes the pending range of both.
+    /// O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::NoFreeSequence`].
+    pub fn fork(&mut self, seq: Seq) -> Result<Seq, CacheError> {
+        let (child, len) = Self::with_manager(&mut self.tables, |m| {
+            m.fork(seq.0).map(|c| (c, m.len(seq.0)))
+        })?;
+        let len = len?;
+        self.pending[seq.0.index() as usize] = len;
+        self.pending[child.index() as usize] = len;
+        Ok(Seq(child))
+    }
+
+    /// Shortens `seq` to `new_len` tokens. O(released blocks).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::BeyondLength`].
+    pub fn truncate(&mut self, seq: Seq, new_len: u32) -> Result<(), CacheError> {
+        Self::with_manager(&mut self.tables, |m| m.truncate(seq.0, new_len))?;
+        let p = &mut self.pending[seq.0.index() as usize];
+        *p = (*p).min(new_len);
+        Ok(())
+    }
+
+    /// Releases `seq`; its handle becomes stale. O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn release(&mut self, seq: Seq) -> Result<(), CacheError> {
+        Ok(Self::with_manager(&mut self.tables, |m| m.release(seq.0))?)
+    }
+
+    /// Evicts up to `max_blocks` cached (unreferenced, registered) blocks; returns how
+    /// many. O(evicted).
+    pub fn evict_cached(&mut self, max_blocks: u32) -> u32 {
+        Self::with_manager(&mut self.tables, |m| m.evict_cached(max_blocks))
+    }
+
+    /// Writes the K and V (`[tokens][kv_heads][head_dim]`, f32) of layer `layer` for
+    /// positions `first..first + tokens` of `seq`, which must lie in its pending range
+    /// (appended since it last became shareable). O(tokens × kv_heads × head_dim).
+    ///
+    /// # Errors
+    /// Nothing is written on error. Handle errors ([`SeqError`]),
+    /// [`CacheError::NotWritable`], and [`KernelError::BufferLength`] /
+    /// [`KernelError::LayerOutOfRange`].
+    pub fn write_kv(
+        &mut self,
+        seq: Seq,
+        layer: u32,
+        first: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), CacheError> {
+        let m = self.tables.get();
+        let len = m.len(seq.0)?;
+        let blocks = m.blocks(seq.0)?;
+        let row = (self.geometry.kv_heads() * self.geometry.head_dim()) as usize;
+        let tokens = k.len() / row.max(1);
+        let pending = self.pending[seq.0.index() as usize];
+        let end = u64::from(first) + tokens as u64;
+        if first < pending || end > u64::from(len) {
+            return Err(CacheError::NotWritable {
+                first,
+                tokens: tokens as u32,
+                pending,
+                len,
+            });
+        }
+        let bs = self.geometry.block_size();
+        let slots = &mut self.slots[..tokens];
+        for (i, s) in slots.iter_mut().enumerate() {
+            let pos = first + i as u32;
+            *s = blocks[(pos / bs) as usize] * bs + pos % bs;
+        }
+        let slots = &self.slots[..tokens];
+        let layout = &self.layout;
+        match self.geometry.dtype() {
+            DType::F32 => {
+                kernels::write_kv(layout, self.arena.as_mut_slice::<f32>(), layer, slots, k, v)
+            }
+            DType::F16 => {
+                kernels::write_kv(layout, self.arena.as_mut_slice::<f16>(), layer, slots, k, v)
+            }
+            DType::Bf16 => kernels::write_kv(
+                layout,
+                self.arena.as_mut_slice::<bf16>(),
+                layer,
+                slots,
+                k,
+                v,
+            ),
+        }?;
+        Ok(())
+    }
+
+    /// Decode attention for layer `layer`: one query token per sequence (its last one,
+    /// whose K/V is written), `q` and `out` `[seqs][q_heads][head_dim]`. See
+    /// [`kernels::paged_attention`] for the computation and complexity.
+    ///
+    /// # Errors
+    /// Nothing is written on error. Handle errors ([`SeqError`]) of any sequence,
+    /// [`CacheError::BatchTooLarge`], and the kernel's errors.
+    pub fn decode(
+        &mut self,
+        layer: u32,
+        seqs: &[Seq],
+        q: &[f32],
+        out: &mut [f32],
+        q_heads: u32,
+        scale: f32,
+    ) -> Result<(), CacheError> {
+        self.batch.clear();
+        self.check_batch(seqs.len())?;
+        for s in seqs {
+            let len = self.manager().len(s.0)?;
+            self.batch.push(SeqQuery::decode(s.0.index(), len));
+        }
+        self.run_attention(layer, q, out, q_heads, scale)
+    }
+
+    /// Chunked-prefill attention for layer `layer`: for each `(seq, n)` the last `n`
+    /// tokens of `seq` are queries (causal over the whole context), `q` and `out`
+    /// `[Σ n][q_heads][head_dim]`. Decode is the case `n = 1`.
+    ///
+    /// # Errors
+    /// As [`KvCache::decode`], plus [`KernelError::QueriesExceedContext`].
+    pub fn prefill(
+        &mut self,
+        layer: u32,
+        seqs: &[(Seq, u32)],
+        q: &[f32],
+        out: &mut [f32],
+        q_heads: u32,
+        scale: f32,
+    ) -> Result<(), CacheError> {
+        self.batch.clear();
+        self.check_batch(seqs.len())?;
+        for &(s, n) in seqs {
+            let len = self.manager().len(s.0)?;
+            self.batch.push(SeqQuery {
+                row: s.0.index(),
+                context_len: len,
+                queries: n,
+            });
+        }
+        self.run_attention(layer, q, out, q_heads, scale)
+    }
+
+    fn check_batch(&self, n: usize) -> Result<(), CacheError> {
+        let max = self.batch.capacity();
+        if n > max {
+            return Err(CacheError::BatchTooLarge { seqs: n, max });
+        }
+        Ok(())
+    }
+
+    fn run_attention(
+        &self,
+        layer: u32,
+        q: &[f32],
+        out: &mut [f32],
+        q_heads: u32,
+        scale: f32,
+    ) -> Result<(), CacheError> {
+        let m = self.manager();
+        let table = BlockTable {
+            table: m.block_table(),
+            stride: m.config().max_blocks_per_seq,
+        };
+        let params = AttentionParams {
+            q_heads,
+            scale,
+            threads: self.threads,
+        };
+        with_dtype!(self.geometry.dtype(), self.arena, |a| {
+            kernels::paged_attention(&self.layout, a, layer, table, &self.batch, q, out, params)
+        })?;
+        Ok(())
+    }
+}

@@ -1,0 +1,376 @@
+//! [`Simd`] with AVX2 + FMA intrinsics (x86-64): the compiler's auto-vectorization of
+//! the portable lane arrays gave 2-wide code for the dot products, so the hot loops are
+//! written out. Each method checks its slice bounds once, then loads unaligned.
+//!
+//! Registers: scores take 4 query rows × 16 lanes per token (8 independent FMA chains,
+//! enough to cover the FMA latency); accumulation keeps 2 rows × 32 output lanes in
+//! registers across all tokens of a chunk, so each V vector loaded feeds two FMAs.
+
+use core::arch::x86_64::*;
+
+use super::math::{self, Simd};
+
+/// The AVX2 + FMA implementation. Only [`Avx2::detect`] makes one, so holding a value
+/// proves the CPU has the instructions.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2 {
+    _proof: (),
+}
+
+impl Avx2 {
+    /// `Some` if the CPU has AVX2, FMA and F16C. O(1) after the first call.
+    #[inline]
+    pub(crate) fn detect() -> Option<Self> {
+        let ok = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c");
+        ok.then_some(Self { _proof: () })
+    }
+}
+
+// SAFETY (every method): an `Avx2` value exists only when `detect` found AVX2 and FMA.
+impl Simd for Avx2 {
+    #[inline(always)]
+    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
+        unsafe { scores4(q, k, hd, n, s, s_stride) }
+    }
+    #[inline(always)]
+    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+        unsafe { scores1(q, k, hd, n, s) }
+    }
+    #[inline(always)]
+    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+        unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+    }
+    #[inline(always)]
+    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+        unsafe { accumulate1(acc, p, v, hd, n) }
+    }
+    #[inline(always)]
+    fn max(self, x: &[f32]) -> f32 {
+        unsafe { max(x) }
+    }
+    #[inline(always)]
+    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
+        unsafe { exp_shifted_sum(x, shift) }
+    }
+    #[inline(always)]
+    fn scale(self, x: &mut [f32], c: f32) {
+        unsafe { scale(x, c) }
+    }
+}
+
+/// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+    let mut out = [0.0f32; 4];
+    // SAFETY: `out` holds 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+    out
+}
+
+/// Horizontal sum of one vector.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum(a: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// See [`Simd::scores4`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stride: usize) {
+    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
+    let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
+    let qp = q.as_ptr();
+    for t in 0..n {
+        // SAFETY: every load below reads `qp[r * hd + d..+8]` or `kt[d..+8]` with
+        // `d + 8 <= hd` (asserted lengths above).
+        let sums = unsafe {
+            let kt = k.as_ptr().add(t * hd);
+            let mut a = [_mm256_setzero_ps(); 8];
+            let mut d = 0;
+            while d < w16 {
+                let k0 = _mm256_loadu_ps(kt.add(d));
+                let k1 = _mm256_loadu_ps(kt.add(d + 8));
+                for r in 0..4 {
+                    let qr = qp.add(r * hd + d);
+                    a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), k0, a[2 * r]);
+                    a[2 * r + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(8)), k1, a[2 * r + 1]);
+                }
+                d += 16;
+            }
+            if d < w8 {
+                let k0 = _mm256_loadu_ps(kt.add(d));
+                for r in 0..4 {
+                    a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
+                }
+            }
+            hsum4(
+                _mm256_add_ps(a[0], a[1]),
+                _mm256_add_ps(a[2], a[3]),
+                _mm256_add_ps(a[4], a[5]),
+                _mm256_add_ps(a[6], a[7]),
+            )
+        };
+        for (r, sum) in sums.into_iter().enumerate() {
+            let tail: f32 = (w8..hd).map(|d| q[r * hd + d] * k[t * hd + d]).sum();
+            s[r * stride + t] = sum + tail;
+        }
+    }
+}
+
+/// See [`Simd::scores1`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
+    let w32 = hd / 32 * 32;
+    let w8 = hd / 8 * 8;
+    for t in 0..n {
+        // SAFETY: loads of `q[d..+8]`, `kt[d..+8]` with `d + 8 <= hd`.
+        let sum = unsafe {
+            let (qp, kt) = (q.as_ptr(), k.as_ptr().add(t * hd));
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut d = 0;
+            while d < w32 {
+                for (i, acc) in a.iter_mut().enumerate() {
+                    let o = d + 8 * i;
+                    *acc = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(qp.add(o)),
+                        _mm256_loadu_ps(kt.add(o)),
+                        *acc,
+                    );
+                }
+                d += 32;
+            }
+            while d < w8 {
+                a[0] =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(kt.add(d)), a[0]);
+                d += 8;
+            }
+            hsum(_mm256_add_ps(
+                _mm256_add_ps(a[0], a[1]),
+                _mm256_add_ps(a[2], a[3]),
+            ))
+        };
+        let tail: f32 = (w8..hd).map(|d| q[d] * k[t * hd + d]).sum();
+        s[t] = sum + tail;
+    }
+}
+
+/// See [`Simd::accumulate2`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+    assert!(acc.len() >= 2 * hd && p0.len() >= n && p1.len() >= n && v.len() >= n * hd);
+    let (w32, w8) = (hd / 32 * 32, hd / 8 * 8);
+    let (a0p, a1p) = (acc.as_mut_ptr(), acc[hd..].as_mut_ptr());
+    let vp = v.as_ptr();
+    let mut d = 0;
+    // SAFETY: accesses `acc[d..+32]`, `acc[hd + d..+32]`, `v[t * hd + d..+32]` with
+    // `d + 32 <= hd` and `t < n` (asserted lengths above); then the same with 8.
+    unsafe {
+        while d < w32 {
+            let mut x0 = [_mm256_setzero_ps(); 4];
+            let mut x1 = [_mm256_setzero_ps(); 4];
+            for i in 0..4 {
+                x0[i] = _mm256_loadu_ps(a0p.add(d + 8 * i));
+                x1[i] = _mm256_loadu_ps(a1p.add(d + 8 * i));
+            }
+            for t in 0..n {
+                let (b0, b1) = (_mm256_set1_ps(p0[t]), _mm256_set1_ps(p1[t]));
+                let vt = vp.add(t * hd + d);
+                for i in 0..4 {
+                    let x = _mm256_loadu_ps(vt.add(8 * i));
+                    x0[i] = _mm256_fmadd_ps(b0, x, x0[i]);
+                    x1[i] = _mm256_fmadd_ps(b1, x, x1[i]);
+                }
+            }
+            for i in 0..4 {
+                _mm256_storeu_ps(a0p.add(d + 8 * i), x0[i]);
+                _mm256_storeu_ps(a1p.add(d + 8 * i), x1[i]);
+            }
+            d += 32;
+        }
+        while d < w8 {
+            let (mut x0, mut x1) = (_mm256_loadu_ps(a0p.add(d)), _mm256_loadu_ps(a1p.add(d)));
+            for t in 0..n {
+                let x = _mm256_loadu_ps(vp.add(t * hd + d));
+                x0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[t]), x, x0);
+                x1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[t]), x, x1);
+            }
+            _mm256_storeu_ps(a0p.add(d), x0);
+            _mm256_storeu_ps(a1p.add(d), x1);
+            d += 8;
+        }
+    }
+    for d in w8..hd {
+        for t in 0..n {
+            acc[d] += p0[t] * v[t * hd + d];
+            acc[hd + d] += p1[t] * v[t * hd + d];
+        }
+    }
+}
+
+/// See [`Simd::accumulate1`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+    assert!(acc.len() >= hd && p.len() >= n && v.len() >= n * hd);
+    let (w64, w8) = (hd / 64 * 64, hd / 8 * 8);
+    let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
+    let mut d = 0;
+    // SAFETY: accesses `acc[d..+64]` and `v[t * hd + d..+64]` with `d + 64 <= hd`,
+    // `t < n`; then the same with 8.
+    unsafe {
+        while d < w64 {
+            let mut x = [_mm256_setzero_ps(); 8];
+            for (i, xi) in x.iter_mut().enumerate() {
+                *xi = _mm256_loadu_ps(ap.add(d + 8 * i));
+            }
+            for (t, &pt) in p[..n].iter().enumerate() {
+                let b = _mm256_set1_ps(pt);
+                let vt = vp.add(t * hd + d);
+                for (i, xi) in x.iter_mut().enumerate() {
+                    *xi = _mm256_fmadd_ps(b, _mm256_loadu_ps(vt.add(8 * i)), *xi);
+                }
+            }
+            for (i, xi) in x.iter().enumerate() {
+                _mm256_storeu_ps(ap.add(d + 8 * i), *xi);
+            }
+            d += 64;
+        }
+        while d < w8 {
+            let mut x = _mm256_loadu_ps(ap.add(d));
+            for (t, &pt) in p[..n].iter().enumerate() {
+                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), _mm256_loadu_ps(vp.add(t * hd + d)), x);
+            }
+            _mm256_storeu_ps(ap.add(d), x);
+            d += 8;
+        }
+    }
+    for d in w8..hd {
+        for t in 0..n {
+            acc[d] += p[t] * v[t * hd + d];
+        }
+    }
+}
+
+/// See [`Simd::max`].
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn max(x: &[f32]) -> f32 {
+    let w8 = x.len() / 8 * 8;
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in x[..w8].chunks_exact(8) {
+        // SAFETY: `c` holds 8 floats.
+        m = _mm256_max_ps(m, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    lanes
+        .iter()
+        .chain(&x[w8..])
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// See [`Simd::exp_shifted_sum`]: [`math::exp`], eight lanes at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
+    let w8 = x.len() / 8 * 8;
+    let shift_v = _mm256_set1_ps(shift);
+    let lo = _mm256_set1_ps(-87.0);
+    let zero = _mm256_setzero_ps();
+    let log2e = _mm256_set1_ps(core::f32::consts::LOG2_E);
+    let magic = _mm256_set1_ps(math::EXP_MAGIC);
+    let magic_bits = _mm256_set1_epi32(math::EXP_MAGIC.to_bits() as i32);
+    let (ln2_hi, ln2_lo) = (_mm256_set1_ps(math::LN2_HI), _mm256_set1_ps(math::LN2_LO));
+    let c: [__m256; 6] = [
+        _mm256_set1_ps(1.0 / 720.0),
+        _mm256_set1_ps(1.0 / 120.0),
+        _mm256_set1_ps(1.0 / 24.0),
+        _mm256_set1_ps(1.0 / 6.0),
+        _mm256_set1_ps(0.5),
+        _mm256_set1_ps(1.0),
+    ];
+    let mut sum = _mm256_setzero_ps();
+    for ch in x[..w8].chunks_exact_mut(8) {
+        // SAFETY: `ch` holds 8 floats.
+        let xv = _mm256_sub_ps(unsafe { _mm256_loadu_ps(ch.as_ptr()) }, shift_v);
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(xv, lo);
+        let xc = _mm256_min_ps(_mm256_max_ps(xv, lo), zero);
+        let t = _mm256_fmadd_ps(xc, log2e, magic);
+        let k = _mm256_sub_epi32(_mm256_castps_si256(t), magic_bits);
+        let kf = _mm256_sub_ps(t, magic);
+        let r = _mm256_fnmadd_ps(kf, ln2_lo, _mm256_fnmadd_ps(kf, ln2_hi, xc));
+        let mut p = c[0];
+        for ci in &c[1..] {
+            p = _mm256_fmadd_ps(p, r, *ci);
+        }
+        p = _mm256_fmadd_ps(p, r, c[5]);
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            k,
+            _mm256_set1_epi32(127),
+        )));
+        let e = _mm256_andnot_ps(under, _mm256_mul_ps(p, pow2));
+        // SAFETY: `ch` holds 8 floats.
+        unsafe { _mm256_storeu_ps(ch.as_mut_ptr(), e) };
+        sum = _mm256_add_ps(sum, e);
+    }
+    let mut total = hsum(sum);
+    for v in &mut x[w8..] {
+        *v = math::exp(*v - shift);
+        total += *v;
+    }
+    total
+}
+
+/// See [`Simd::scale`].
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scale(x: &mut [f32], c: f32) {
+    let cv = _mm256_set1_ps(c);
+    let w8 = x.len() / 8 * 8;
+    for ch in x[..w8].chunks_exact_mut(8) {
+        // SAFETY: `ch` holds 8 floats.
+        unsafe {
+            _mm256_storeu_ps(
+                ch.as_mut_ptr(),
+                _mm256_mul_ps(_mm256_loadu_ps(ch.as_ptr()), cv),
+            )
+        };
+    }
+    for v in &mut x[w8..] {
+        *v *= c;
+    }
+}

@@ -1,0 +1,332 @@
+//! The owned cache: fork, prefix cache and copy-on-write through `KvCache`, checked
+//! against the f64 reference; handle and input errors.
+
+mod common;
+
+use common::{random_vec, reference_attention, rel_error, rng, tolerance};
+use kvpage::{
+    bf16, f16, CacheConfig, CacheError, Capacity, DType, Element, Geometry, KernelError, KvCache,
+    Seq, SeqError,
+};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+const LAYERS: u32 = 2;
+const KV_HEADS: u32 = 2;
+const Q_HEADS: u32 = 4;
+const HEAD_DIM: u32 = 16;
+const ROW: usize = (KV_HEADS * HEAD_DIM) as usize;
+
+fn cache(dtype: DType, block_size: u32, blocks: u32) -> KvCache {
+    let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, block_size, dtype).unwrap();
+    KvCache::new(CacheConfig {
+        geometry,
+        capacity: Capacity::Blocks(blocks),
+        max_seqs: 8,
+        max_seq_len: 256,
+        threads: 2,
+    })
+    .unwrap()
+}
+
+/// K and V of token `token` at position `pos` in layer `layer`: a deterministic function
+/// of the three, so that equal prefixes have equal K/V (as in a real model).
+fn kv_of(token: u32, pos: usize, layer: u32) -> (Vec<f32>, Vec<f32>) {
+    let mut r =
+        StdRng::seed_from_u64(u64::from(token) << 32 | (pos as u64) << 4 | u64::from(layer));
+    (random_vec(&mut r, ROW), random_vec(&mut r, ROW))
+}
+
+/// K/V `[len][kv_heads][head_dim]` of `tokens` in `layer`.
+fn kv_seq(tokens: &[u32], layer: u32) -> (Vec<f32>, Vec<f32>) {
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for (p, &t) in tokens.iter().enumerate() {
+        let (a, b) = kv_of(t, p, layer);
+        k.extend(a);
+        v.extend(b);
+    }
+    (k, v)
+}
+
+/// Writes the K/V of `tokens[from..]` of every layer.
+fn write(cache: &mut KvCache, seq: Seq, tokens: &[u32], from: usize) {
+    for layer in 0..LAYERS {
+        let (k, v) = kv_seq(tokens, layer);
+        cache
+            .write_kv(seq, layer, from as u32, &k[from * ROW..], &v[from * ROW..])
+            .unwrap();
+    }
+}
+
+/// Decodes the last token of every sequence in layer 1 and compares with the reference.
+fn check_decode<T: Element>(cache: &mut KvCache, seqs: &[(Seq, &[u32])], rng: &mut StdRng) {
+    let hd = HEAD_DIM as usize;
+    let q = random_vec(rng, seqs.len() * Q_HEADS as usize * hd);
+    let mut out = vec![f32::NAN; q.len()];
+    let handles: Vec<Seq> = seqs.iter().map(|s| s.0).collect();
+    cache
+        .decode(1, &handles, &q, &mut out, Q_HEADS, 0.25)
+        .unwrap();
+    let per = Q_HEADS as usize * hd;
+    for (i, (_, tokens)) in seqs.iter().enumerate() {
+        let (k, v) = kv_seq(tokens, 1);
+        let want = reference_attention(
+            &k,
+            &v,
+            tokens.len(),
+            KV_HEADS as usize,
+            hd,
+            &q[i * per..(i + 1) * per],
+            Q_HEADS as usize,
+            0.25,
+        );
+        let err = rel_error(&out[i * per..(i + 1) * per], &want);
+        assert!(
+            err <= tolerance::<T>(),
+            "sequence {i}: relative error {err:e}"
+        );
+    }
+}
+
+fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
+    let mut rng = rng(u64::from(block_size));
+    let mut c = cache(T::DTYPE, block_size, 200);
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 7 + 3) % 50).collect();
+
+    // A: the prompt, computed in full.
+    let a = c.create_with_prompt(0, &prompt).unwrap();
+    assert_eq!(a.reused_tokens, 0);
+    write(&mut c, a.seq, &prompt, 0);
+
+    // B: same prompt plus a suffix, in the same namespace: reuses A's whole blocks.
+    let b_tokens: Vec<u32> = prompt.iter().copied().chain([44, 45, 46]).collect();
+    let b = c.create_with_prompt(0, &b_tokens).unwrap();
+    assert_eq!(b.reused_tokens, 70 / block_size * block_size, "block size {block_size}");
+    write(&mut c, b.seq, &b_tokens, b.reused_tokens as usize);
+    let shared = b.reused_tokens.div_ceil(block_size) as usize;
+    assert_eq!(
+        c.block_manager().blocks(a.seq.id()).unwrap()[..shared],
+        c.block_manager().blocks(b.seq.id()).unwrap()[..shared]
+    );
+
+    // Prefill of B's suffix only, over the shared prefix.
+    let hd = HEAD_DIM as usize;
+    let n = b_tokens.len() - b.reused_tokens as usize;
+    let q = random_vec(&mut rng, n * Q_HEADS as usize * hd);
+    let mut out = vec![f32::NAN; q.len()];
+    c.prefill(0, &[(b.seq, n as u32)], &q, &mut out, Q_HEADS, 0.3)
+        .unwrap();
+    let (k, v) = kv_seq(&b_tokens, 0);
+    let want = reference_attention(
+        &k,
+        &v,
+        b_tokens.len(),
+        KV_HEADS as usize,
+        hd,
+        &q,
+        Q_HEADS as usize,
+        0.3,
+    );
+    assert!(rel_error(&out, &want) <= tolerance::<T>());
+
+    // C: a fork of A, sharing its partial last block; both append a different token.
+    let fork = c.fork(a.seq).unwrap();
+    let mut a_tokens = prompt.clone();
+    let mut c_tokens = prompt.clone();
+    a_tokens.push(7);
+    c_tokens.push(9);
+    c.append_tokens(a.seq, &[7]).unwrap();
+    c.append_tokens(fork, &[9]).unwrap();
+    write(&mut c, a.seq, &a_tokens, prompt.len());
+    write(&mut c, fork, &c_tokens, prompt.len());
+    let (la, lc) = (
+        c.block_manager().blocks(a.seq.id()).unwrap(),
+        c.block_manager().blocks(fork.id()).unwrap(),
+    );
+    assert_eq!(la.len(), lc.len());
+    if prompt.len() % block_size as usize != 0 {
+        assert_ne!(
+            la.last(),
+            lc.last(),
+            "copy-on-write gave the fork its own last block"
+        );
+    }
+    check_decode::<T>(
+        &mut c,
+        &[(a.seq, &a_tokens), (fork, &c_tokens), (b.seq, &b_tokens)],
+        &mut rng,
+    );
+
+    // Releasing A leaves the others intact.
+    c.release(a.seq).unwrap();
+    check_decode::<T>(&mut c, &[(fork, &c_tokens), (b.seq, &b_tokens)], &mut rng);
+}
+
+#[test]
+fn fork_prefix_and_copy_on_write_every_dtype_and_block_size() {
+    for bs in [1, 8, 16, 32, 256] {
+        fork_prefix_and_copy_on_write::<f32>(bs);
+        fork_prefix_and_copy_on_write::<f16>(bs);
+        fork_prefix_and_copy_on_write::<bf16>(bs);
+    }
+}
+
+#[test]
+fn arena_sized_in_bytes() {
+    let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, 16, DType::F16).unwrap();
+    let bytes = geometry.bytes_per_block() * 10 + 5;
+    let c = KvCache::new(CacheConfig {
+        geometry,
+        capacity: Capacity::Bytes(bytes),
+        max_seqs: 2,
+        max_seq_len: 64,
+        threads: 0,
+    })
+    .unwrap();
+    assert_eq!(c.stats().total_blocks, 10);
+    assert_eq!(
+        c.arena().len_bytes() as u64,
+        geometry.bytes_per_block() * 10
+    );
+    let tiny = CacheConfig {
+        geometry,
+        capacity: Capacity::Bytes(5),
+        max_seqs: 2,
+        max_seq_len: 64,
+        threads: 0,
+    };
+    assert_eq!(KvCache::new(tiny).unwrap_err(), CacheError::BadConfig);
+}
+
+#[test]
+fn stale_and_foreign_handles_are_refused() {
+    let mut c1 = cache(DType::F32, 8, 16);
+    let mut c2 = cache(DType::F32, 8, 16);
+    let s1 = c1.create(0).unwrap();
+    let s2 = c2.create(0).unwrap();
+    assert_eq!(s1.id().index(), s2.id().index(), "same row in both caches");
+    assert_eq!(
+        c2.append(s1, 3),
+        Err(CacheError::Seq(SeqError::ForeignHandle))
+    );
+    c1.append(s1, 3).unwrap();
+    let kv = vec![0.5f32; 3 * ROW];
+    assert_eq!(
+        c2.write_kv(s1, 0, 0, &kv, &kv),
+        Err(CacheError::Seq(SeqError::ForeignHandle))
+    );
+    let q = vec![0.5f32; Q_HEADS as usize * HEAD_DIM as usize];
+    let mut out = vec![7.0f32; q.len()];
+    assert_eq!(
+        c2.decode(0, &[s1], &q, &mut out, Q_HEADS, 1.0),
+        Err(CacheError::Seq(SeqError::ForeignHandle))
+    );
+    c1.release(s1).unwrap();
+    assert_eq!(c1.release(s1), Err(CacheError::Seq(SeqError::StaleHandle)));
+    assert_eq!(
+        c1.decode(0, &[s1], &q, &mut out, Q_HEADS, 1.0),
+        Err(CacheError::Seq(SeqError::StaleHandle))
+    );
+    let again = c1.create(0).unwrap();
+    assert_eq!(again.id().index(), s1.id().index(), "row reused");
+    assert_eq!(
+        c1.write_kv(s1, 0, 0, &kv, &kv),
+        Err(CacheError::Seq(SeqError::StaleHandle))
+    );
+    assert!(out.iter().all(|x| *x == 7.0));
+}
+
+#[test]
+fn bad_inputs_write_nothing() {
+    let mut rng = rng(3);
+    let mut c = cache(DType::F16, 4, 16);
+    let tokens: Vec<u32> = (0..6).collect();
+    let p = c.create_with_prompt(0, &tokens).unwrap();
+    write(&mut c, p.seq, &tokens, 0);
+    let kv = random_vec(&mut rng, ROW);
+
+    // Writes outside the pending range, wrong lengths, a layer out of range.
+    assert_eq!(
+        c.write_kv(p.seq, 0, 6, &kv, &kv),
+        Err(CacheError::NotWritable {
+            first: 6,
+            tokens: 1,
+            pending: 0,
+            len: 6
+        })
+    );
+    let child = c.fork(p.seq).unwrap();
+    assert_eq!(
+        c.write_kv(p.seq, 0, 5, &kv, &kv),
+        Err(CacheError::NotWritable {
+            first: 5,
+            tokens: 1,
+            pending: 6,
+            len: 6
+        }),
+        "after a fork the shared blocks are read-only"
+    );
+    c.append(child, 1).unwrap();
+    let arena_before = c.arena().as_slice::<f16>().to_vec();
+    assert_eq!(
+        c.write_kv(child, 0, 6, &kv, &kv[..ROW - 1]),
+        Err(CacheError::Kernel(KernelError::BufferLength {
+            buffer: kvpage::Buffer::Values,
+            expected: ROW,
+            actual: ROW - 1
+        }))
+    );
+    assert_eq!(
+        c.write_kv(child, 2, 6, &kv, &kv),
+        Err(CacheError::Kernel(KernelError::LayerOutOfRange {
+            layer: 2,
+            layers: 2
+        }))
+    );
+    assert_eq!(
+        c.arena().as_slice::<f16>(),
+        &arena_before[..],
+        "nothing written"
+    );
+
+    // Attention: heads that do not divide, wrong lengths, layer out of range, batch size.
+    let hd = HEAD_DIM as usize;
+    let q = random_vec(&mut rng, Q_HEADS as usize * hd);
+    let mut out = vec![7.0f32; q.len()];
+    let errs = [
+        c.decode(0, &[p.seq], &q[..3 * hd], &mut out[..3 * hd], 3, 1.0),
+        c.decode(0, &[p.seq], &q[..hd], &mut out, Q_HEADS, 1.0),
+        c.decode(5, &[p.seq], &q, &mut out, Q_HEADS, 1.0),
+        c.prefill(0, &[(p.seq, 7)], &q, &mut out, Q_HEADS, 1.0),
+        c.decode(0, &[p.seq; 9], &q, &mut out, Q_HEADS, 1.0),
+    ];
+    assert_eq!(
+        errs,
+        [
+            Err(CacheError::Kernel(KernelError::HeadsNotDivisible {
+                q_heads: 3,
+                kv_heads: 2
+            })),
+            Err(CacheError::Kernel(KernelError::BufferLength {
+                buffer: kvpage::Buffer::Query,
+                expected: 4 * hd,
+                actual: hd
+            })),
+            Err(CacheError::Kernel(KernelError::LayerOutOfRange {
+                layer: 5,
+                layers: 2
+            })),
+            Err(CacheError::Kernel(KernelError::QueriesExceedContext {
+                queries: 7,
+                context_len: 6
+            })),
+            Err(CacheError::BatchTooLarge { seqs: 9, max: 8 }),
+        ]
+    );
+    assert!(out.iter().all(|x| *x == 7.0), "output untouched");
+    for e in errs {
+        assert!(!e.unwrap_err().to_string().is_empty());
+    }
+    c.decode(0, &[p.seq], &q, &mut out, Q_HEADS, 1.0).unwrap();
+    assert!(out.iter().all(|x| x.is_finite() && *x != 7.0));
+}
