@@ -101,7 +101,11 @@ fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
     // B: same prompt plus a suffix, in the same namespace: reuses A's whole blocks.
     let b_tokens: Vec<u32> = prompt.iter().copied().chain([44, 45, 46]).collect();
     let b = c.create_with_prompt(0, &b_tokens).unwrap();
-    assert_eq!(b.reused_tokens, 70 / block_size * block_size, "block size {block_size}");
+    assert_eq!(
+        b.reused_tokens,
+        70 / block_size * block_size,
+        "block size {block_size}"
+    );
     write(&mut c, b.seq, &b_tokens, b.reused_tokens as usize);
     let shared = b.reused_tokens.div_ceil(block_size) as usize;
     assert_eq!(
@@ -144,7 +148,7 @@ fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
         c.block_manager().blocks(fork.id()).unwrap(),
     );
     assert_eq!(la.len(), lc.len());
-    if prompt.len() % block_size as usize != 0 {
+    if !prompt.len().is_multiple_of(block_size as usize) {
         assert_ne!(
             la.last(),
             lc.last(),

@@ -383,6 +383,9 @@ fn setup() -> Setup {
     }
 }
 
+/// A kernel call writing into the given output.
+type Call<'a> = dyn Fn(&mut Vec<f32>) -> Result<(), KernelError> + 'a;
+
 #[test]
 fn attention_errors_write_nothing() {
     let s = setup();
@@ -397,10 +400,7 @@ fn attention_errors_write_nothing() {
         threads: 2,
     };
     let one = [SeqQuery::decode(0, 9)];
-    let cases: Vec<(
-        KernelError,
-        Box<dyn Fn(&mut Vec<f32>) -> Result<(), KernelError>>,
-    )> = vec![
+    let cases: Vec<(KernelError, Box<Call>)> = vec![
         (
             KernelError::LayerOutOfRange {
                 layer: 2,

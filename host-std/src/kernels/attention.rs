@@ -51,11 +51,7 @@ pub fn paged_attention<T: Element>(
         });
     }
     let stride = table.stride as usize;
-    let rows = if stride == 0 {
-        0
-    } else {
-        table.table.len() / stride
-    };
+    let rows = table.table.len().checked_div(stride).unwrap_or(0);
     let bs = layout.block_size() as usize;
     for s in seqs {
         if s.row as usize >= rows {
@@ -142,7 +138,7 @@ impl Shape {
         out: &[f32],
         params: &AttentionParams,
     ) -> Result<Self, KernelError> {
-        if params.q_heads == 0 || params.q_heads % kv_heads != 0 {
+        if params.q_heads == 0 || !params.q_heads.is_multiple_of(kv_heads) {
             return Err(KernelError::HeadsNotDivisible {
                 q_heads: params.q_heads,
                 kv_heads,

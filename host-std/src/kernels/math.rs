@@ -82,12 +82,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut bc = b.chunks_exact(LANES);
     for (x, y) in (&mut ac).zip(&mut bc) {
         for l in 0..LANES {
-            acc[l] = x[l] * y[l] + acc[l];
+            acc[l] += x[l] * y[l];
         }
     }
     let mut tail = 0.0f32;
     for (x, y) in ac.remainder().iter().zip(bc.remainder()) {
-        tail = *x * *y + tail;
+        tail += *x * *y;
     }
     // Pairwise reduction of the lanes.
     let mut w = LANES / 2;
@@ -119,7 +119,7 @@ pub(crate) fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
         for (vt, &pt) in v.chunks_exact(dim).zip(p) {
             let vt = &vt[d0..d0 + ACC_BLOCK];
             for l in 0..ACC_BLOCK {
-                a[l] = pt * vt[l] + a[l];
+                a[l] += pt * vt[l];
             }
         }
         acc[d0..d0 + ACC_BLOCK].copy_from_slice(&a);
@@ -128,7 +128,7 @@ pub(crate) fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
     if whole < dim {
         for (vt, &pt) in v.chunks_exact(dim).zip(p) {
             for (a, &x) in acc[whole..].iter_mut().zip(&vt[whole..]) {
-                *a = pt * x + *a;
+                *a += pt * x;
             }
         }
     }
