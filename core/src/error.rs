@@ -91,6 +91,24 @@ pub enum SeqError {
         /// Length of the buffer passed.
         got: usize,
     },
+    /// The sequence is swapped out to the host tier: swap it in first.
+    Swapped,
+    /// `swap_in` / `release_swapped` of a sequence that is not swapped out.
+    NotSwapped,
+    /// The host tier has too few free blocks for a swap-out.
+    HostFull {
+        /// Blocks the swap needs.
+        needed: u32,
+        /// Free host blocks.
+        available: u32,
+    },
+    /// The move output buffer is shorter than the blocks of the sequence.
+    MoveBufferTooSmall {
+        /// Moves the operation writes.
+        needed: usize,
+        /// Length of the buffer passed.
+        got: usize,
+    },
     /// `truncate` to a length greater than the current one.
     BeyondLength {
         /// Requested length.
@@ -117,6 +135,14 @@ impl fmt::Display for SeqError {
             }
             Self::SlotBufferTooSmall { needed, got } => {
                 write!(f, "slot buffer too small: need {needed}, got {got}")
+            }
+            Self::Swapped => f.write_str("sequence is swapped out"),
+            Self::NotSwapped => f.write_str("sequence is not swapped out"),
+            Self::HostFull { needed, available } => {
+                write!(f, "host tier full: need {needed} blocks, {available} free")
+            }
+            Self::MoveBufferTooSmall { needed, got } => {
+                write!(f, "move buffer too small: need {needed}, got {got}")
             }
             Self::BeyondLength { requested, len } => {
                 write!(

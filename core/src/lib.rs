@@ -28,10 +28,12 @@
 mod config;
 mod error;
 mod geometry;
+mod host_tier;
 pub mod index_set;
 mod log;
 mod manager;
 mod prefix;
+pub mod scheduler;
 mod shared;
 mod stats;
 mod storage;
@@ -39,7 +41,12 @@ mod storage;
 pub use config::Config;
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
+pub use host_tier::{BlockMove, HostPool};
 pub use index_set::IndexSet;
 pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};
+pub use scheduler::{
+    schedule, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput, StepPlan,
+    SwappedSeq, WaitingSeq,
+};
 pub use shared::SharedManager;
 pub use stats::Stats;

@@ -19,6 +19,7 @@
 
 use crate::config::{Config, U32_PER_BLOCK, U32_PER_SEQ, U64_PER_BLOCK, U64_PER_SEQ};
 use crate::error::{InitError, SeqError};
+use crate::host_tier::{BlockMove, HostPool};
 use crate::index_set::{words_for, IndexSet};
 use crate::log::{debug, trace};
 use crate::prefix::{chain_hash, root_hash, Link, PrefixCache, PrefixStorage};
@@ -29,6 +30,8 @@ const LIVE: u32 = 1;
 /// Every full block of the sequence so far was hashed with known token ids, so the next
 /// full block can be registered in the prefix cache.
 const HASHABLE: u32 = 2;
+/// The sequence's blocks are in the host tier; its row holds host block ids.
+const SWAPPED: u32 = 4;
 
 /// Handle of a live sequence: its row in the block table, the generation of that row and
 /// the tag of the manager that made it. A handle whose sequence was released is stale and
@@ -117,6 +120,8 @@ pub struct BlockManager<'a> {
     seq_len: &'a mut [u32],
     seq_gen: &'a mut [u32],
     seq_flags: &'a mut [u32],
+    /// Length of a swapped-out sequence (its `seq_len` reads 0 meanwhile).
+    seq_swapped_len: &'a mut [u32],
     seq_chain_block: &'a mut [u32],
     seq_chain_gen: &'a mut [u32],
     seq_namespace: &'a mut [u64],
@@ -160,7 +165,7 @@ impl<'a> BlockManager<'a> {
         );
         // Keep the counts in config.rs in step with what is carved here.
         const _: () = assert!(U32_PER_BLOCK == 10 && U64_PER_BLOCK == 2);
-        const _: () = assert!(U32_PER_SEQ == 5 && U64_PER_SEQ == 2);
+        const _: () = assert!(U32_PER_SEQ == 6 && U64_PER_SEQ == 2);
         let refcount = carve.u32s(n);
         let fill = carve.u32s(n);
         let prefix = PrefixCache::new(
@@ -197,6 +202,7 @@ impl<'a> BlockManager<'a> {
             seq_len: carve.u32s(s),
             seq_gen: carve.u32s(s),
             seq_flags: carve.u32s(s),
+            seq_swapped_len: carve.u32s(s),
             seq_chain_block: carve.u32s(s),
             seq_chain_gen: carve.u32s(s),
             seq_namespace: carve.words(s),
@@ -307,7 +313,8 @@ impl<'a> BlockManager<'a> {
 
     // ----- sequences --------------------------------------------------------------------
 
-    fn check(&self, seq: SeqId) -> Result<usize, SeqError> {
+    /// Index of live sequence `seq`, in either residency.
+    fn check_any(&self, seq: SeqId) -> Result<usize, SeqError> {
         if seq.instance != self.config.instance {
             return Err(SeqError::ForeignHandle);
         }
@@ -316,6 +323,27 @@ impl<'a> BlockManager<'a> {
             (Some(&flags), Some(&gen)) if flags & LIVE != 0 && gen == seq.generation => Ok(i),
             _ => Err(SeqError::StaleHandle),
         }
+    }
+
+    /// Index of live, device-resident sequence `seq`.
+    fn check(&self, seq: SeqId) -> Result<usize, SeqError> {
+        let i = self.check_any(seq)?;
+        if self.seq_flags[i] & SWAPPED != 0 {
+            return Err(SeqError::Swapped);
+        }
+        Ok(i)
+    }
+
+    /// Index of live, swapped-out sequence `seq`, checking `host` belongs to this manager.
+    fn check_swapped(&self, seq: SeqId, host: &HostPool<'_>) -> Result<usize, SeqError> {
+        let i = self.check_any(seq)?;
+        if host.instance() != self.config.instance {
+            return Err(SeqError::ForeignHandle);
+        }
+        if self.seq_flags[i] & SWAPPED == 0 {
+            return Err(SeqError::NotSwapped);
+        }
+        Ok(i)
     }
 
     fn handle(&self, i: usize) -> SeqId {
@@ -683,7 +711,10 @@ impl<'a> BlockManager<'a> {
         } else {
             self.prefix.hashed(self.table[row + full - 1])
         };
-        match chain {
+        // A sequence that appended tokens without ids regains hashability only at a block
+        // boundary: the ids of a kept partial block may be unknown.
+        let had_ids = self.seq_flags[i] & HASHABLE != 0 || offset == 0;
+        match chain.filter(|_| had_ids) {
             Some((hash, link)) => {
                 self.seq_chain_hash[i] = hash;
                 self.seq_chain_block[i] = link.block;
@@ -700,7 +731,8 @@ impl<'a> BlockManager<'a> {
     /// O(blocks of `seq`).
     ///
     /// # Errors
-    /// [`SeqError::StaleHandle`] (also on a second release), [`SeqError::ForeignHandle`].
+    /// [`SeqError::StaleHandle`] (also on a second release), [`SeqError::ForeignHandle`],
+    /// [`SeqError::Swapped`] (use [`BlockManager::release_swapped`]).
     pub fn release(&mut self, seq: SeqId) -> Result<(), SeqError> {
         let i = self.check(seq)?;
         let blocks = self.blocks_for(self.seq_len[i]) as usize;
@@ -710,12 +742,172 @@ impl<'a> BlockManager<'a> {
             self.release_block(b);
         }
         self.logical_tokens -= u64::from(self.seq_len[i]);
+        self.close_seq(i);
+        Ok(())
+    }
+
+    /// Frees the slot of sequence `i`, whose blocks are already released.
+    fn close_seq(&mut self, i: usize) {
         self.seq_len[i] = 0;
         self.seq_flags[i] = 0;
         self.seq_gen[i] = self.seq_gen[i].wrapping_add(1);
         self.seq_free.insert(i as u32);
         self.live_seqs -= 1;
+    }
+
+    /// Moves `seq` to the host tier: each of its blocks gets a host block, the pairs
+    /// `(device, host)` are written to `moves[..blocks]` for the backend to copy, and the
+    /// device references are dropped (registered blocks stay cached on the device). The
+    /// handle stays valid; until [`BlockManager::swap_in`] every other operation on it
+    /// returns [`SeqError::Swapped`] and its row of the block table reads length 0.
+    /// O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`] (also for another
+    /// manager's host pool), [`SeqError::Swapped`], [`SeqError::HostFull`],
+    /// [`SeqError::MoveBufferTooSmall`]. Nothing changes on error.
+    pub fn swap_out(
+        &mut self,
+        seq: SeqId,
+        host: &mut HostPool<'_>,
+        moves: &mut [BlockMove],
+    ) -> Result<u32, SeqError> {
+        let i = self.check(seq)?;
+        if host.instance() != self.config.instance {
+            return Err(SeqError::ForeignHandle);
+        }
+        let len = self.seq_len[i];
+        let blocks = self.blocks_for(len);
+        if host.free_blocks() < blocks {
+            return Err(SeqError::HostFull {
+                needed: blocks,
+                available: host.free_blocks(),
+            });
+        }
+        if moves.len() < blocks as usize {
+            return Err(SeqError::MoveBufferTooSmall {
+                needed: blocks as usize,
+                got: moves.len(),
+            });
+        }
+        let row = self.row(i);
+        for (k, m) in moves[..blocks as usize].iter_mut().enumerate() {
+            let b = self.table[row + k];
+            let h = host.take();
+            *m = BlockMove { from: b, to: h };
+            self.table[row + k] = h;
+            self.release_block(b);
+        }
+        self.seq_swapped_len[i] = len;
+        self.seq_len[i] = 0;
+        self.logical_tokens -= u64::from(len);
+        self.seq_flags[i] = (self.seq_flags[i] | SWAPPED) & !HASHABLE;
+        Ok(blocks)
+    }
+
+    /// Brings swapped-out `seq` back: allocates a device block per host block, writes the
+    /// pairs `(host, device)` to `moves[..blocks]` for the backend to copy, and frees the
+    /// host blocks. The blocks come back unshared and unregistered, and the sequence's
+    /// later blocks are not registered in the prefix cache. O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::NotSwapped`],
+    /// [`SeqError::OutOfBlocks`], [`SeqError::MoveBufferTooSmall`]. Nothing changes on
+    /// error.
+    pub fn swap_in(
+        &mut self,
+        seq: SeqId,
+        host: &mut HostPool<'_>,
+        moves: &mut [BlockMove],
+    ) -> Result<u32, SeqError> {
+        let i = self.check_swapped(seq, host)?;
+        let len = self.seq_swapped_len[i];
+        let blocks = self.blocks_for(len);
+        let available = self.available_blocks();
+        if blocks > available {
+            return Err(SeqError::OutOfBlocks {
+                needed: blocks,
+                available,
+            });
+        }
+        if moves.len() < blocks as usize {
+            return Err(SeqError::MoveBufferTooSmall {
+                needed: blocks as usize,
+                got: moves.len(),
+            });
+        }
+        let row = self.row(i);
+        let bs = self.config.block_size;
+        for (k, m) in moves[..blocks as usize].iter_mut().enumerate() {
+            let h = self.table[row + k];
+            let b = self.alloc_block();
+            *m = BlockMove { from: h, to: b };
+            self.table[row + k] = b;
+            host.give_back(h);
+            self.set_fill(b, (len - k as u32 * bs).min(bs));
+        }
+        self.seq_len[i] = len;
+        self.logical_tokens += u64::from(len);
+        self.seq_flags[i] &= !SWAPPED;
+        Ok(blocks)
+    }
+
+    /// Releases a swapped-out sequence, returning its host blocks. O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::NotSwapped`].
+    pub fn release_swapped(&mut self, seq: SeqId, host: &mut HostPool<'_>) -> Result<(), SeqError> {
+        let i = self.check_swapped(seq, host)?;
+        let row = self.row(i);
+        for k in 0..self.blocks_for(self.seq_swapped_len[i]) as usize {
+            host.give_back(self.table[row + k]);
+        }
+        self.seq_swapped_len[i] = 0;
+        self.close_seq(i);
         Ok(())
+    }
+
+    /// Whether `seq` is swapped out. O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn is_swapped(&self, seq: SeqId) -> Result<bool, SeqError> {
+        Ok(self.seq_flags[self.check_any(seq)?] & SWAPPED != 0)
+    }
+
+    /// Blocks of `seq` referenced by no other sequence: what preempting it frees.
+    /// O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`].
+    pub fn exclusive_blocks(&self, seq: SeqId) -> Result<u32, SeqError> {
+        let blocks = self.blocks(seq)?;
+        Ok(blocks
+            .iter()
+            .filter(|&&b| self.refcount[b as usize] == 1)
+            .count() as u32)
+    }
+
+    /// Leading tokens of `tokens` that [`BlockManager::create_with_prompt`] would reuse
+    /// from the prefix cache of `namespace` right now (whole blocks, at most
+    /// `(len - 1) / block_size` of them). Changes nothing. O(prompt length).
+    pub fn cached_prefix_tokens(&self, namespace: u64, tokens: &[u32]) -> u32 {
+        let bs = self.config.block_size as usize;
+        let max_hits = tokens.len().saturating_sub(1) / bs;
+        let mut parent = Link::ROOT;
+        let mut hash = root_hash(namespace);
+        let mut hits = 0usize;
+        while hits < max_hits {
+            let chunk = &tokens[hits * bs..(hits + 1) * bs];
+            let h = chain_hash(hash, namespace, chunk);
+            let Some(b) = self.prefix.find(h, namespace, parent, chunk) else {
+                break;
+            };
+            parent = self.prefix.link_of(b);
+            hash = h;
+            hits += 1;
+        }
+        (hits * bs) as u32
     }
 
     /// Tokens held by `seq`. O(1).

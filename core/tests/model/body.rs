@@ -1,5 +1,5 @@
 // Shared body of the model tests; the including file defines `BLOCK_SIZE`.
-use kvpage_core::{BlockManager, Config, SeqError, SeqId, Stats};
+use kvpage_core::{BlockManager, BlockMove, Config, HostPool, SeqError, SeqId, Stats};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -26,7 +26,11 @@ enum Op {
     Release { seq: u8 },
     Evict { n: u8 },
     UseStale { which: u8 },
+    SwapOut { seq: u8 },
+    SwapIn { which: u8 },
 }
+
+const HOST_BLOCKS: u32 = 10;
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -40,6 +44,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<u8>().prop_map(|seq| Op::Release { seq }),
         1 => (0u8..5).prop_map(|n| Op::Evict { n }),
         1 => any::<u8>().prop_map(|which| Op::UseStale { which }),
+        1 => any::<u8>().prop_map(|seq| Op::SwapOut { seq }),
+        1 => any::<u8>().prop_map(|which| Op::SwapIn { which }),
     ]
 }
 
@@ -50,6 +56,9 @@ fn base_prompt(base: u8, len: usize) -> Vec<u32> {
 
 struct Model {
     seqs: BTreeMap<SeqId, Vec<Cell>>,
+    /// Swapped-out sequences and their content.
+    swapped: BTreeMap<SeqId, Vec<Cell>>,
+    host: Vec<Option<Cell>>,
     stale: Vec<SeqId>,
     arena: Vec<Option<Cell>>,
     next_unique: u64,
@@ -59,14 +68,16 @@ struct Model {
 #[derive(Debug, PartialEq)]
 struct Snapshot {
     stats: Stats,
+    host_free: u32,
     refcounts: Vec<u32>,
     registered: Vec<bool>,
     rows: Vec<(SeqId, u32, Vec<u32>)>,
 }
 
-fn snapshot(kv: &BlockManager<'_>, model: &Model) -> Snapshot {
+fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapshot {
     Snapshot {
         stats: kv.stats(),
+        host_free: host.free_blocks(),
         refcounts: (0..CONFIG.num_blocks).map(|b| kv.refcount(b).unwrap()).collect(),
         registered: (0..CONFIG.num_blocks).map(|b| kv.is_registered(b)).collect(),
         rows: model
@@ -145,7 +156,7 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
     assert_eq!(stats.used_blocks as usize, refs.len());
     assert_eq!(stats.cached_blocks, cached);
     assert_eq!(stats.logical_tokens, logical);
-    assert_eq!(stats.live_seqs as usize, model.seqs.len());
+    assert_eq!(stats.live_seqs as usize, model.seqs.len() + model.swapped.len());
     let total_refs: u64 = refs.values().map(|&r| u64::from(r)).sum();
     assert_eq!(stats.blocks_saved_by_sharing, total_refs - refs.len() as u64);
     assert!(stats.tokens_stored <= stats.token_slots);
@@ -161,15 +172,20 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
 fn run(ops: &[Op]) {
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
+    let mut host_storage = vec![0u32; HostPool::storage_words(HOST_BLOCKS)];
+    let mut host = HostPool::new(HOST_BLOCKS, CONFIG.instance, &mut host_storage).unwrap();
+    let mut moves = [BlockMove { from: 0, to: 0 }; 16];
     let mut model = Model {
         seqs: BTreeMap::new(),
+        swapped: BTreeMap::new(),
+        host: vec![None; (HOST_BLOCKS * BS) as usize],
         stale: Vec::new(),
         arena: vec![None; (CONFIG.num_blocks * BS) as usize],
         next_unique: 1 << 32,
     };
     let mut slots = vec![0u32; 64];
     for op in ops {
-        let before = snapshot(&kv, &model);
+        let before = snapshot(&kv, &host, &model);
         let failed: Option<SeqError> = match *op {
             Op::Create { ns } => match kv.create(u64::from(ns)) {
                 Ok(s) => {
@@ -183,9 +199,11 @@ fn run(ops: &[Op]) {
                 if tail % 2 == 1 {
                     prompt.push(1000 + u32::from(tail));
                 }
+                let predicted = kv.cached_prefix_tokens(u64::from(ns), &prompt);
                 match kv.create_with_prompt(u64::from(ns), &prompt, &mut slots) {
                     Ok(start) => {
                         let r = start.reused_tokens as usize;
+                        assert_eq!(start.reused_tokens, predicted);
                         assert_eq!(r % BS as usize, 0);
                         assert!(r == 0 || r < prompt.len());
                         assert_eq!(start.appended.copy, None);
@@ -278,6 +296,52 @@ fn run(ops: &[Op]) {
                 assert_eq!(kv.stats().cached_blocks, cached - evicted);
                 None
             }
+            Op::SwapOut { seq } => match pick(&model, seq) {
+                None => None,
+                Some(s) => match kv.swap_out(s, &mut host, &mut moves) {
+                    Ok(n) => {
+                        let cells = model.seqs.remove(&s).unwrap();
+                        assert_eq!(n as usize, cells.len().div_ceil(BS as usize));
+                        for m in &moves[..n as usize] {
+                            for k in 0..BS {
+                                model.host[(m.to * BS + k) as usize] = model.arena[(m.from * BS + k) as usize];
+                            }
+                        }
+                        assert_eq!(kv.is_swapped(s), Ok(true));
+                        assert_eq!(kv.append(s, 1, &mut slots), Err(SeqError::Swapped));
+                        assert_eq!(kv.release(s), Err(SeqError::Swapped));
+                        model.swapped.insert(s, cells);
+                        None
+                    }
+                    Err(e) => Some(e),
+                },
+            },
+            Op::SwapIn { which } => {
+                let n = model.swapped.len();
+                match (n > 0).then(|| *model.swapped.keys().nth(which as usize % n).unwrap()) {
+                    None => None,
+                    Some(s) if which % 5 == 0 => {
+                        kv.release_swapped(s, &mut host).unwrap();
+                        model.swapped.remove(&s);
+                        model.stale.push(s);
+                        None
+                    }
+                    Some(s) => match kv.swap_in(s, &mut host, &mut moves) {
+                        Ok(n) => {
+                            for m in &moves[..n as usize] {
+                                for k in 0..BS {
+                                    model.arena[(m.to * BS + k) as usize] = model.host[(m.from * BS + k) as usize];
+                                }
+                                assert_eq!(kv.refcount(m.to), Some(1));
+                            }
+                            let cells = model.swapped.remove(&s).unwrap();
+                            model.seqs.insert(s, cells);
+                            None
+                        }
+                        Err(e) => Some(e),
+                    },
+                }
+            }
             Op::UseStale { which } => {
                 if let Some(&s) = model.stale.get(which as usize % model.stale.len().max(1)) {
                     assert_eq!(kv.release(s), Err(SeqError::StaleHandle));
@@ -299,17 +363,23 @@ fn run(ops: &[Op]) {
                         | SeqError::TooLong { .. }
                         | SeqError::NoFreeSequence
                         | SeqError::StaleHandle
+                        | SeqError::HostFull { .. }
                 ),
                 "unexpected error {e:?} for {op:?}"
             );
-            assert_eq!(snapshot(&kv, &model), before, "failed {op:?} changed the state");
+            assert_eq!(snapshot(&kv, &host, &model), before, "failed {op:?} changed the state");
         }
         check_invariants(&kv, &model);
+        let swapped_blocks: usize = model.swapped.values().map(|c| c.len().div_ceil(BS as usize)).sum();
+        assert_eq!(host.free_blocks() as usize, HOST_BLOCKS as usize - swapped_blocks);
+        for s in model.swapped.keys() {
+            assert_eq!(kv.seq_lens()[s.index() as usize], 0);
+        }
     }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
     #[test]
     fn random_operations_match_the_model(ops in proptest::collection::vec(op(), 1..120)) {
