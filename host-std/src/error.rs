@@ -70,8 +70,8 @@ pub enum KernelError {
         /// Head dimension of the geometry.
         head_dim: u32,
     },
-    /// A layout dimension is zero, or the block size exceeds
-    /// [`crate::kernels::MAX_BLOCK_SIZE`], or the arena size overflows `usize`.
+    /// A layout dimension is zero, or the arena's size (or a buffer size derived from
+    /// the shapes) overflows `usize`, or its slots overflow `u32`.
     BadLayout,
     /// The softmax scale is not finite.
     BadScale,

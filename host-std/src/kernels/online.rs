@@ -131,23 +131,47 @@ unsafe fn attend_x86<T: Element, S: KvSource<T>>(
     attend_body(simd, task, src, scratch);
 }
 
-/// Hints the CPU to fetch `tile` into the cache (no effect on other architectures).
-#[inline(always)]
-fn prefetch<T>(tile: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let bytes = core::mem::size_of_val(tile);
-        let base = tile.as_ptr().cast::<i8>();
-        let mut off = 0;
-        while off < bytes {
-            // SAFETY: a prefetch never faults; the address is inside `tile` anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
-            off += 64;
+/// Tokens per step of the scores loop (between two prefetch bursts).
+const SCORE_STEP: usize = 4;
+/// Tokens per step of the value accumulation.
+const VALUE_STEP: usize = 8;
+
+/// Cache-line prefetches of one tile, issued a few at a time. No effect except on
+/// x86-64 (where a prefetch never faults).
+struct Prefetch {
+    base: *const u8,
+    bytes: usize,
+    done: usize,
+}
+
+impl Prefetch {
+    fn new<T>(tile: &[T]) -> Self {
+        Self {
+            base: tile.as_ptr().cast(),
+            bytes: core::mem::size_of_val(tile),
+            done: 0,
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = tile;
+
+    /// Lines of the tile (64 bytes each).
+    fn lines(&self) -> usize {
+        self.bytes.div_ceil(64)
+    }
+
+    /// Prefetches the next `lines` lines.
+    #[inline(always)]
+    fn advance(&mut self, lines: usize) {
+        let end = self.bytes.min(self.done + lines * 64);
+        #[cfg(target_arch = "x86_64")]
+        while self.done < end {
+            use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: `done < bytes`, so the address is inside the tile; a prefetch never
+            // faults anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.base.add(self.done).cast()) };
+            self.done += 64;
+        }
+        self.done = end;
+    }
 }
 
 /// The routine itself, over the arithmetic `simd`.
@@ -188,39 +212,38 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         } else {
             0
         };
-        if next_n > 0 {
-            prefetch(src.tile(0, next, next_n));
-            prefetch(src.tile(1, next, next_n));
-        }
+        // The next chunk's tiles are prefetched a few lines at a time while this chunk
+        // computes (K during the scores, V during the accumulation): a burst of
+        // prefetches would stall on the line-fill buffers instead of overlapping.
+        let tile_of = |kv| {
+            if next_n > 0 {
+                src.tile(kv, next, next_n)
+            } else {
+                &[][..]
+            }
+        };
+        let (mut pf_k, mut pf_v) = (Prefetch::new(tile_of(0)), Prefetch::new(tile_of(1)));
 
         // Scores from the widened K tile, four rows at a time (each K vector loaded
-        // once for four query rows). Scores past a row's limit are computed for the
-        // group's widest row and zeroed after the exponentials.
+        // once for four query rows), `SCORE_STEP` tokens at a time. Scores past a row's
+        // limit are computed for the group's widest row and zeroed after the exponentials.
         T::widen(src.tile(0, t0, n), &mut sc.tile[..n * hd]);
         let k = &sc.tile[..n * hd];
-        let mut j = 0;
-        while j < rows {
-            let group = (rows - j).min(4);
-            let vis = visible(sc.limit[j + group - 1], t0, n);
-            if group == 1 {
-                simd.scores1(
-                    &sc.q[j * hd..(j + 1) * hd],
-                    k,
-                    hd,
-                    vis,
-                    &mut sc.s[j * MAX_CHUNK..],
-                );
-            } else {
-                simd.scores4(
-                    &sc.q[j * hd..(j + 4) * hd],
-                    k,
-                    hd,
-                    vis,
-                    &mut sc.s[j * MAX_CHUNK..],
-                    MAX_CHUNK,
-                );
+        let per_step = pf_k.lines().div_ceil(n.div_ceil(SCORE_STEP));
+        for ts in (0..n).step_by(SCORE_STEP) {
+            let mut j = 0;
+            while j < rows {
+                let group = (rows - j).min(4);
+                let cnt = visible(sc.limit[j + group - 1], t0 + ts, n - ts).min(SCORE_STEP);
+                let (kt, st) = (&k[ts * hd..], &mut sc.s[j * MAX_CHUNK + ts..]);
+                if cnt > 0 && group == 1 {
+                    simd.scores1(&sc.q[j * hd..(j + 1) * hd], kt, hd, cnt, st);
+                } else if cnt > 0 {
+                    simd.scores4(&sc.q[j * hd..(j + 4) * hd], kt, hd, cnt, st, MAX_CHUNK);
+                }
+                j += group;
             }
-            j += group;
+            pf_k.advance(per_step);
         }
 
         // Online softmax: new running max, weights, rescale what was accumulated.
@@ -240,27 +263,35 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             s[vis..n].fill(0.0);
         }
 
-        // Weighted values from the widened V tile, two rows at a time.
+        // Weighted values from the widened V tile, two rows at a time, `VALUE_STEP`
+        // tokens at a time.
         T::widen(src.tile(1, t0, n), &mut sc.tile[..n * hd]);
         let v = &sc.tile[..n * hd];
-        let mut j = 0;
-        while j < rows {
-            if j + 1 < rows {
-                let vis = visible(sc.limit[j + 1], t0, n);
-                let (p0, p1) = sc.s[j * MAX_CHUNK..(j + 2) * MAX_CHUNK].split_at(MAX_CHUNK);
-                simd.accumulate2(&mut sc.acc[j * hd..(j + 2) * hd], p0, p1, v, hd, vis);
-                j += 2;
-            } else {
-                let vis = visible(sc.limit[j], t0, n);
-                simd.accumulate1(
-                    &mut sc.acc[j * hd..(j + 1) * hd],
-                    &sc.s[j * MAX_CHUNK..],
-                    v,
-                    hd,
-                    vis,
-                );
-                j += 1;
+        let per_step = pf_v.lines().div_ceil(n.div_ceil(VALUE_STEP));
+        for ts in (0..n).step_by(VALUE_STEP) {
+            let vt = &v[ts * hd..];
+            let mut j = 0;
+            while j < rows {
+                let pair = j + 1 < rows;
+                let widest = if pair { j + 1 } else { j };
+                let cnt = visible(sc.limit[widest], t0 + ts, n - ts).min(VALUE_STEP);
+                if cnt > 0 && pair {
+                    let (p0, p1) = sc.s[j * MAX_CHUNK..(j + 2) * MAX_CHUNK].split_at(MAX_CHUNK);
+                    simd.accumulate2(
+                        &mut sc.acc[j * hd..(j + 2) * hd],
+                        &p0[ts..],
+                        &p1[ts..],
+                        vt,
+                        hd,
+                        cnt,
+                    );
+                } else if cnt > 0 {
+                    let p = &sc.s[j * MAX_CHUNK + ts..];
+                    simd.accumulate1(&mut sc.acc[j * hd..(j + 1) * hd], p, vt, hd, cnt);
+                }
+                j += if pair { 2 } else { 1 };
             }
+            pf_v.advance(per_step);
         }
         t0 = next;
         n = next_n;
