@@ -16,6 +16,8 @@
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod contiguous;
 mod copy;
 mod math;

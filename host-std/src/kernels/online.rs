@@ -107,10 +107,17 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
     scratch: &mut Scratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(simd) = super::avx2::Avx2::detect() {
-        // SAFETY: `Avx2::detect` found AVX2, FMA and F16C on this CPU.
-        unsafe { attend_x86(simd, task, src, scratch) };
-        return;
+    {
+        if let Some(simd) = super::avx512::Avx512::detect() {
+            // SAFETY: `Avx512::detect` found AVX-512F, AVX2, FMA and F16C on this CPU.
+            unsafe { attend_avx512(simd, task, src, scratch) };
+            return;
+        }
+        if let Some(simd) = super::avx2::Avx2::detect() {
+            // SAFETY: `Avx2::detect` found AVX2, FMA and F16C on this CPU.
+            unsafe { attend_avx2(simd, task, src, scratch) };
+            return;
+        }
     }
     attend_body(math::Portable, task, src, scratch);
 }
@@ -122,8 +129,23 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
 /// The CPU has AVX2, FMA and F16C (as the `Avx2` value proves).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_x86<T: Element, S: KvSource<T>>(
+unsafe fn attend_avx2<T: Element, S: KvSource<T>>(
     simd: super::avx2::Avx2,
+    task: &RowTask<'_>,
+    src: &S,
+    scratch: &mut Scratch,
+) {
+    attend_body(simd, task, src, scratch);
+}
+
+/// [`attend_body`] compiled with AVX-512F enabled.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX2, FMA and F16C (as the `Avx512` value proves).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_avx512<T: Element, S: KvSource<T>>(
+    simd: super::avx512::Avx512,
     task: &RowTask<'_>,
     src: &S,
     scratch: &mut Scratch,
@@ -300,5 +322,127 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
         simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], 1.0 / sc.l[j]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every arithmetic implementation this CPU can run, on the same tasks, against a
+    //! plain f64 computation (the integration tests only reach the fastest one).
+    use super::*;
+
+    /// K/V `[tokens][head_dim]` in f32 with chunks of at most `run` tokens.
+    struct Flat {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        hd: usize,
+        run: usize,
+    }
+
+    impl KvSource<f32> for Flat {
+        fn run(&self, t0: usize) -> usize {
+            self.run - t0 % self.run
+        }
+        fn tile(&self, kv: usize, t0: usize, n: usize) -> &[f32] {
+            let src = if kv == 0 { &self.k } else { &self.v };
+            &src[t0 * self.hd..(t0 + n) * self.hd]
+        }
+    }
+
+    /// Deterministic values in [-1, 1).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn check<V: Simd>(simd: V) {
+        for (hd, ctx, queries, group, run) in [
+            (128, 77, 1, 4, 16),
+            (40, 50, 5, 3, 7),
+            (7, 9, 9, 1, 1),
+            (64, 130, 3, 8, 32),
+        ] {
+            let src = Flat {
+                k: values(ctx * hd, 1),
+                v: values(ctx * hd, 2),
+                hd,
+                run,
+            };
+            let q = values(queries * group * hd, 3);
+            let all_rows = queries * group;
+            let mut sc = Scratch::new();
+            let mut row0 = 0;
+            while row0 < all_rows {
+                let rows = MAX_ROWS.min(all_rows - row0);
+                let task = RowTask {
+                    q: &q,
+                    context_len: ctx,
+                    queries,
+                    group,
+                    q_heads: group,
+                    kv_head: 0,
+                    row0,
+                    rows,
+                    head_dim: hd,
+                    scale: 0.4,
+                };
+                attend_body(simd, &task, &src, &mut sc);
+                for j in 0..rows {
+                    let (qi, qh) = task.row(j);
+                    let qr = &q[(qi * group + qh) * hd..][..hd];
+                    let limit = ctx - queries + qi + 1;
+                    let s: Vec<f64> = (0..limit)
+                        .map(|t| {
+                            0.4 * (0..hd)
+                                .map(|d| f64::from(qr[d]) * f64::from(src.k[t * hd + d]))
+                                .sum::<f64>()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let total: f64 = w.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (0..limit)
+                            .map(|t| w[t] * f64::from(src.v[t * hd + d]))
+                            .sum::<f64>()
+                            / total;
+                        let got = f64::from(sc.acc[j * hd + d]);
+                        assert!(
+                            (got - want).abs() < 1e-5,
+                            "hd {hd} row {j} dim {d}: {got} vs {want}"
+                        );
+                    }
+                }
+                row0 += rows;
+            }
+        }
+    }
+
+    #[test]
+    fn portable_matches_f64() {
+        check(math::Portable);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_matches_f64() {
+        if let Some(simd) = crate::kernels::avx2::Avx2::detect() {
+            check(simd);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_matches_f64() {
+        if let Some(simd) = crate::kernels::avx512::Avx512::detect() {
+            check(simd);
+        }
     }
 }

@@ -1,0 +1,247 @@
+//! [`Simd`] with AVX-512F intrinsics (x86-64): the scores and the accumulation, the two
+//! loops that do all the multiply-adds, on 16-lane registers; `max`, `exp` and `scale`
+//! (a small share of the work) come from [`super::avx2`]. Same register blocking as
+//! there: scores take 4 query rows × 32 lanes per token, accumulation 2 rows × 64 lanes.
+
+use core::arch::x86_64::*;
+
+use super::avx2::Avx2;
+use super::math::Simd;
+
+/// The AVX-512F implementation. Only [`Avx512::detect`] makes one, so holding a value
+/// proves the CPU has AVX-512F (and the AVX2 set [`Avx2`] needs).
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512 {
+    avx2: Avx2,
+}
+
+impl Avx512 {
+    /// `Some` if the CPU has AVX-512F, AVX2, FMA and F16C. O(1) after the first call.
+    #[inline]
+    pub(crate) fn detect() -> Option<Self> {
+        let avx2 = Avx2::detect()?;
+        std::arch::is_x86_feature_detected!("avx512f").then_some(Self { avx2 })
+    }
+}
+
+// SAFETY (every method): an `Avx512` value exists only when `detect` found AVX-512F.
+impl Simd for Avx512 {
+    #[inline(always)]
+    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
+        unsafe { scores4(q, k, hd, n, s, s_stride) }
+    }
+    #[inline(always)]
+    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+        unsafe { scores1(q, k, hd, n, s) }
+    }
+    #[inline(always)]
+    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+        unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+    }
+    #[inline(always)]
+    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+        unsafe { accumulate1(acc, p, v, hd, n) }
+    }
+    #[inline(always)]
+    fn max(self, x: &[f32]) -> f32 {
+        self.avx2.max(x)
+    }
+    #[inline(always)]
+    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
+        self.avx2.exp_shifted_sum(x, shift)
+    }
+    #[inline(always)]
+    fn scale(self, x: &mut [f32], c: f32) {
+        self.avx2.scale(x, c)
+    }
+}
+
+/// See [`Simd::scores4`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stride: usize) {
+    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
+    let (w32, w16) = (hd / 32 * 32, hd / 16 * 16);
+    let qp = q.as_ptr();
+    for t in 0..n {
+        let mut sums = [0.0f32; 4];
+        // SAFETY: every load reads `qp[r * hd + d..+16]` or `kt[d..+16]` with
+        // `d + 16 <= hd` (asserted lengths above).
+        unsafe {
+            let kt = k.as_ptr().add(t * hd);
+            let mut a = [_mm512_setzero_ps(); 8];
+            let mut d = 0;
+            while d < w32 {
+                let k0 = _mm512_loadu_ps(kt.add(d));
+                let k1 = _mm512_loadu_ps(kt.add(d + 16));
+                for r in 0..4 {
+                    let qr = qp.add(r * hd + d);
+                    a[2 * r] = _mm512_fmadd_ps(_mm512_loadu_ps(qr), k0, a[2 * r]);
+                    a[2 * r + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(qr.add(16)), k1, a[2 * r + 1]);
+                }
+                d += 32;
+            }
+            if d < w16 {
+                let k0 = _mm512_loadu_ps(kt.add(d));
+                for r in 0..4 {
+                    a[2 * r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
+                }
+            }
+            for (r, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * r], a[2 * r + 1]));
+            }
+        }
+        for (r, sum) in sums.into_iter().enumerate() {
+            let tail: f32 = (w16..hd).map(|d| q[r * hd + d] * k[t * hd + d]).sum();
+            s[r * stride + t] = sum + tail;
+        }
+    }
+}
+
+/// See [`Simd::scores1`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
+    let (w64, w16) = (hd / 64 * 64, hd / 16 * 16);
+    for t in 0..n {
+        // SAFETY: loads of `q[d..+16]`, `kt[d..+16]` with `d + 16 <= hd`.
+        let sum = unsafe {
+            let (qp, kt) = (q.as_ptr(), k.as_ptr().add(t * hd));
+            let mut a = [_mm512_setzero_ps(); 4];
+            let mut d = 0;
+            while d < w64 {
+                for (i, acc) in a.iter_mut().enumerate() {
+                    let o = d + 16 * i;
+                    *acc = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(qp.add(o)),
+                        _mm512_loadu_ps(kt.add(o)),
+                        *acc,
+                    );
+                }
+                d += 64;
+            }
+            while d < w16 {
+                a[0] =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(d)), _mm512_loadu_ps(kt.add(d)), a[0]);
+                d += 16;
+            }
+            _mm512_reduce_add_ps(_mm512_add_ps(
+                _mm512_add_ps(a[0], a[1]),
+                _mm512_add_ps(a[2], a[3]),
+            ))
+        };
+        let tail: f32 = (w16..hd).map(|d| q[d] * k[t * hd + d]).sum();
+        s[t] = sum + tail;
+    }
+}
+
+/// See [`Simd::accumulate2`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+    assert!(acc.len() >= 2 * hd && p0.len() >= n && p1.len() >= n && v.len() >= n * hd);
+    let (w64, w16) = (hd / 64 * 64, hd / 16 * 16);
+    let (a0p, a1p) = (acc.as_mut_ptr(), acc[hd..].as_mut_ptr());
+    let vp = v.as_ptr();
+    let mut d = 0;
+    // SAFETY: accesses `acc[d..+64]`, `acc[hd + d..+64]`, `v[t * hd + d..+64]` with
+    // `d + 64 <= hd` and `t < n` (asserted lengths above); then the same with 16.
+    unsafe {
+        while d < w64 {
+            let mut x0 = [_mm512_setzero_ps(); 4];
+            let mut x1 = [_mm512_setzero_ps(); 4];
+            for i in 0..4 {
+                x0[i] = _mm512_loadu_ps(a0p.add(d + 16 * i));
+                x1[i] = _mm512_loadu_ps(a1p.add(d + 16 * i));
+            }
+            for t in 0..n {
+                let (b0, b1) = (_mm512_set1_ps(p0[t]), _mm512_set1_ps(p1[t]));
+                let vt = vp.add(t * hd + d);
+                for i in 0..4 {
+                    let x = _mm512_loadu_ps(vt.add(16 * i));
+                    x0[i] = _mm512_fmadd_ps(b0, x, x0[i]);
+                    x1[i] = _mm512_fmadd_ps(b1, x, x1[i]);
+                }
+            }
+            for i in 0..4 {
+                _mm512_storeu_ps(a0p.add(d + 16 * i), x0[i]);
+                _mm512_storeu_ps(a1p.add(d + 16 * i), x1[i]);
+            }
+            d += 64;
+        }
+        while d < w16 {
+            let (mut x0, mut x1) = (_mm512_loadu_ps(a0p.add(d)), _mm512_loadu_ps(a1p.add(d)));
+            for t in 0..n {
+                let x = _mm512_loadu_ps(vp.add(t * hd + d));
+                x0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t]), x, x0);
+                x1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t]), x, x1);
+            }
+            _mm512_storeu_ps(a0p.add(d), x0);
+            _mm512_storeu_ps(a1p.add(d), x1);
+            d += 16;
+        }
+    }
+    for d in w16..hd {
+        for t in 0..n {
+            acc[d] += p0[t] * v[t * hd + d];
+            acc[hd + d] += p1[t] * v[t * hd + d];
+        }
+    }
+}
+
+/// See [`Simd::accumulate1`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+    assert!(acc.len() >= hd && p.len() >= n && v.len() >= n * hd);
+    let (w128, w16) = (hd / 128 * 128, hd / 16 * 16);
+    let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
+    let mut d = 0;
+    // SAFETY: accesses `acc[d..+128]` and `v[t * hd + d..+128]` with `d + 128 <= hd`,
+    // `t < n`; then the same with 16.
+    unsafe {
+        while d < w128 {
+            let mut x = [_mm512_setzero_ps(); 8];
+            for (i, xi) in x.iter_mut().enumerate() {
+                *xi = _mm512_loadu_ps(ap.add(d + 16 * i));
+            }
+            for (t, &pt) in p[..n].iter().enumerate() {
+                let b = _mm512_set1_ps(pt);
+                let vt = vp.add(t * hd + d);
+                for (i, xi) in x.iter_mut().enumerate() {
+                    *xi = _mm512_fmadd_ps(b, _mm512_loadu_ps(vt.add(16 * i)), *xi);
+                }
+            }
+            for (i, xi) in x.iter().enumerate() {
+                _mm512_storeu_ps(ap.add(d + 16 * i), *xi);
+            }
+            d += 128;
+        }
+        while d < w16 {
+            let mut x = _mm512_loadu_ps(ap.add(d));
+            for (t, &pt) in p[..n].iter().enumerate() {
+                x = _mm512_fmadd_ps(_mm512_set1_ps(pt), _mm512_loadu_ps(vp.add(t * hd + d)), x);
+            }
+            _mm512_storeu_ps(ap.add(d), x);
+            d += 16;
+        }
+    }
+    for d in w16..hd {
+        for t in 0..n {
+            acc[d] += p[t] * v[t * hd + d];
+        }
+    }
+}
