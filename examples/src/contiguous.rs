@@ -2,11 +2,14 @@
 //! contiguous range of a [`FirstFit`] byte allocator, at admission, whatever it will use.
 //! A request waits until a hole fits; a sequence never grows out of its range, so it is
 //! never preempted.
+//!
+//! For the scheduler, one region is one "block" of `max_seq_len` tokens, and the free
+//! blocks are the regions the holes can still hold ([`FirstFit::fit_count`]).
 
 use std::collections::HashMap;
 
 use crate::first_fit::{AllocError, FirstFit};
-use crate::sim::{KvPolicy, PolicyError, Prompt, Usage};
+use crate::sim::{KvPolicy, PolicyError, Usage};
 
 /// Contiguous `max_seq_len` reservations in a first-fit allocator.
 #[derive(Clone, Debug)]
@@ -48,11 +51,19 @@ impl KvPolicy for Contiguous {
         self.alloc.capacity()
     }
 
-    fn admit(&mut self, id: u32, prompt: Prompt<'_>) -> Result<u32, PolicyError> {
-        if prompt.len > self.max_seq_len {
+    fn block_tokens(&self) -> u32 {
+        self.max_seq_len
+    }
+
+    fn available_blocks(&self) -> u32 {
+        u32::try_from(self.alloc.fit_count(self.region_bytes)).unwrap_or(u32::MAX)
+    }
+
+    fn admit(&mut self, id: u32, len: u32, _tokens: &[u32]) -> Result<u32, PolicyError> {
+        if len > self.max_seq_len {
             return Err(PolicyError::Internal(format!(
-                "sequence {id}: {} tokens exceed max_seq_len {}",
-                prompt.len, self.max_seq_len
+                "sequence {id}: {len} tokens exceed max_seq_len {}",
+                self.max_seq_len
             )));
         }
         if self.seqs.contains_key(&id) {
@@ -62,8 +73,8 @@ impl KvPolicy for Contiguous {
         }
         match self.alloc.alloc(self.region_bytes) {
             Ok(off) => {
-                self.seqs.insert(id, (off, prompt.len));
-                self.stored += u64::from(prompt.len);
+                self.seqs.insert(id, (off, len));
+                self.stored += u64::from(len);
                 Ok(0)
             }
             Err(AllocError::NoHole { .. }) => Err(PolicyError::NoRoom),
@@ -71,19 +82,19 @@ impl KvPolicy for Contiguous {
         }
     }
 
-    fn grow(&mut self, id: u32, _token: u32) -> Result<(), PolicyError> {
+    fn grow(&mut self, id: u32, n: u32, _tokens: &[u32]) -> Result<(), PolicyError> {
         let max = self.max_seq_len;
         let (_, len) = self
             .seqs
             .get_mut(&id)
             .ok_or_else(|| PolicyError::Internal(format!("grow of unknown sequence {id}")))?;
-        if *len >= max {
+        if u64::from(*len) + u64::from(n) > u64::from(max) {
             return Err(PolicyError::Internal(format!(
                 "sequence {id} outgrew max_seq_len {max}"
             )));
         }
-        *len += 1;
-        self.stored += 1;
+        *len += n;
+        self.stored += u64::from(n);
         Ok(())
     }
 

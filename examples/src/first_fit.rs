@@ -167,6 +167,16 @@ impl FirstFit {
         self.live.len()
     }
 
+    /// How many ranges of `unit` bytes the holes could still serve, one after another
+    /// (Σ over holes of `hole / unit`; exact for equal-sized requests). O(h). 0 when
+    /// `unit == 0`.
+    pub fn fit_count(&self, unit: u64) -> u64 {
+        if unit == 0 {
+            return 0;
+        }
+        self.holes.values().map(|&h| h / unit).sum()
+    }
+
     /// Free bytes that cannot serve any range of `unit` bytes: for each hole, what is
     /// left after carving as many `unit` ranges as fit. External fragmentation, for
     /// equal-sized requests. O(h). Returns all free bytes when `unit == 0`.
@@ -231,6 +241,10 @@ mod tests {
         assert_eq!(a.largest_hole(), 40);
         assert_eq!(a.hole_count(), 2);
         assert_eq!(a.unusable_bytes(30), 10);
+        assert_eq!(
+            (a.fit_count(30), a.fit_count(20), a.fit_count(0)),
+            (2, 3, 0)
+        );
         assert!(matches!(
             a.alloc(50),
             Err(AllocError::NoHole { free: 70, .. })

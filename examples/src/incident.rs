@@ -14,7 +14,7 @@ use std::fmt::Write as _;
 use kvpage_core::{DType, Geometry};
 
 use crate::contiguous::Contiguous;
-use crate::paged::{Paged, PagedConfig};
+use crate::paged::{Paged, PagedConfig, PagedStorage};
 use crate::rng::SplitMix64;
 use crate::sim::{
     run, EngineConfig, Hooks, KvPolicy, Outcome, Preemption, RunOutput, StepView, TokenSource,
@@ -117,7 +117,7 @@ pub fn run_incident(seed: u64) -> Result<Incident, String> {
         prefix: false,
         host_bytes: 0,
     };
-    let mut storage = vec![0u64; Paged::storage_words(&pc)];
+    let mut storage = PagedStorage::for_config(&pc);
     let mut p = Paged::new(pc, &mut storage)?;
     let paged = side(&reqs, &mut p, "paged")?;
     Ok(Incident {

@@ -1,23 +1,23 @@
 //! The paged policies: kvpage's [`BlockManager`] holds every sequence's KV in fixed-size
-//! blocks allocated on demand, with an optional prefix cache and an optional host tier.
+//! blocks allocated as tokens are computed, with an optional prefix cache and an optional
+//! host tier ([`HostPool`]).
 //!
-//! - Admission takes `ceil(prompt / block_size)` blocks (fewer on a prefix hit) and only
-//!   if at least `watermark` blocks stay available afterwards, so running sequences keep
-//!   room to grow.
-//! - Growth takes a block every `block_size` tokens.
-//! - With `prefix`, prompts go through [`BlockManager::create_with_prompt`] and decoded
+//! - Blocks are taken as prefill chunks and decoded tokens need them; the scheduler
+//!   admits a request only if its whole prompt (less its cached prefix) fits above the
+//!   `watermark_blocks`.
+//! - With `prefix`, prompts go through [`BlockManager::create_with_prompt`] and later
 //!   tokens through [`BlockManager::append_tokens`], so full blocks are registered and
 //!   later prompts with the same leading blocks share them.
-//! - The host tier (examples-side stopgap until the core's lands) is a block budget
-//!   standing for pinned host memory: swapping out records the sequence's length, counts
-//!   its blocks against the host budget and releases them on the device; swapping in
-//!   allocates them again. The bytes moved are `blocks × bytes_per_block` each way.
+//! - With a host tier, preemption by swap moves a sequence's blocks to the host pool
+//!   ([`BlockManager::swap_out`]) and back ([`BlockManager::swap_in`]); the core plans
+//!   the `(from, to)` block moves, and the replay charges `blocks × bytes_per_block`
+//!   over the host link for each direction.
 
 use std::collections::HashMap;
 
-use kvpage_core::{BlockManager, Config, Geometry, SeqError, SeqId};
+use kvpage_core::{BlockManager, BlockMove, Config, Geometry, HostPool, SeqError, SeqId};
 
-use crate::sim::{KvPolicy, PolicyError, Prompt, Usage};
+use crate::sim::{KvPolicy, PolicyError, Usage};
 
 /// Sizes of a paged policy.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,7 +26,8 @@ pub struct PagedConfig {
     pub geometry: Geometry,
     /// KV bytes on the device.
     pub budget_bytes: u64,
-    /// Most sequences live at once (rows of the block table).
+    /// Most sequences live at once (rows of the block table); running plus swapped-out
+    /// sequences never exceed the scheduler's running limit.
     pub max_seqs: u32,
     /// Longest sequence, tokens.
     pub max_seq_len: u32,
@@ -51,18 +52,39 @@ impl PagedConfig {
             instance: 1,
         }
     }
+
+    /// Host-tier blocks.
+    pub fn host_blocks(&self) -> u32 {
+        u32::try_from(self.host_bytes / self.geometry.bytes_per_block()).unwrap_or(u32::MAX)
+    }
+}
+
+/// Storage a paged policy borrows: the block manager's words and the host pool's.
+pub struct PagedStorage {
+    /// [`BlockManager`] storage.
+    pub manager: Vec<u64>,
+    /// [`HostPool`] storage.
+    pub host: Vec<u32>,
+}
+
+impl PagedStorage {
+    /// Zeroed storage sized for `cfg`.
+    pub fn for_config(cfg: &PagedConfig) -> Self {
+        Self {
+            manager: vec![0; cfg.core_config().storage_words()],
+            host: vec![0; HostPool::storage_words(cfg.host_blocks())],
+        }
+    }
 }
 
 /// Paged KV memory over kvpage's block manager.
 pub struct Paged<'s> {
     bm: BlockManager<'s>,
+    host: Option<HostPool<'s>>,
     cfg: PagedConfig,
     seqs: HashMap<u32, SeqId>,
-    /// Swapped-out sequences: id -> (tokens, blocks).
-    host: HashMap<u32, (u32, u32)>,
-    host_capacity_blocks: u64,
-    host_used_blocks: u64,
     slots: Vec<u32>,
+    moves: Vec<BlockMove>,
 }
 
 fn internal(what: &str, id: u32, e: SeqError) -> PolicyError {
@@ -70,36 +92,34 @@ fn internal(what: &str, id: u32, e: SeqError) -> PolicyError {
 }
 
 impl<'s> Paged<'s> {
-    /// Storage words the core needs for `cfg`.
-    pub fn storage_words(cfg: &PagedConfig) -> usize {
-        cfg.core_config().storage_words()
-    }
-
-    /// Builds the policy over `storage` (at least [`Paged::storage_words`] words).
+    /// Builds the policy over `storage` (from [`PagedStorage::for_config`]).
     ///
     /// # Errors
     /// The core's [`kvpage_core::InitError`], as text.
-    pub fn new(cfg: PagedConfig, storage: &'s mut [u64]) -> Result<Self, String> {
+    pub fn new(cfg: PagedConfig, storage: &'s mut PagedStorage) -> Result<Self, String> {
         let core = cfg.core_config();
-        let bm = BlockManager::new(core, storage).map_err(|e| format!("block manager: {e}"))?;
+        let bm = BlockManager::new(core, &mut storage.manager)
+            .map_err(|e| format!("block manager: {e}"))?;
+        let host = match cfg.host_blocks() {
+            0 => None,
+            blocks => Some(
+                HostPool::new(blocks, core.instance, &mut storage.host)
+                    .map_err(|e| format!("host pool: {e}"))?,
+            ),
+        };
         Ok(Self {
             bm,
+            host,
             cfg,
             seqs: HashMap::new(),
-            host: HashMap::new(),
-            host_capacity_blocks: cfg.host_bytes / cfg.geometry.bytes_per_block(),
-            host_used_blocks: 0,
             slots: vec![0; cfg.max_seq_len as usize + 1],
+            moves: vec![BlockMove { from: 0, to: 0 }; core.max_blocks_per_seq as usize],
         })
     }
 
     /// The block manager, for statistics. O(1).
     pub fn manager(&self) -> &BlockManager<'s> {
         &self.bm
-    }
-
-    fn blocks_for(&self, tokens: u32) -> u32 {
-        tokens.div_ceil(self.cfg.geometry.block_size())
     }
 
     fn seq(&self, id: u32) -> Result<SeqId, PolicyError> {
@@ -109,10 +129,8 @@ impl<'s> Paged<'s> {
             .ok_or_else(|| PolicyError::Internal(format!("unknown sequence {id}")))
     }
 
-    /// Room for `blocks` more blocks with the watermark kept.
-    fn fits(&self, blocks: u32) -> bool {
-        u64::from(blocks) + u64::from(self.cfg.watermark_blocks)
-            <= u64::from(self.bm.available_blocks())
+    fn bytes(&self, blocks: u32) -> u64 {
+        u64::from(blocks) * self.cfg.geometry.bytes_per_block()
     }
 }
 
@@ -125,26 +143,53 @@ impl KvPolicy for Paged<'_> {
         self.cfg.budget_bytes
     }
 
-    fn admit(&mut self, id: u32, prompt: Prompt<'_>) -> Result<u32, PolicyError> {
+    fn block_tokens(&self) -> u32 {
+        self.cfg.geometry.block_size()
+    }
+
+    fn available_blocks(&self) -> u32 {
+        self.bm.available_blocks()
+    }
+
+    fn watermark_blocks(&self) -> u32 {
+        self.cfg.watermark_blocks
+    }
+
+    fn host_free_blocks(&self) -> u32 {
+        self.host.as_ref().map_or(0, HostPool::free_blocks)
+    }
+
+    fn cached_prefix_tokens(&self, tokens: &[u32]) -> u32 {
+        if self.cfg.prefix {
+            self.bm.cached_prefix_tokens(0, tokens)
+        } else {
+            0
+        }
+    }
+
+    fn exclusive_blocks(&self, id: u32, blocks: u32) -> u32 {
+        if !self.cfg.prefix {
+            return blocks; // nothing is shared without the prefix cache
+        }
+        self.seqs
+            .get(&id)
+            .and_then(|&s| self.bm.exclusive_blocks(s).ok())
+            .unwrap_or(blocks)
+    }
+
+    fn admit(&mut self, id: u32, len: u32, tokens: &[u32]) -> Result<u32, PolicyError> {
         if self.seqs.contains_key(&id) {
             return Err(PolicyError::Internal(format!(
                 "sequence {id} admitted twice"
             )));
         }
-        // Conservative: a prefix hit needs fewer blocks than this.
-        if !self.fits(self.blocks_for(prompt.len)) {
-            return Err(PolicyError::NoRoom);
-        }
         let (seq, hit) = if self.cfg.prefix {
-            if prompt.tokens.len() != prompt.len as usize {
+            if tokens.len() != len as usize {
                 return Err(PolicyError::Internal(format!(
-                    "sequence {id}: prompt tokens missing"
+                    "sequence {id}: prompt token ids missing"
                 )));
             }
-            match self
-                .bm
-                .create_with_prompt(0, prompt.tokens, &mut self.slots)
-            {
+            match self.bm.create_with_prompt(0, tokens, &mut self.slots) {
                 Ok(start) => (start.seq, start.reused_tokens),
                 Err(SeqError::OutOfBlocks { .. } | SeqError::NoFreeSequence) => {
                     return Err(PolicyError::NoRoom)
@@ -157,29 +202,27 @@ impl KvPolicy for Paged<'_> {
                 Err(SeqError::NoFreeSequence) => return Err(PolicyError::NoRoom),
                 Err(e) => return Err(internal("admission", id, e)),
             };
-            match self.bm.append(seq, prompt.len, &mut self.slots) {
-                Ok(_) => (seq, 0),
-                Err(e) => {
-                    self.bm
-                        .release(seq)
-                        .map_err(|e| internal("release", id, e))?;
-                    return match e {
-                        SeqError::OutOfBlocks { .. } => Err(PolicyError::NoRoom),
-                        e => Err(internal("admission", id, e)),
-                    };
-                }
+            if let Err(e) = self.bm.append(seq, len, &mut self.slots) {
+                self.bm
+                    .release(seq)
+                    .map_err(|e| internal("release", id, e))?;
+                return match e {
+                    SeqError::OutOfBlocks { .. } => Err(PolicyError::NoRoom),
+                    e => Err(internal("admission", id, e)),
+                };
             }
+            (seq, 0)
         };
         self.seqs.insert(id, seq);
         Ok(hit)
     }
 
-    fn grow(&mut self, id: u32, token: u32) -> Result<(), PolicyError> {
+    fn grow(&mut self, id: u32, n: u32, tokens: &[u32]) -> Result<(), PolicyError> {
         let seq = self.seq(id)?;
         let r = if self.cfg.prefix {
-            self.bm.append_tokens(seq, &[token], &mut self.slots)
+            self.bm.append_tokens(seq, tokens, &mut self.slots)
         } else {
-            self.bm.append(seq, 1, &mut self.slots)
+            self.bm.append(seq, n, &mut self.slots)
         };
         match r {
             Ok(_) => Ok(()),
@@ -199,56 +242,45 @@ impl KvPolicy for Paged<'_> {
 
     fn swap_out(&mut self, id: u32) -> Result<u64, PolicyError> {
         let seq = self.seq(id)?;
-        let len = self.bm.len(seq).map_err(|e| internal("swap-out", id, e))?;
-        let blocks = self.blocks_for(len);
-        if self.host_used_blocks + u64::from(blocks) > self.host_capacity_blocks {
+        let Some(host) = self.host.as_mut() else {
             return Err(PolicyError::NoRoom);
+        };
+        match self.bm.swap_out(seq, host, &mut self.moves) {
+            Ok(blocks) => Ok(self.bytes(blocks)),
+            Err(SeqError::HostFull { .. }) => Err(PolicyError::NoRoom),
+            Err(e) => Err(internal("swap-out", id, e)),
         }
-        self.release(id)?;
-        self.host_used_blocks += u64::from(blocks);
-        self.host.insert(id, (len, blocks));
-        Ok(u64::from(blocks) * self.cfg.geometry.bytes_per_block())
     }
 
     fn swap_in(&mut self, id: u32) -> Result<u64, PolicyError> {
-        let &(len, blocks) = self
-            .host
-            .get(&id)
-            .ok_or_else(|| PolicyError::Internal(format!("sequence {id} is not swapped out")))?;
-        if !self.fits(blocks) {
-            return Err(PolicyError::NoRoom);
-        }
-        let seq = match self.bm.create(0) {
-            Ok(s) => s,
-            Err(SeqError::NoFreeSequence) => return Err(PolicyError::NoRoom),
-            Err(e) => return Err(internal("swap-in", id, e)),
+        let seq = self.seq(id)?;
+        let Some(host) = self.host.as_mut() else {
+            return Err(PolicyError::Internal(format!(
+                "sequence {id}: swap-in without a host tier"
+            )));
         };
-        if let Err(e) = self.bm.append(seq, len, &mut self.slots) {
-            self.bm
-                .release(seq)
-                .map_err(|e| internal("release", id, e))?;
-            return match e {
-                SeqError::OutOfBlocks { .. } => Err(PolicyError::NoRoom),
-                e => Err(internal("swap-in", id, e)),
-            };
+        match self.bm.swap_in(seq, host, &mut self.moves) {
+            Ok(blocks) => Ok(self.bytes(blocks)),
+            Err(SeqError::OutOfBlocks { .. }) => Err(PolicyError::NoRoom),
+            Err(e) => Err(internal("swap-in", id, e)),
         }
-        self.host.remove(&id);
-        self.host_used_blocks -= u64::from(blocks);
-        self.seqs.insert(id, seq);
-        Ok(u64::from(blocks) * self.cfg.geometry.bytes_per_block())
     }
 
     fn usage(&self) -> Usage {
         let s = self.bm.stats();
         let bpb = self.cfg.geometry.bytes_per_block();
         let pool = u64::from(s.total_blocks) * bpb;
+        let host_used = self
+            .host
+            .as_ref()
+            .map_or(0, |h| h.total_blocks() - h.free_blocks());
         Usage {
             reserved_bytes: u64::from(s.used_blocks) * bpb,
             stored_tokens: s.tokens_stored,
             slot_tokens: s.token_slots,
             unusable_free_bytes: self.cfg.budget_bytes.saturating_sub(pool),
             largest_free_bytes: u64::from(s.free_blocks + s.cached_blocks) * bpb,
-            host_bytes: self.host_used_blocks * bpb,
+            host_bytes: u64::from(host_used) * bpb,
         }
     }
 

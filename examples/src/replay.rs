@@ -12,7 +12,7 @@ use kvpage_core::{DType, Geometry};
 
 use crate::contiguous::Contiguous;
 use crate::metrics::Report;
-use crate::paged::{Paged, PagedConfig};
+use crate::paged::{Paged, PagedConfig, PagedStorage};
 use crate::presets::{self, DeviceSpec, ModelSpec};
 use crate::sim::{run, EngineConfig, Hooks, KvPolicy, Preemption, RunOutput, TokenSource};
 use crate::step_model::Roofline;
@@ -31,13 +31,16 @@ SIMULATED TIME (the step model)
   only in which sequences their memory lets run, and that is what the comparison shows.
 
 SCHEDULER
-  Continuous batching: each step the running sequences take the token budget
-  (--max-batched-tokens) in admission order (chunked prefill, one decode token each),
-  then swapped-out sequences come back, then waiting requests are admitted first come,
-  first served while memory (keeping --watermark of the blocks free) and --max-num-seqs
-  allow. When a decode finds no free block, the most recently admitted sequence is
-  preempted: `-swap` policies move it to a host tier of --swap-space-gb, the others (or
-  when the host tier is full) free it and prefill it again later.
+  kvpage's scheduler policy (kvpage_core::schedule) plans every step, for every policy:
+  running sequences take the token budget (--max-batched-tokens) in admission order
+  (chunked prefill, one decode token each); when the blocks a sequence needs are not
+  free, the most recently admitted one is preempted (by swap for `-swap` policies when
+  the host tier of --swap-space-gb has room, else by recompute); swapped-out sequences
+  come back when their blocks, a spare and --watermark fit (they run from the next
+  step); then waiting requests are admitted first come, first served while their whole
+  prompt fits above the watermark and --max-num-seqs allows. The contiguous baseline
+  takes part with one --max-seq-len region as its block and the regions its holes can
+  still hold as its free blocks.
 
 POLICIES
   contiguous     reserve --max-seq-len tokens per request in a first-fit byte allocator
@@ -500,7 +503,7 @@ pub fn run_policy(
                 a.watermark, core.max_blocks_per_seq, pc.watermark_blocks, core.num_blocks
             ));
         }
-        let mut storage = vec![0u64; Paged::storage_words(&pc)];
+        let mut storage = PagedStorage::for_config(&pc);
         let mut policy = Paged::new(pc, &mut storage).map_err(|e| format!("{}: {e}", p.name))?;
         run_one(&p.name, s, &mut policy, &cfg, tokens, hooks)?
     } else {

@@ -1,30 +1,29 @@
-//! The replay engine: continuous batching over simulated time, generic over the KV
-//! memory policy.
+//! The replay engine: continuous batching over simulated time, with kvpage's scheduler
+//! policy ([`kvpage_core::schedule`]) deciding every step, generic over the KV memory
+//! policy.
 //!
 //! # The model
-//! A request has `P` prompt tokens and `G` output tokens. Admitted, it gets KV memory for
-//! its prompt from the [`KvPolicy`] and prefills it, in chunks that fit the per-step token
-//! budget; the step that finishes the prefill emits the first output token. Each later
-//! step decodes: the sequence first grows by one KV slot (the last output token), then
-//! emits the next token. A request is done, and releases its memory, when it has emitted
-//! `G` tokens; it then holds `P + G − 1` tokens of KV.
+//! A request has `P` prompt tokens and `G` output tokens. Admitted, it computes its prompt
+//! in chunks that fit the per-step token budget, each chunk taking KV memory from the
+//! [`KvPolicy`] as it is computed; the step that completes the prefill emits the first
+//! output token. Each later step decodes: the last output token's K/V is computed (one
+//! more token of memory) and the next token is emitted. A request is done, and releases
+//! its memory, when it has emitted `G` tokens; it then holds `P + G − 1` tokens of KV.
 //!
-//! # The scheduler (examples-side)
-//! Each step, in this order:
-//! 1. **Running** sequences, oldest admission first, take their share of the token
-//!    budget: a prefill chunk or one decode token. A decode that finds no free memory
-//!    preempts the most recently admitted running sequence (possibly itself) and retries:
-//!    by **swap** (its KV moves to the host tier; it resumes first when room returns) or,
-//!    when swapping is off or the host tier is full, by **recompute** (its memory is freed
-//!    and it goes back to the front of the waiting queue; prompt and tokens generated so
-//!    far are prefilled again).
-//! 2. If nobody was preempted this step, swapped-out sequences come back, oldest first.
-//! 3. If nobody was preempted and nothing is swapped out, waiting requests are admitted
-//!    first come, first served while the token budget, `max_num_seqs` and the policy's
-//!    memory allow; the first that does not fit blocks the rest (no overtaking).
+//! # The scheduler
+//! Every step the engine describes its running, swapped-out and waiting sequences to
+//! [`kvpage_core::schedule`] — with the policy's free blocks, watermark and block size —
+//! and executes the actions it returns, in order: preemptions (of the most recently
+//! admitted, by swap when configured and the host tier has room, else by recompute:
+//! memory freed, the sequence back at the front of the waiting queue to prefill prompt
+//! and output so far again), runs (prefill chunks and decode tokens within the token
+//! budget), swap-ins (they run from the next step) and first-come-first-served
+//! admissions. The same scheduler drives every memory policy: the contiguous baseline
+//! presents one `max_seq_len` region as its "block" and the regions its holes can still
+//! hold as its free blocks, so it differs from the paged policies only in memory.
 //!
-//! Step time comes from a [`StepCost`]; memory and counts are sampled after scheduling
-//! (when the step's memory is allocated) and integrated over the step's duration. When
+//! Step time comes from a [`StepCost`]; memory and counts are sampled after the step's
+//! actions (when its memory is allocated) and integrated over the step's duration. When
 //! nothing runs, time jumps to the next arrival.
 //!
 //! Errors: a policy bug or a request that can never be admitted is a [`SimError`], not a
@@ -34,20 +33,15 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use kvpage_core::Preemption;
+use kvpage_core::{
+    schedule, Action, RunningSeq, SchedulerConfig, StepInput, SwappedSeq, WaitingSeq,
+};
+
 use crate::metrics::{percentile, Extra, Report};
 use crate::rng::{mix, SplitMix64};
 use crate::step_model::{BatchShape, StepCost};
 use crate::trace::Request;
-
-/// How a running sequence gives back its memory when another needs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Preemption {
-    /// Free its memory; prefill prompt and output so far again later.
-    Recompute,
-    /// Move its KV to the host tier; bring it back later. Falls back to recompute when the
-    /// policy has no host tier or it is full.
-    Swap,
-}
 
 /// Why a policy could not do what was asked.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,15 +50,6 @@ pub enum PolicyError {
     NoRoom,
     /// A bug or an impossible request: the replay stops with this message.
     Internal(String),
-}
-
-/// The prompt a sequence is admitted with.
-#[derive(Clone, Copy, Debug)]
-pub struct Prompt<'a> {
-    /// Tokens to hold.
-    pub len: u32,
-    /// Their ids, if the policy asked for them ([`KvPolicy::needs_tokens`]); else empty.
-    pub tokens: &'a [u32],
 }
 
 /// A policy's memory, sampled once per step.
@@ -87,19 +72,42 @@ pub struct Usage {
 }
 
 /// A KV memory policy: how sequences get, grow, give back and swap their cache memory.
-/// Sequence ids are the request ids of the replay (`0..n`).
+/// Sequence ids are the request ids of the replay (`0..n`). Memory is counted in blocks
+/// of [`KvPolicy::block_tokens`] tokens for the scheduler.
 pub trait KvPolicy {
-    /// Whether [`Prompt::tokens`] must be filled (prefix caching). Default: no.
+    /// Whether token ids must be passed (prefix caching). Default: no.
     fn needs_tokens(&self) -> bool {
         false
     }
     /// Bytes of KV memory the policy manages.
     fn budget_bytes(&self) -> u64;
-    /// Reserves memory for a new sequence `id` holding `prompt.len` tokens; returns how
-    /// many leading prompt tokens are already cached (need no prefill, at most `len − 1`).
-    fn admit(&mut self, id: u32, prompt: Prompt<'_>) -> Result<u32, PolicyError>;
-    /// Grows sequence `id` by one token, whose id is `token`.
-    fn grow(&mut self, id: u32, token: u32) -> Result<(), PolicyError>;
+    /// Tokens per block, as the scheduler counts them.
+    fn block_tokens(&self) -> u32;
+    /// Blocks a new allocation could take now (free plus evictable).
+    fn available_blocks(&self) -> u32;
+    /// Blocks admissions and swap-ins must leave free. Default: 0.
+    fn watermark_blocks(&self) -> u32 {
+        0
+    }
+    /// Free blocks of the host tier. Default: 0 (no host tier).
+    fn host_free_blocks(&self) -> u32 {
+        0
+    }
+    /// Leading tokens of `tokens` an admission would find cached. Default: 0.
+    fn cached_prefix_tokens(&self, _tokens: &[u32]) -> u32 {
+        0
+    }
+    /// Blocks only sequence `id` references (what preempting it frees), given that it
+    /// holds `blocks`. Default: `blocks`.
+    fn exclusive_blocks(&self, _id: u32, blocks: u32) -> u32 {
+        blocks
+    }
+    /// Creates sequence `id` holding `len` tokens (their ids in `tokens` if
+    /// [`KvPolicy::needs_tokens`], else `tokens` is empty); returns how many leading ones
+    /// came from a prefix cache and need no computing.
+    fn admit(&mut self, id: u32, len: u32, tokens: &[u32]) -> Result<u32, PolicyError>;
+    /// Grows sequence `id` by `n` tokens (their ids in `tokens` if asked for).
+    fn grow(&mut self, id: u32, n: u32, tokens: &[u32]) -> Result<(), PolicyError>;
     /// Frees all memory of sequence `id`.
     fn release(&mut self, id: u32) -> Result<(), PolicyError>;
     /// Moves sequence `id` to the host tier and frees its device memory; returns the
@@ -124,7 +132,7 @@ pub struct EngineConfig {
     pub max_batched_tokens: u32,
     /// How to preempt.
     pub preemption: Preemption,
-    /// KV bytes per token (for the memory-over-time series).
+    /// KV bytes per token (for waste and the memory series).
     pub kv_bytes_per_token: u64,
     /// Record the per-step series for plotting.
     pub record_series: bool,
@@ -278,13 +286,21 @@ impl From<PolicyError> for SimError {
 struct Seq {
     /// Tokens to prefill on this admission (prompt plus output so far).
     target: u32,
-    /// Of which done (or served by the prefix cache).
-    prefilled: u32,
-    /// KV tokens held.
-    kv_len: u32,
+    /// KV tokens held (computed or served by the prefix cache).
+    held: u32,
     /// Output tokens emitted.
     generated: u32,
     admitted_once: bool,
+}
+
+impl Seq {
+    fn pending(&self) -> u32 {
+        if self.held < self.target {
+            self.target - self.held
+        } else {
+            1
+        }
+    }
 }
 
 /// Optional hooks of a run.
@@ -292,16 +308,23 @@ struct Seq {
 pub struct Hooks<'a> {
     /// Incremented once per finished request (progress bars).
     pub progress: Option<&'a AtomicU64>,
-    /// Called after every step's scheduling.
+    /// Called after every step's actions.
     pub observer: Option<&'a mut dyn FnMut(&StepView)>,
 }
 
-/// Replays `requests` (ids `0..n`, sorted by arrival) through `policy`.
-/// O(steps × running) plus the policy's own costs.
+/// Fills `buf` with the token ids of positions `from..to` of `req`.
+fn fill_tokens(buf: &mut Vec<u32>, tokens: &TokenSource, req: &Request, from: u32, to: u32) {
+    buf.clear();
+    buf.extend((from..to).map(|p| tokens.token(req, p)));
+}
+
+/// Replays `requests` (ids `0..n`, sorted by arrival) through `policy`, scheduled by
+/// [`kvpage_core::schedule`]. O(steps × (running + admitted candidates)) plus the
+/// policy's own costs.
 ///
 /// # Errors
-/// [`SimError`] if the policy fails, a request can never be admitted, or the ids are not
-/// `0..n` in arrival order.
+/// [`SimError`] if the policy or the scheduler fails, a request can never be admitted, or
+/// the ids are not `0..n` in arrival order.
 pub fn run(
     name: &str,
     requests: &[Request],
@@ -317,13 +340,27 @@ pub fn run(
     {
         return Err(SimError::BadRequests);
     }
-    let budget_tokens = u64::from(cfg.max_batched_tokens.max(1));
+    let bt = policy.block_tokens();
+    let sched = SchedulerConfig {
+        token_budget: cfg.max_batched_tokens.max(1),
+        max_running: cfg.max_num_seqs.max(1),
+        watermark_blocks: policy.watermark_blocks(),
+        block_size: bt,
+        preemption: cfg.preemption,
+    };
+    let needs_tokens = policy.needs_tokens();
     let mut seqs = vec![Seq::default(); n];
     let mut outcomes = vec![Outcome::default(); n];
     let mut waiting: VecDeque<u32> = VecDeque::new();
     let mut swapped: VecDeque<u32> = VecDeque::new();
     let mut running: Vec<u32> = Vec::new();
-    let mut batch: Vec<(u32, u32, bool)> = Vec::new(); // (id, tokens, is_prefill)
+    let mut in_running: Vec<RunningSeq> = Vec::new();
+    let mut in_swapped: Vec<SwappedSeq> = Vec::new();
+    let mut in_waiting: Vec<WaitingSeq> = Vec::new();
+    let mut actions: Vec<Action> = Vec::new();
+    let mut emit: Vec<u32> = Vec::new(); // sequences that emit a token this step
+    let mut preempted_ids: Vec<u32> = Vec::new();
+    let mut joined: Vec<u32> = Vec::new();
     let mut tok_buf: Vec<u32> = Vec::new();
     let mut series = Vec::new();
     let mut next = 0usize;
@@ -338,167 +375,206 @@ pub fn run(
     let (mut preemptions, mut peak_running) = (0u64, 0u64);
     let (mut i_running, mut i_stored, mut i_slots, mut i_waste) = (0.0, 0.0, 0.0, 0.0);
     let bpt = cfg.kv_bytes_per_token as f64;
+    let policy_err = |e: PolicyError| SimError::from(e);
 
     while finished < n as u64 {
         while next < n && requests[next].arrival_s <= now {
             waiting.push_back(next as u32);
             next += 1;
         }
-        let mut budget = budget_tokens;
-        let mut shape = BatchShape::default();
-        let mut preempted = false;
-        batch.clear();
 
-        // 1. Running sequences.
-        let mut i = 0;
-        while i < running.len() && budget > 0 {
-            let id = running[i];
-            let s = seqs[id as usize];
-            if s.prefilled < s.target {
-                let c = (u64::from(s.target - s.prefilled)).min(budget) as u32;
-                batch.push((id, c, true));
-                shape.add_run(u64::from(s.prefilled), u64::from(c));
-                budget -= u64::from(c);
-                i += 1;
-                continue;
+        // Describe the state to the scheduler.
+        in_running.clear();
+        for &id in &running {
+            let s = &seqs[id as usize];
+            let blocks = s.held.div_ceil(bt);
+            in_running.push(RunningSeq {
+                id,
+                held_tokens: s.held,
+                pending_tokens: s.pending(),
+                exclusive_blocks: policy.exclusive_blocks(id, blocks),
+                blocks,
+            });
+        }
+        in_swapped.clear();
+        in_swapped.extend(swapped.iter().map(|&id| SwappedSeq {
+            id,
+            blocks: seqs[id as usize].held.div_ceil(bt),
+        }));
+        // Only the head of the queue can be admitted this step: pass the requests that
+        // could fit under optimistic bounds (all free blocks, the whole token budget), and
+        // the first that could not, so the scheduler sees where admission stops.
+        in_waiting.clear();
+        let mut avail = u64::from(policy.available_blocks());
+        let mut budget = u64::from(sched.token_budget);
+        let room = (sched.max_running as usize).saturating_sub(running.len());
+        for &id in waiting.iter().take(room.saturating_add(1)) {
+            let req = &requests[id as usize];
+            let s = &seqs[id as usize];
+            let target = if s.admitted_once {
+                s.target
+            } else {
+                req.prompt_tokens
+            };
+            let cached = if needs_tokens {
+                fill_tokens(&mut tok_buf, tokens, req, 0, target);
+                policy.cached_prefix_tokens(&tok_buf)
+            } else {
+                0
+            };
+            in_waiting.push(WaitingSeq {
+                id,
+                prompt_tokens: target,
+                cached_tokens: cached,
+            });
+            let cached = cached.min(target.saturating_sub(1));
+            let whole = u64::from(target.div_ceil(bt) - cached / bt);
+            let chunk = u64::from(target - cached).min(budget);
+            if chunk == 0 || whole + u64::from(sched.watermark_blocks) > avail {
+                break;
             }
-            let tok = tokens.token(&requests[id as usize], s.kv_len);
-            match policy.grow(id, tok) {
-                Ok(()) => {
-                    batch.push((id, 1, false));
-                    shape.add_run(u64::from(s.kv_len), 1);
-                    seqs[id as usize].kv_len += 1;
-                    budget -= 1;
-                    i += 1;
-                }
-                Err(PolicyError::NoRoom) => {
-                    let Some(victim) = running.pop() else { break };
-                    preempted = true;
+            avail -= u64::from((cached + chunk as u32).div_ceil(bt) - cached / bt);
+            budget -= chunk;
+        }
+        actions.resize(
+            in_running.len() + in_swapped.len() + in_waiting.len(),
+            Action::SwapIn { id: u32::MAX },
+        );
+        let plan = schedule(
+            &sched,
+            &StepInput {
+                running: &in_running,
+                swapped: &in_swapped,
+                waiting: &in_waiting,
+                available_blocks: policy.available_blocks(),
+                host_free_blocks: policy.host_free_blocks(),
+            },
+            &mut actions,
+        )
+        .map_err(|e| SimError::Policy(format!("scheduler: {e}")))?;
+
+        // Execute the plan.
+        let mut shape = BatchShape::default();
+        emit.clear();
+        preempted_ids.clear();
+        joined.clear();
+        for &a in &actions[..plan.actions] {
+            match a {
+                Action::Preempt { id, mode } => {
                     preemptions += 1;
-                    outcomes[victim as usize].preempted += 1;
+                    outcomes[id as usize].preempted += 1;
+                    preempted_ids.push(id);
                     let mut done = false;
-                    if cfg.preemption == Preemption::Swap {
-                        match policy.swap_out(victim) {
+                    if mode == Preemption::Swap {
+                        match policy.swap_out(id) {
                             Ok(bytes) => {
                                 shape.swap_bytes += bytes;
                                 ex.swap_bytes += bytes;
                                 ex.swaps += 1;
-                                swapped.push_front(victim);
+                                swapped.push_front(id);
                                 done = true;
                             }
                             Err(PolicyError::NoRoom) => {}
-                            Err(e) => return Err(e.into()),
+                            Err(e) => return Err(policy_err(e)),
                         }
                     }
                     if !done {
-                        policy.release(victim)?;
-                        let v = &mut seqs[victim as usize];
-                        v.target = requests[victim as usize].prompt_tokens + v.generated;
-                        v.prefilled = 0;
-                        v.kv_len = 0;
-                        waiting.push_front(victim);
+                        policy.release(id).map_err(policy_err)?;
+                        let s = &mut seqs[id as usize];
+                        s.target = requests[id as usize].prompt_tokens + s.generated;
+                        s.held = 0;
+                        waiting.push_front(id);
                     }
                 }
-                Err(e) => return Err(e.into()),
-            }
-        }
-
-        // 2. Swapped-out sequences come back and run in this step if they can.
-        if !preempted {
-            while let Some(&id) = swapped.front() {
-                if running.len() >= cfg.max_num_seqs as usize || budget == 0 {
-                    break;
-                }
-                match policy.swap_in(id) {
-                    Ok(bytes) => {
-                        swapped.pop_front();
-                        shape.swap_bytes += bytes;
-                        ex.swap_bytes += bytes;
-                        running.push(id);
+                Action::Run { id, tokens: t } => {
+                    let req = &requests[id as usize];
+                    let s = seqs[id as usize];
+                    tok_buf.clear();
+                    if needs_tokens {
+                        fill_tokens(&mut tok_buf, tokens, req, s.held, s.held + t);
                     }
-                    Err(PolicyError::NoRoom) => break,
-                    Err(e) => return Err(e.into()),
-                }
-                let s = seqs[id as usize];
-                if s.prefilled < s.target {
-                    let c = (u64::from(s.target - s.prefilled)).min(budget) as u32;
-                    batch.push((id, c, true));
-                    shape.add_run(u64::from(s.prefilled), u64::from(c));
-                    budget -= u64::from(c);
-                    continue;
-                }
-                let tok = tokens.token(&requests[id as usize], s.kv_len);
-                match policy.grow(id, tok) {
-                    Ok(()) => {
-                        batch.push((id, 1, false));
-                        shape.add_run(u64::from(s.kv_len), 1);
-                        seqs[id as usize].kv_len += 1;
-                        budget -= 1;
+                    match policy.grow(id, t, &tok_buf) {
+                        Ok(()) => {}
+                        // The plan counted on blocks a prefix hit or an eviction changed:
+                        // the sequence skips this step.
+                        Err(PolicyError::NoRoom) => continue,
+                        Err(e) => return Err(policy_err(e)),
                     }
-                    // No block for its next token yet: it waits on the device for the next
-                    // step, like any running sequence that got no budget.
-                    Err(PolicyError::NoRoom) => break,
-                    Err(e) => return Err(e.into()),
+                    shape.add_run(u64::from(s.held), u64::from(t));
+                    let s = &mut seqs[id as usize];
+                    let was_prefill = s.held < s.target;
+                    s.held += t;
+                    if !was_prefill || s.held >= s.target {
+                        emit.push(id);
+                    }
                 }
-            }
-        }
-
-        // 3. Admissions, first come first served.
-        if !preempted && swapped.is_empty() {
-            while budget > 0 && running.len() < cfg.max_num_seqs as usize {
-                let Some(&id) = waiting.front() else { break };
-                let req = &requests[id as usize];
-                let s = seqs[id as usize];
-                let target = if s.admitted_once {
-                    s.target
-                } else {
-                    req.prompt_tokens
-                };
-                tok_buf.clear();
-                if policy.needs_tokens() {
-                    tok_buf.extend((0..target).map(|p| tokens.token(req, p)));
+                Action::SwapIn { id } => {
+                    let bytes = policy.swap_in(id).map_err(policy_err)?;
+                    shape.swap_bytes += bytes;
+                    ex.swap_bytes += bytes;
+                    if let Some(pos) = swapped.iter().position(|&x| x == id) {
+                        swapped.remove(pos);
+                    }
+                    joined.push(id);
                 }
-                match policy.admit(
-                    id,
-                    Prompt {
-                        len: target,
-                        tokens: &tok_buf,
-                    },
-                ) {
-                    Ok(hit) => {
-                        let hit = hit.min(target.saturating_sub(1));
+                Action::Admit { id, tokens: t } => {
+                    let req = &requests[id as usize];
+                    let s = seqs[id as usize];
+                    let target = if s.admitted_once {
+                        s.target
+                    } else {
+                        req.prompt_tokens
+                    };
+                    let predicted = in_waiting
+                        .iter()
+                        .find(|w| w.id == id)
+                        .map_or(0, |w| w.cached_tokens.min(target.saturating_sub(1)));
+                    let len = (predicted + t).min(target);
+                    tok_buf.clear();
+                    if needs_tokens {
+                        fill_tokens(&mut tok_buf, tokens, req, 0, len);
+                    }
+                    let hit = match policy.admit(id, len, &tok_buf) {
+                        Ok(h) => h.min(len),
+                        // The plan's view of the cache went stale this step: wait.
+                        Err(PolicyError::NoRoom) => break,
+                        Err(e) => return Err(policy_err(e)),
+                    };
+                    if waiting.front() == Some(&id) {
                         waiting.pop_front();
-                        if !s.admitted_once {
-                            admitted += 1;
-                        } else {
-                            ex.recomputed_tokens += u64::from(target - hit);
-                        }
-                        let c = u64::from(target - hit).min(budget) as u32;
-                        seqs[id as usize] = Seq {
-                            target,
-                            prefilled: hit,
-                            kv_len: target,
-                            generated: s.generated,
-                            admitted_once: true,
-                        };
-                        running.push(id);
-                        batch.push((id, c, true));
-                        shape.add_run(u64::from(hit), u64::from(c));
-                        budget -= u64::from(c);
+                    } else if let Some(pos) = waiting.iter().position(|&x| x == id) {
+                        waiting.remove(pos);
                     }
-                    Err(PolicyError::NoRoom) => break,
-                    Err(e) => return Err(e.into()),
+                    if s.admitted_once {
+                        ex.recomputed_tokens += u64::from(len - hit);
+                    } else {
+                        admitted += 1;
+                    }
+                    seqs[id as usize] = Seq {
+                        target,
+                        held: len,
+                        generated: s.generated,
+                        admitted_once: true,
+                    };
+                    shape.add_run(u64::from(hit), u64::from(len - hit));
+                    if len >= target {
+                        emit.push(id);
+                    }
+                    joined.push(id);
                 }
             }
         }
+        if !preempted_ids.is_empty() {
+            running.retain(|id| !preempted_ids.contains(id));
+        }
+        running.extend_from_slice(&joined);
 
         let usage = policy.usage();
-        if batch.is_empty() && shape.swap_bytes == 0 {
+        if shape.tokens == 0 && shape.swap_bytes == 0 {
             if running.is_empty() && swapped.is_empty() && waiting.is_empty() && next < n {
                 // Idle: jump to the next arrival.
                 let t = requests[next].arrival_s;
-                let dt = t - now;
-                i_waste += dt * (usage.unusable_free_bytes as f64);
+                i_waste += (t - now) * (usage.unusable_free_bytes as f64);
                 now = t;
                 stalls = 0;
                 continue;
@@ -549,16 +625,10 @@ pub fn run(
         }
         now += dt;
 
-        // Apply the step: prefill progress, emitted tokens, completions.
+        // Emitted tokens and completions.
         let mut any_done = false;
-        for &(id, c, is_prefill) in &batch {
+        for &id in &emit {
             let s = &mut seqs[id as usize];
-            if is_prefill {
-                s.prefilled += c;
-                if s.prefilled < s.target {
-                    continue;
-                }
-            }
             s.generated += 1;
             ex.generated_tokens += 1;
             let o = &mut outcomes[id as usize];
@@ -566,7 +636,7 @@ pub fn run(
                 o.first_token_s = now;
             }
             if s.generated >= requests[id as usize].output_tokens {
-                policy.release(id)?;
+                policy.release(id).map_err(policy_err)?;
                 o.completions += 1;
                 o.finish_s = now;
                 finished += 1;

@@ -4,7 +4,7 @@
 use kvpage_core::{DType, Geometry};
 
 use crate::contiguous::Contiguous;
-use crate::paged::{Paged, PagedConfig};
+use crate::paged::{Paged, PagedConfig, PagedStorage};
 use crate::rng::SplitMix64;
 use crate::sim::{
     run, EngineConfig, Hooks, KvPolicy, Outcome, Preemption, RunOutput, SimError, StepView,
@@ -150,7 +150,7 @@ fn paged_recompute_preemption_hand_computed() {
     // step 6: B 4th token, done at t=6.
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 0);
-    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut storage = PagedStorage::for_config(&cfg);
     let mut p = Paged::new(cfg, &mut storage).unwrap();
     let mut views = Vec::new();
     let out = go(
@@ -181,11 +181,13 @@ fn paged_recompute_preemption_hand_computed() {
 
 #[test]
 fn paged_swap_preemption_hand_computed() {
-    // As above, but B is swapped out at step 3 (2 blocks = 16 B) and swapped back in at
-    // step 5 (16 B), where it decodes its 3rd token at once (no prefill again).
+    // As above, but B is swapped out at step 3 (2 blocks = 16 B). At step 4 it cannot come
+    // back: the scheduler wants its 2 blocks plus a spare, 1 is free. At step 5 (A done)
+    // it is swapped in (16 B) — a step of copying only, swapped-in sequences run from the
+    // next step — and it decodes its 3rd and 4th tokens at steps 6 and 7: no prefill again.
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 8);
-    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut storage = PagedStorage::for_config(&cfg);
     let mut p = Paged::new(cfg, &mut storage).unwrap();
     let mut views = Vec::new();
     let out = go(
@@ -198,16 +200,19 @@ fn paged_swap_preemption_hand_computed() {
     .unwrap();
     assert_eq!(
         out.outcomes,
-        vec![outcome(1.0, 4.0, 0), outcome(1.0, 6.0, 1)]
+        vec![outcome(1.0, 4.0, 0), outcome(1.0, 7.0, 1)]
     );
     let rep = &out.report;
     assert_eq!(
         (rep.extra.steps, rep.preemptions, rep.extra.swaps),
-        (6, 1, 1)
+        (7, 1, 1)
     );
     assert_eq!((rep.extra.swap_bytes, rep.extra.recomputed_tokens), (32, 0));
+    assert_eq!(rep.extra.generated_tokens, 8);
     let swapped: Vec<usize> = views.iter().map(|v| v.swapped).collect();
-    assert_eq!(swapped, vec![0, 0, 1, 1, 0, 0]);
+    assert_eq!(swapped, vec![0, 0, 1, 1, 0, 0, 0]);
+    let running: Vec<usize> = views.iter().map(|v| v.running).collect();
+    assert_eq!(running, vec![2, 2, 1, 1, 1, 1, 1]);
     assert_eq!(views[2].usage.host_bytes, 16);
 }
 
@@ -215,7 +220,7 @@ fn paged_swap_preemption_hand_computed() {
 fn swap_falls_back_to_recompute_when_the_host_tier_is_full() {
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 1); // host holds 1 block, B needs 2
-    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut storage = PagedStorage::for_config(&cfg);
     let mut p = Paged::new(cfg, &mut storage).unwrap();
     let out = go(
         &r,
@@ -263,7 +268,7 @@ fn prefix_cache_shares_the_system_prompt_and_idle_time_is_skipped() {
     // reuses both blocks: 4 hit tokens, prefills only its 5th, done at t=11.
     let r = reqs(&[(0.0, 5, 1), (10.0, 5, 1)]);
     let cfg = paged_cfg(2, 8, true, 0);
-    let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+    let mut storage = PagedStorage::for_config(&cfg);
     let mut p = Paged::new(cfg, &mut storage).unwrap();
     let ts = TokenSource::new(2, 4, 1, 9);
     assert_eq!(ts.token(&r[0], 3), ts.token(&r[1], 3));
@@ -337,7 +342,7 @@ fn random_traces_keep_the_invariants() {
                 prefix,
                 host_bytes: host * g.bytes_per_block(),
             };
-            let mut storage = vec![0u64; Paged::storage_words(&cfg)];
+            let mut storage = PagedStorage::for_config(&cfg);
             let mut p = Paged::new(cfg, &mut storage).unwrap();
             let mut views = Vec::new();
             let out = go(&r, &mut p, &engine(4, pre, 32), &ts, &mut views).unwrap();
@@ -386,4 +391,45 @@ fn check(r: &[Request], out: &RunOutput, views: &[StepView], budget: u64, name: 
         assert!(v.usage.stored_tokens <= v.usage.slot_tokens || name == "paged-prefix");
     }
     assert!(out.report.kv_utilization > 0.0 && out.report.kv_utilization <= 1.0);
+}
+
+#[test]
+fn chunked_prefill_takes_blocks_chunk_by_chunk_and_the_watermark_holds_admission() {
+    // Block size 4, 5 blocks, watermark 1, budget 4 tokens per step.
+    // A(P10,G1): needs 3 blocks + 1 watermark <= 5, admitted; its chunks of 4, 4, 2
+    // tokens take 1, 2, 3 blocks at steps 1, 2, 3; it finishes at t=3.
+    // B(P6,G1) at t=0 needs 2 blocks + 1 watermark: at step 3 A's 2-token chunk leaves 2
+    // tokens of budget, but only 5 − 3 = 2 blocks are free (2 + 1 > 2): B waits, and is
+    // admitted at step 4 (chunk 4 of 6), finishes at step 5.
+    let r = reqs(&[(0.0, 10, 1), (0.0, 6, 1)]);
+    let g = tiny(4);
+    let cfg = PagedConfig {
+        geometry: g,
+        budget_bytes: 5 * g.bytes_per_block(),
+        max_seqs: 8,
+        max_seq_len: 16,
+        watermark_blocks: 1,
+        prefix: false,
+        host_bytes: 0,
+    };
+    let mut storage = PagedStorage::for_config(&cfg);
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let mut views = Vec::new();
+    let out = go(
+        &r,
+        &mut p,
+        &engine(4, Preemption::Recompute, 4),
+        &TokenSource::new(2, 0, 0, 0),
+        &mut views,
+    )
+    .unwrap();
+    let blocks: Vec<u64> = views
+        .iter()
+        .map(|v| v.usage.reserved_bytes / g.bytes_per_block())
+        .collect();
+    assert_eq!(blocks, vec![1, 2, 3, 1, 2]);
+    assert_eq!(
+        out.outcomes,
+        vec![outcome(3.0, 3.0, 0), outcome(5.0, 5.0, 0)]
+    );
 }
