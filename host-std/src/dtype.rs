@@ -8,21 +8,42 @@
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 mod sealed {
+    /// Which of the three storage types an element is, for SIMD loads that convert
+    /// while they load.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        /// `f32`.
+        F32,
+        /// `half::f16`.
+        F16,
+        /// `half::bf16`.
+        Bf16,
+    }
+
     /// Implemented only for `f32`, `f16` and `bf16`.
     ///
     /// # Safety
-    /// The implementor has no padding, every bit pattern is a valid value, and its
-    /// alignment divides 64 (the arena's alignment).
-    pub unsafe trait Pod: Copy + Send + Sync + 'static {}
+    /// The implementor has no padding, every bit pattern is a valid value, its
+    /// alignment divides 64 (the arena's alignment), and `KIND` names its type.
+    pub unsafe trait Pod: Copy + Send + Sync + 'static {
+        /// The type, as a value.
+        const KIND: Kind;
+    }
     // SAFETY: primitive float: no padding, all bit patterns valid, align 4.
-    unsafe impl Pod for f32 {}
+    unsafe impl Pod for f32 {
+        const KIND: Kind = Kind::F32;
+    }
     // SAFETY: `f16` is `repr(transparent)` over `u16`.
-    unsafe impl Pod for half::f16 {}
+    unsafe impl Pod for half::f16 {
+        const KIND: Kind = Kind::F16;
+    }
     // SAFETY: `bf16` is `repr(transparent)` over `u16`.
-    unsafe impl Pod for half::bf16 {}
+    unsafe impl Pod for half::bf16 {
+        const KIND: Kind = Kind::Bf16;
+    }
 }
 
-pub(crate) use sealed::Pod;
+pub(crate) use sealed::{Kind, Pod};
 
 /// A storage type of the KV arena. Sealed: implemented for `f32`, `f16` and `bf16`.
 pub trait Element: Pod + Default + PartialEq + core::fmt::Debug {

@@ -9,6 +9,7 @@
 use core::arch::x86_64::*;
 
 use super::math::{self, Simd};
+use crate::dtype::{Element, Kind};
 
 /// The AVX2 + FMA implementation. Only [`Avx2::detect`] makes one, so holding a value
 /// proves the CPU has the instructions.
@@ -31,19 +32,35 @@ impl Avx2 {
 // SAFETY (every method): an `Avx2` value exists only when `detect` found AVX2 and FMA.
 impl Simd for Avx2 {
     #[inline(always)]
-    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
+    fn scores4<T: Element>(
+        self,
+        q: &[f32],
+        k: &[T],
+        hd: usize,
+        n: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
         unsafe { scores4(q, k, hd, n, s, s_stride) }
     }
     #[inline(always)]
-    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+    fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
         unsafe { scores1(q, k, hd, n, s) }
     }
     #[inline(always)]
-    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+    fn accumulate2<T: Element>(
+        self,
+        acc: &mut [f32],
+        p0: &[f32],
+        p1: &[f32],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
         unsafe { accumulate2(acc, p0, p1, v, hd, n) }
     }
     #[inline(always)]
-    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+    fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
         unsafe { accumulate1(acc, p, v, hd, n) }
     }
     #[inline(always)]
@@ -60,8 +77,28 @@ impl Simd for Avx2 {
     }
 }
 
+/// Loads 8 stored elements from `p` as `f32` (converting f16 with F16C, bf16 by shift).
+///
+/// # Safety
+/// `p` points to 8 readable elements of type `T`; the CPU has AVX2 and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<T: Element>(p: *const T) -> __m256 {
+    // SAFETY: `T::KIND` names `T`, so the pointer casts read `T`'s bytes as what they
+    // are; 8 elements are readable (caller).
+    unsafe {
+        match T::KIND {
+            Kind::F32 => _mm256_loadu_ps(p.cast()),
+            Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            Kind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            ))),
+        }
+    }
+}
+
 /// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
     let h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -73,7 +110,7 @@ fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
 }
 
 /// Horizontal sum of one vector.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn hsum(a: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -86,9 +123,16 @@ fn hsum(a: __m256) -> f32 {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stride: usize) {
+unsafe fn scores4<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
     let qp = q.as_ptr();
@@ -100,8 +144,8 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
             let mut a = [_mm256_setzero_ps(); 8];
             let mut d = 0;
             while d < w16 {
-                let k0 = _mm256_loadu_ps(kt.add(d));
-                let k1 = _mm256_loadu_ps(kt.add(d + 8));
+                let k0 = load8(kt.add(d));
+                let k1 = load8(kt.add(d + 8));
                 for r in 0..4 {
                     let qr = qp.add(r * hd + d);
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), k0, a[2 * r]);
@@ -110,7 +154,7 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
                 d += 16;
             }
             if d < w8 {
-                let k0 = _mm256_loadu_ps(kt.add(d));
+                let k0 = load8(kt.add(d));
                 for r in 0..4 {
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
                 }
@@ -123,7 +167,9 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
             )
         };
         for (r, sum) in sums.into_iter().enumerate() {
-            let tail: f32 = (w8..hd).map(|d| q[r * hd + d] * k[t * hd + d]).sum();
+            let tail: f32 = (w8..hd)
+                .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
+                .sum();
             s[r * stride + t] = sum + tail;
         }
     }
@@ -133,9 +179,9 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
     assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
     let w32 = hd / 32 * 32;
     let w8 = hd / 8 * 8;
@@ -148,17 +194,12 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
             while d < w32 {
                 for (i, acc) in a.iter_mut().enumerate() {
                     let o = d + 8 * i;
-                    *acc = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(qp.add(o)),
-                        _mm256_loadu_ps(kt.add(o)),
-                        *acc,
-                    );
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o)), load8(kt.add(o)), *acc);
                 }
                 d += 32;
             }
             while d < w8 {
-                a[0] =
-                    _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(kt.add(d)), a[0]);
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8(kt.add(d)), a[0]);
                 d += 8;
             }
             hsum(_mm256_add_ps(
@@ -166,7 +207,7 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
                 _mm256_add_ps(a[2], a[3]),
             ))
         };
-        let tail: f32 = (w8..hd).map(|d| q[d] * k[t * hd + d]).sum();
+        let tail: f32 = (w8..hd).map(|d| q[d] * k[t * hd + d].to_f32()).sum();
         s[t] = sum + tail;
     }
 }
@@ -175,9 +216,16 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+unsafe fn accumulate2<T: Element>(
+    acc: &mut [f32],
+    p0: &[f32],
+    p1: &[f32],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
     assert!(acc.len() >= 2 * hd && p0.len() >= n && p1.len() >= n && v.len() >= n * hd);
     let (w32, w8) = (hd / 32 * 32, hd / 8 * 8);
     let (a0p, a1p) = (acc.as_mut_ptr(), acc[hd..].as_mut_ptr());
@@ -197,7 +245,7 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
                 let (b0, b1) = (_mm256_set1_ps(p0[t]), _mm256_set1_ps(p1[t]));
                 let vt = vp.add(t * hd + d);
                 for i in 0..4 {
-                    let x = _mm256_loadu_ps(vt.add(8 * i));
+                    let x = load8(vt.add(8 * i));
                     x0[i] = _mm256_fmadd_ps(b0, x, x0[i]);
                     x1[i] = _mm256_fmadd_ps(b1, x, x1[i]);
                 }
@@ -211,7 +259,7 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
         while d < w8 {
             let (mut x0, mut x1) = (_mm256_loadu_ps(a0p.add(d)), _mm256_loadu_ps(a1p.add(d)));
             for t in 0..n {
-                let x = _mm256_loadu_ps(vp.add(t * hd + d));
+                let x = load8(vp.add(t * hd + d));
                 x0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[t]), x, x0);
                 x1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[t]), x, x1);
             }
@@ -222,8 +270,8 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p0[t] * v[t * hd + d];
-            acc[hd + d] += p1[t] * v[t * hd + d];
+            acc[d] += p0[t] * v[t * hd + d].to_f32();
+            acc[hd + d] += p1[t] * v[t * hd + d].to_f32();
         }
     }
 }
@@ -232,9 +280,9 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
     assert!(acc.len() >= hd && p.len() >= n && v.len() >= n * hd);
     let (w64, w8) = (hd / 64 * 64, hd / 8 * 8);
     let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
@@ -251,7 +299,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
                 let b = _mm256_set1_ps(pt);
                 let vt = vp.add(t * hd + d);
                 for (i, xi) in x.iter_mut().enumerate() {
-                    *xi = _mm256_fmadd_ps(b, _mm256_loadu_ps(vt.add(8 * i)), *xi);
+                    *xi = _mm256_fmadd_ps(b, load8(vt.add(8 * i)), *xi);
                 }
             }
             for (i, xi) in x.iter().enumerate() {
@@ -262,7 +310,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
         while d < w8 {
             let mut x = _mm256_loadu_ps(ap.add(d));
             for (t, &pt) in p[..n].iter().enumerate() {
-                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), _mm256_loadu_ps(vp.add(t * hd + d)), x);
+                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), load8(vp.add(t * hd + d)), x);
             }
             _mm256_storeu_ps(ap.add(d), x);
             d += 8;
@@ -270,7 +318,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p[t] * v[t * hd + d];
+            acc[d] += p[t] * v[t * hd + d].to_f32();
         }
     }
 }
@@ -279,7 +327,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
 ///
 /// # Safety
 /// The CPU has AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn max(x: &[f32]) -> f32 {
     let w8 = x.len() / 8 * 8;
@@ -301,7 +349,7 @@ unsafe fn max(x: &[f32]) -> f32 {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     let w8 = x.len() / 8 * 8;
@@ -356,7 +404,7 @@ unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 ///
 /// # Safety
 /// The CPU has AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn scale(x: &mut [f32], c: f32) {
     let cv = _mm256_set1_ps(c);

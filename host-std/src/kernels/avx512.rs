@@ -7,6 +7,7 @@ use core::arch::x86_64::*;
 
 use super::avx2::Avx2;
 use super::math::Simd;
+use crate::dtype::{Element, Kind};
 
 /// The AVX-512F implementation. Only [`Avx512::detect`] makes one, so holding a value
 /// proves the CPU has AVX-512F (and the AVX2 set [`Avx2`] needs).
@@ -27,19 +28,35 @@ impl Avx512 {
 // SAFETY (every method): an `Avx512` value exists only when `detect` found AVX-512F.
 impl Simd for Avx512 {
     #[inline(always)]
-    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
+    fn scores4<T: Element>(
+        self,
+        q: &[f32],
+        k: &[T],
+        hd: usize,
+        n: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
         unsafe { scores4(q, k, hd, n, s, s_stride) }
     }
     #[inline(always)]
-    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+    fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
         unsafe { scores1(q, k, hd, n, s) }
     }
     #[inline(always)]
-    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+    fn accumulate2<T: Element>(
+        self,
+        acc: &mut [f32],
+        p0: &[f32],
+        p1: &[f32],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
         unsafe { accumulate2(acc, p0, p1, v, hd, n) }
     }
     #[inline(always)]
-    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+    fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
         unsafe { accumulate1(acc, p, v, hd, n) }
     }
     #[inline(always)]
@@ -56,13 +73,41 @@ impl Simd for Avx512 {
     }
 }
 
+/// Loads 16 stored elements from `p` as `f32` (converting f16 with the AVX-512 form of
+/// F16C, bf16 by shift).
+///
+/// # Safety
+/// `p` points to 16 readable elements of type `T`; the CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16<T: Element>(p: *const T) -> __m512 {
+    // SAFETY: `T::KIND` names `T`, so the pointer casts read `T`'s bytes as what they
+    // are; 16 elements are readable (caller).
+    unsafe {
+        match T::KIND {
+            Kind::F32 => _mm512_loadu_ps(p.cast()),
+            Kind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            Kind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p.cast()),
+            ))),
+        }
+    }
+}
+
 /// See [`Simd::scores4`].
 ///
 /// # Safety
 /// The CPU has AVX-512F.
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stride: usize) {
+unsafe fn scores4<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w32, w16) = (hd / 32 * 32, hd / 16 * 16);
     let qp = q.as_ptr();
@@ -75,8 +120,8 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
             let mut a = [_mm512_setzero_ps(); 8];
             let mut d = 0;
             while d < w32 {
-                let k0 = _mm512_loadu_ps(kt.add(d));
-                let k1 = _mm512_loadu_ps(kt.add(d + 16));
+                let k0 = load16(kt.add(d));
+                let k1 = load16(kt.add(d + 16));
                 for r in 0..4 {
                     let qr = qp.add(r * hd + d);
                     a[2 * r] = _mm512_fmadd_ps(_mm512_loadu_ps(qr), k0, a[2 * r]);
@@ -85,7 +130,7 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
                 d += 32;
             }
             if d < w16 {
-                let k0 = _mm512_loadu_ps(kt.add(d));
+                let k0 = load16(kt.add(d));
                 for r in 0..4 {
                     a[2 * r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
                 }
@@ -95,7 +140,9 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
             }
         }
         for (r, sum) in sums.into_iter().enumerate() {
-            let tail: f32 = (w16..hd).map(|d| q[r * hd + d] * k[t * hd + d]).sum();
+            let tail: f32 = (w16..hd)
+                .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
+                .sum();
             s[r * stride + t] = sum + tail;
         }
     }
@@ -105,9 +152,9 @@ unsafe fn scores4(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], stri
 ///
 /// # Safety
 /// The CPU has AVX-512F.
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
+unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
     assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
     let (w64, w16) = (hd / 64 * 64, hd / 16 * 16);
     for t in 0..n {
@@ -119,17 +166,12 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
             while d < w64 {
                 for (i, acc) in a.iter_mut().enumerate() {
                     let o = d + 16 * i;
-                    *acc = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(qp.add(o)),
-                        _mm512_loadu_ps(kt.add(o)),
-                        *acc,
-                    );
+                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(o)), load16(kt.add(o)), *acc);
                 }
                 d += 64;
             }
             while d < w16 {
-                a[0] =
-                    _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(d)), _mm512_loadu_ps(kt.add(d)), a[0]);
+                a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(d)), load16(kt.add(d)), a[0]);
                 d += 16;
             }
             _mm512_reduce_add_ps(_mm512_add_ps(
@@ -137,7 +179,7 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
                 _mm512_add_ps(a[2], a[3]),
             ))
         };
-        let tail: f32 = (w16..hd).map(|d| q[d] * k[t * hd + d]).sum();
+        let tail: f32 = (w16..hd).map(|d| q[d] * k[t * hd + d].to_f32()).sum();
         s[t] = sum + tail;
     }
 }
@@ -146,9 +188,16 @@ unsafe fn scores1(q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
 ///
 /// # Safety
 /// The CPU has AVX-512F.
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+unsafe fn accumulate2<T: Element>(
+    acc: &mut [f32],
+    p0: &[f32],
+    p1: &[f32],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
     assert!(acc.len() >= 2 * hd && p0.len() >= n && p1.len() >= n && v.len() >= n * hd);
     let (w64, w16) = (hd / 64 * 64, hd / 16 * 16);
     let (a0p, a1p) = (acc.as_mut_ptr(), acc[hd..].as_mut_ptr());
@@ -168,7 +217,7 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
                 let (b0, b1) = (_mm512_set1_ps(p0[t]), _mm512_set1_ps(p1[t]));
                 let vt = vp.add(t * hd + d);
                 for i in 0..4 {
-                    let x = _mm512_loadu_ps(vt.add(16 * i));
+                    let x = load16(vt.add(16 * i));
                     x0[i] = _mm512_fmadd_ps(b0, x, x0[i]);
                     x1[i] = _mm512_fmadd_ps(b1, x, x1[i]);
                 }
@@ -182,7 +231,7 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
         while d < w16 {
             let (mut x0, mut x1) = (_mm512_loadu_ps(a0p.add(d)), _mm512_loadu_ps(a1p.add(d)));
             for t in 0..n {
-                let x = _mm512_loadu_ps(vp.add(t * hd + d));
+                let x = load16(vp.add(t * hd + d));
                 x0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t]), x, x0);
                 x1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t]), x, x1);
             }
@@ -193,8 +242,8 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
     }
     for d in w16..hd {
         for t in 0..n {
-            acc[d] += p0[t] * v[t * hd + d];
-            acc[hd + d] += p1[t] * v[t * hd + d];
+            acc[d] += p0[t] * v[t * hd + d].to_f32();
+            acc[hd + d] += p1[t] * v[t * hd + d].to_f32();
         }
     }
 }
@@ -203,9 +252,9 @@ unsafe fn accumulate2(acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: us
 ///
 /// # Safety
 /// The CPU has AVX-512F.
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
+unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
     assert!(acc.len() >= hd && p.len() >= n && v.len() >= n * hd);
     let (w128, w16) = (hd / 128 * 128, hd / 16 * 16);
     let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
@@ -222,7 +271,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
                 let b = _mm512_set1_ps(pt);
                 let vt = vp.add(t * hd + d);
                 for (i, xi) in x.iter_mut().enumerate() {
-                    *xi = _mm512_fmadd_ps(b, _mm512_loadu_ps(vt.add(16 * i)), *xi);
+                    *xi = _mm512_fmadd_ps(b, load16(vt.add(16 * i)), *xi);
                 }
             }
             for (i, xi) in x.iter().enumerate() {
@@ -233,7 +282,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
         while d < w16 {
             let mut x = _mm512_loadu_ps(ap.add(d));
             for (t, &pt) in p[..n].iter().enumerate() {
-                x = _mm512_fmadd_ps(_mm512_set1_ps(pt), _mm512_loadu_ps(vp.add(t * hd + d)), x);
+                x = _mm512_fmadd_ps(_mm512_set1_ps(pt), load16(vp.add(t * hd + d)), x);
             }
             _mm512_storeu_ps(ap.add(d), x);
             d += 16;
@@ -241,7 +290,7 @@ unsafe fn accumulate1(acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize
     }
     for d in w16..hd {
         for t in 0..n {
-            acc[d] += p[t] * v[t * hd + d];
+            acc[d] += p[t] * v[t * hd + d].to_f32();
         }
     }
 }

@@ -3,20 +3,39 @@
 //! multiply and add: `mul_add` is a library call on CPUs without FMA), and an AVX2 + FMA
 //! one in [`super::avx2`]. Also the branch-free scalar `exp` both use.
 
+use super::MAX_HEAD_DIM;
+use crate::dtype::Element;
+
 /// The arithmetic of one chunk of attention, implemented per instruction set. Every
-/// method is O(its inputs); all take `f32` slices already widened from storage.
+/// method is O(its inputs). Queries and accumulators are `f32`; keys and values are read
+/// in their storage type `T` and widened as they are loaded.
 pub(crate) trait Simd: Copy {
     /// `s[r * s_stride + t] = q_r · k_t` for the four rows `q_r = q[r * hd..(r + 1) * hd]`
     /// and tokens `t < n` (`k_t = k[t * hd..(t + 1) * hd]`).
-    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize);
+    fn scores4<T: Element>(
+        self,
+        q: &[f32],
+        k: &[T],
+        hd: usize,
+        n: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    );
     /// `s[t] = q · k_t` for tokens `t < n`.
-    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]);
+    fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]);
     /// `acc_r[d] += Σ_{t<n} p_r[t] * v_t[d]` for the two rows `acc_r = acc[r * hd..]`
     /// with weights `p0`, `p1`.
-    #[allow(clippy::too_many_arguments)]
-    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize);
+    fn accumulate2<T: Element>(
+        self,
+        acc: &mut [f32],
+        p0: &[f32],
+        p1: &[f32],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    );
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
-    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize);
+    fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
     /// Maximum of `x` (`-inf` when empty).
     fn max(self, x: &[f32]) -> f32;
     /// `x[i] = exp(x[i] - shift)` (with [`exp`]'s accuracy), returns `Σ x[i]`.
@@ -25,32 +44,63 @@ pub(crate) trait Simd: Copy {
     fn scale(self, x: &mut [f32], c: f32);
 }
 
-/// The portable implementation (any CPU).
+/// The portable implementation (any CPU): widens one token at a time into a stack
+/// buffer, then lane-array loops.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
 
 impl Simd for Portable {
     #[inline(always)]
-    fn scores4(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32], s_stride: usize) {
-        for r in 0..4 {
-            self.scores1(&q[r * hd..(r + 1) * hd], k, hd, n, &mut s[r * s_stride..]);
+    fn scores4<T: Element>(
+        self,
+        q: &[f32],
+        k: &[T],
+        hd: usize,
+        n: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        let mut kt = [0.0f32; MAX_HEAD_DIM];
+        for (t, kr) in k.chunks_exact(hd).take(n).enumerate() {
+            T::widen(kr, &mut kt[..hd]);
+            for r in 0..4 {
+                s[r * s_stride + t] = dot(&q[r * hd..(r + 1) * hd], &kt[..hd]);
+            }
         }
     }
     #[inline(always)]
-    fn scores1(self, q: &[f32], k: &[f32], hd: usize, n: usize, s: &mut [f32]) {
-        for (st, kt) in s[..n].iter_mut().zip(k.chunks_exact(hd)) {
-            *st = dot(q, kt);
+    fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
+        let mut kt = [0.0f32; MAX_HEAD_DIM];
+        for (st, kr) in s[..n].iter_mut().zip(k.chunks_exact(hd)) {
+            T::widen(kr, &mut kt[..hd]);
+            *st = dot(&q[..hd], &kt[..hd]);
         }
     }
     #[inline(always)]
-    fn accumulate2(self, acc: &mut [f32], p0: &[f32], p1: &[f32], v: &[f32], hd: usize, n: usize) {
+    fn accumulate2<T: Element>(
+        self,
+        acc: &mut [f32],
+        p0: &[f32],
+        p1: &[f32],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
         let (a0, a1) = acc[..2 * hd].split_at_mut(hd);
-        accumulate(a0, &p0[..n], v);
-        accumulate(a1, &p1[..n], v);
+        let mut vt = [0.0f32; MAX_HEAD_DIM];
+        for (t, vr) in v.chunks_exact(hd).take(n).enumerate() {
+            T::widen(vr, &mut vt[..hd]);
+            accumulate(a0, &p0[t..t + 1], &vt[..hd]);
+            accumulate(a1, &p1[t..t + 1], &vt[..hd]);
+        }
     }
     #[inline(always)]
-    fn accumulate1(self, acc: &mut [f32], p: &[f32], v: &[f32], hd: usize, n: usize) {
-        accumulate(&mut acc[..hd], &p[..n], v);
+    fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
+        let mut vt = [0.0f32; MAX_HEAD_DIM];
+        for (t, vr) in v.chunks_exact(hd).take(n).enumerate() {
+            T::widen(vr, &mut vt[..hd]);
+            accumulate(&mut acc[..hd], &p[t..t + 1], &vt[..hd]);
+        }
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {

@@ -3,16 +3,18 @@
 //! softmax. Decode, chunked prefill and the contiguous baseline differ only in where the
 //! chunks come from ([`KvSource`]) and which rows they hand in.
 //!
-//! Per chunk of `n <= MAX_CHUNK` tokens: the K tile is widened once into an `f32`
-//! scratch tile, every row of the task (all query heads of the GQA group, for one or
-//! several query tokens) takes its scores from it, then the V tile is widened into the
-//! same scratch and accumulated — so each stored K/V byte is read once per task.
+//! Per chunk of `n <= MAX_CHUNK` tokens (never crossing a block): every row of the task
+//! (all query heads of the GQA group, for one or several query tokens) takes its scores
+//! from the stored K tile, four rows per vector load, each load widening f16 / bf16 to
+//! `f32` in registers; then the V tile is accumulated the same way — so each stored K/V
+//! byte is read (and converted) once per group of rows, and never copied.
 //! Rows see tokens `t < limit(row)` (causal: a query at absolute position `p` sees
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
 //!
-//! The routine is compiled twice: with the portable arithmetic, and on x86-64 with the
-//! AVX2 + FMA arithmetic ([`super::avx2`]), chosen at run time per task ([`attend`]).
+//! The routine is compiled three times: with the portable arithmetic, and on x86-64
+//! with the AVX2 + FMA ([`super::avx2`]) and AVX-512F ([`super::avx512`]) arithmetic,
+//! chosen at run time per task ([`attend`]).
 
 use super::math::{self, Simd};
 use crate::dtype::Element;
@@ -21,8 +23,6 @@ use crate::dtype::Element;
 pub(crate) const MAX_ROWS: usize = 16;
 /// Tokens per chunk.
 pub(crate) const MAX_CHUNK: usize = 64;
-/// Elements of the widened K or V scratch tile (`MAX_CHUNK * 128`).
-pub(crate) const TILE_ELEMS: usize = MAX_CHUNK * 128;
 
 /// Where the K/V tiles of one (sequence, KV head, layer) come from.
 pub(crate) trait KvSource<T> {
@@ -68,13 +68,12 @@ impl RowTask<'_> {
     }
 }
 
-/// Per-worker scratch space (about 100 KiB), made once per worker per call, on its
+/// Per-worker scratch space (about 36 KiB), made once per worker per call, on its
 /// stack: the kernels allocate nothing.
 pub(crate) struct Scratch {
     q: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
     /// After [`attend`]: the task's output rows, `[rows][head_dim]`.
     pub(crate) acc: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
-    tile: [f32; TILE_ELEMS],
     s: [f32; MAX_ROWS * MAX_CHUNK],
     m: [f32; MAX_ROWS],
     l: [f32; MAX_ROWS],
@@ -86,7 +85,6 @@ impl Scratch {
         Self {
             q: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
             acc: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
-            tile: [0.0; TILE_ELEMS],
             s: [0.0; MAX_ROWS * MAX_CHUNK],
             m: [0.0; MAX_ROWS],
             l: [0.0; MAX_ROWS],
@@ -206,7 +204,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 ) {
     let hd = task.head_dim;
     let rows = task.rows;
-    let chunk_max = MAX_CHUNK.min(TILE_ELEMS / hd).max(1);
+    let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
 
     // Load the scaled queries, reset the softmax state.
@@ -246,11 +244,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         };
         let (mut pf_k, mut pf_v) = (Prefetch::new(tile_of(0)), Prefetch::new(tile_of(1)));
 
-        // Scores from the widened K tile, four rows at a time (each K vector loaded
+        // Scores from the K tile, four rows at a time (each K vector loaded
         // once for four query rows), `SCORE_STEP` tokens at a time. Scores past a row's
         // limit are computed for the group's widest row and zeroed after the exponentials.
-        T::widen(src.tile(0, t0, n), &mut sc.tile[..n * hd]);
-        let k = &sc.tile[..n * hd];
+        let k = src.tile(0, t0, n);
         let per_step = pf_k.lines().div_ceil(n.div_ceil(SCORE_STEP));
         for ts in (0..n).step_by(SCORE_STEP) {
             let mut j = 0;
@@ -285,10 +282,9 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             s[vis..n].fill(0.0);
         }
 
-        // Weighted values from the widened V tile, two rows at a time, `VALUE_STEP`
+        // Weighted values from the V tile, two rows at a time, `VALUE_STEP`
         // tokens at a time.
-        T::widen(src.tile(1, t0, n), &mut sc.tile[..n * hd]);
-        let v = &sc.tile[..n * hd];
+        let v = src.tile(1, t0, n);
         let per_step = pf_v.lines().div_ceil(n.div_ceil(VALUE_STEP));
         for ts in (0..n).step_by(VALUE_STEP) {
             let vt = &v[ts * hd..];
@@ -331,19 +327,19 @@ mod tests {
     //! plain f64 computation (the integration tests only reach the fastest one).
     use super::*;
 
-    /// K/V `[tokens][head_dim]` in f32 with chunks of at most `run` tokens.
-    struct Flat {
-        k: Vec<f32>,
-        v: Vec<f32>,
+    /// K/V `[tokens][head_dim]` stored as `T`, with chunks of at most `run` tokens.
+    struct Flat<T> {
+        k: Vec<T>,
+        v: Vec<T>,
         hd: usize,
         run: usize,
     }
 
-    impl KvSource<f32> for Flat {
+    impl<T> KvSource<T> for Flat<T> {
         fn run(&self, t0: usize) -> usize {
             self.run - t0 % self.run
         }
-        fn tile(&self, kv: usize, t0: usize, n: usize) -> &[f32] {
+        fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
             let src = if kv == 0 { &self.k } else { &self.v };
             &src[t0 * self.hd..(t0 + n) * self.hd]
         }
@@ -362,19 +358,28 @@ mod tests {
             .collect()
     }
 
-    fn check<V: Simd>(simd: V) {
+    fn stored<T: Element>(x: &[f32]) -> Vec<T> {
+        x.iter().map(|&v| T::from_f32(v)).collect()
+    }
+
+    fn check_type<T: Element, V: Simd>(simd: V) {
         for (hd, ctx, queries, group, run) in [
             (128, 77, 1, 4, 16),
             (40, 50, 5, 3, 7),
             (7, 9, 9, 1, 1),
             (64, 130, 3, 8, 32),
+            (256, 20, 2, 2, 64),
         ] {
-            let src = Flat {
-                k: values(ctx * hd, 1),
-                v: values(ctx * hd, 2),
+            let src: Flat<T> = Flat {
+                k: stored(&values(ctx * hd, 1)),
+                v: stored(&values(ctx * hd, 2)),
                 hd,
                 run,
             };
+            let (k, v): (Vec<f64>, Vec<f64>) = (
+                src.k.iter().map(|x| f64::from(x.to_f32())).collect(),
+                src.v.iter().map(|x| f64::from(x.to_f32())).collect(),
+            );
             let q = values(queries * group * hd, 3);
             let all_rows = queries * group;
             let mut sc = Scratch::new();
@@ -401,7 +406,7 @@ mod tests {
                     let s: Vec<f64> = (0..limit)
                         .map(|t| {
                             0.4 * (0..hd)
-                                .map(|d| f64::from(qr[d]) * f64::from(src.k[t * hd + d]))
+                                .map(|d| f64::from(qr[d]) * k[t * hd + d])
                                 .sum::<f64>()
                         })
                         .collect();
@@ -409,10 +414,8 @@ mod tests {
                     let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                     let total: f64 = w.iter().sum();
                     for d in 0..hd {
-                        let want: f64 = (0..limit)
-                            .map(|t| w[t] * f64::from(src.v[t * hd + d]))
-                            .sum::<f64>()
-                            / total;
+                        let want: f64 =
+                            (0..limit).map(|t| w[t] * v[t * hd + d]).sum::<f64>() / total;
                         let got = f64::from(sc.acc[j * hd + d]);
                         assert!(
                             (got - want).abs() < 1e-5,
@@ -423,6 +426,12 @@ mod tests {
                 row0 += rows;
             }
         }
+    }
+
+    fn check<V: Simd>(simd: V) {
+        check_type::<f32, V>(simd);
+        check_type::<half::f16, V>(simd);
+        check_type::<half::bf16, V>(simd);
     }
 
     #[test]
