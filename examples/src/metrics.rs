@@ -67,7 +67,8 @@ pub struct Extra {
     pub swap_bytes: u64,
     /// Prompt tokens prefilled again after a recompute preemption.
     pub recomputed_tokens: u64,
-    /// Wall-clock seconds the replay of this policy took.
+    /// Wall-clock seconds the replay of this policy took (its own thread; policies run
+    /// concurrently).
     pub wall_s: f64,
 }
 

@@ -680,7 +680,7 @@ pub fn table(reports: &[Report]) -> String {
         ("prefix hit tokens", |r| r.prefix_hit_tokens.to_string()),
         ("engine steps", |r| r.extra.steps.to_string()),
         ("makespan (sim s)", |r| f(r.extra.makespan_s, 1)),
-        ("replay wall time (s)", |r| f(r.extra.wall_s, 2)),
+        ("wall time, own thread (s)", |r| f(r.extra.wall_s, 2)),
     ];
     let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
     let cells: Vec<Vec<String>> = rows
