@@ -226,20 +226,20 @@ impl From<KernelError> for CacheError {
     }
 }
 
-/// Runs `$body` with `$arena` bound to the arena viewed as its storage type.
-macro_rules! with_dtype {
-    ($dtype:expr, $arena:expr, |$a:ident| $body:expr) => {
+/// Runs `$body` with the type alias `$t` bound to the storage type of `$dtype`.
+macro_rules! for_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
             DType::F32 => {
-                let $a = $arena.as_slice::<f32>();
+                type $t = f32;
                 $body
             }
             DType::F16 => {
-                let $a = $arena.as_slice::<f16>();
+                type $t = f16;
                 $body
             }
             DType::Bf16 => {
-                let $a = $arena.as_slice::<bf16>();
+                type $t = bf16;
                 $body
             }
         }
@@ -437,17 +437,9 @@ impl KvCache {
     fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
         if let Some(c) = copy {
             let pairs = [(c.src, c.dst)];
-            let done = match self.geometry.dtype() {
-                DType::F32 => {
-                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<f32>(), &pairs)
-                }
-                DType::F16 => {
-                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<f16>(), &pairs)
-                }
-                DType::Bf16 => {
-                    kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<bf16>(), &pairs)
-                }
-            };
+            let done = for_dtype!(self.geometry.dtype(), T => {
+                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &pairs)
+            });
             debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
         }
     }
@@ -532,22 +524,9 @@ impl KvCache {
         }
         let slots = &self.slots[..tokens];
         let layout = &self.layout;
-        match self.geometry.dtype() {
-            DType::F32 => {
-                kernels::write_kv(layout, self.arena.as_mut_slice::<f32>(), layer, slots, k, v)
-            }
-            DType::F16 => {
-                kernels::write_kv(layout, self.arena.as_mut_slice::<f16>(), layer, slots, k, v)
-            }
-            DType::Bf16 => kernels::write_kv(
-                layout,
-                self.arena.as_mut_slice::<bf16>(),
-                layer,
-                slots,
-                k,
-                v,
-            ),
-        }?;
+        for_dtype!(self.geometry.dtype(), T => {
+            kernels::write_kv(layout, self.arena.as_mut_slice::<T>(), layer, slots, k, v)
+        })?;
         Ok(())
     }
 
@@ -630,8 +609,9 @@ impl KvCache {
             scale,
             threads: self.threads,
         };
-        with_dtype!(self.geometry.dtype(), self.arena, |a| {
-            kernels::paged_attention(&self.layout, a, layer, table, &self.batch, q, out, params)
+        for_dtype!(self.geometry.dtype(), T => {
+            let arena = self.arena.as_slice::<T>();
+            kernels::paged_attention(&self.layout, arena, layer, table, &self.batch, q, out, params)
         })?;
         Ok(())
     }

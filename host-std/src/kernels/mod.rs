@@ -2,7 +2,9 @@
 //!
 //! Every kernel validates all of its inputs first and returns a [`KernelError`] without
 //! writing anything when one is wrong; after validation nothing can fail or panic. The
-//! kernels allocate nothing: scratch lives on each worker's stack.
+//! kernels allocate no buffers: scratch (about 36 KiB) lives on each worker's stack;
+//! the only allocation is the operating system's, for the worker threads of a call that
+//! uses more than one (see `parallel`).
 //!
 //! - [`write_kv`]: store the K and V of new tokens of one layer at their slots.
 //! - [`paged_attention`]: chunked-prefill attention (causal, over the cached context
