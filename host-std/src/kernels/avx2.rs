@@ -100,7 +100,7 @@ unsafe fn load8<T: Element>(p: *const T) -> __m256 {
 /// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
+pub(super) fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
     let h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
     let mut out = [0.0f32; 4];

@@ -5,7 +5,7 @@
 
 use core::arch::x86_64::*;
 
-use super::avx2::Avx2;
+use super::avx2::{hsum4, Avx2};
 use super::math::Simd;
 use crate::dtype::{Element, Kind};
 
@@ -94,6 +94,15 @@ unsafe fn load16<T: Element>(p: *const T) -> __m512 {
     }
 }
 
+/// `a + b` folded to 8 lanes (high half added to the low half).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+fn fold8(a: __m512, b: __m512) -> __m256 {
+    let v = _mm512_add_ps(a, b);
+    let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+    _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(high))
+}
+
 /// See [`Simd::scores4`].
 ///
 /// # Safety
@@ -112,10 +121,9 @@ unsafe fn scores4<T: Element>(
     let (w32, w16) = (hd / 32 * 32, hd / 16 * 16);
     let qp = q.as_ptr();
     for t in 0..n {
-        let mut sums = [0.0f32; 4];
         // SAFETY: every load reads `qp[r * hd + d..+16]` or `kt[d..+16]` with
         // `d + 16 <= hd` (asserted lengths above).
-        unsafe {
+        let sums = unsafe {
             let kt = k.as_ptr().add(t * hd);
             let mut a = [_mm512_setzero_ps(); 8];
             let mut d = 0;
@@ -135,10 +143,14 @@ unsafe fn scores4<T: Element>(
                     a[2 * r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
                 }
             }
-            for (r, sum) in sums.iter_mut().enumerate() {
-                *sum = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * r], a[2 * r + 1]));
-            }
-        }
+            // Fold each row to 8 lanes, then one transposing reduction for all four.
+            hsum4(
+                fold8(a[0], a[1]),
+                fold8(a[2], a[3]),
+                fold8(a[4], a[5]),
+                fold8(a[6], a[7]),
+            )
+        };
         for (r, sum) in sums.into_iter().enumerate() {
             let tail: f32 = (w16..hd)
                 .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
