@@ -271,7 +271,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             let s = &mut sc.s[j * MAX_CHUNK..(j + 1) * MAX_CHUNK];
             if vis > 0 {
                 let m_new = sc.m[j].max(simd.max(&s[..vis]));
-                let corr = math::exp(sc.m[j] - m_new);
+                let corr = if m_new == sc.m[j] {
+                    1.0
+                } else {
+                    math::exp(sc.m[j] - m_new)
+                };
                 let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
                 sc.l[j] = sc.l[j] * corr + sum;
                 if corr != 1.0 {
