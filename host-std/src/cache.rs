@@ -246,6 +246,12 @@ macro_rules! for_dtype {
     };
 }
 
+// A cache can move to, and be read from, other threads.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<KvCache>();
+};
+
 /// The owned paged KV cache. See the module docs for what it enforces.
 pub struct KvCache {
     tables: Tables,

@@ -7,6 +7,45 @@
 //! - [`Element`]: storage types `f32`, `f16`, `bf16`; arithmetic is `f32`.
 //! - [`kernels`]: write K/V through the slot mapping, paged decode / chunked-prefill
 //!   attention with GQA, block copies — functions over plain slices.
+//!
+//! ```
+//! use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache};
+//!
+//! // 2 layers, 2 KV heads of 8 dims, blocks of 16 tokens, f16 storage.
+//! let geometry = Geometry::new(2, 2, 8, 16, DType::F16)?;
+//! let config = CacheConfig {
+//!     geometry,
+//!     capacity: Capacity::Blocks(64),
+//!     max_seqs: 4,
+//!     max_seq_len: 256,
+//!     threads: 0,
+//! };
+//! let mut cache = KvCache::new(config)?;
+//!
+//! // A prompt of 20 tokens: append it, store its K/V (here constant) in every layer,
+//! // then attend with 4 query heads (GQA, 2 per KV head) from its 20 positions.
+//! let prompt: Vec<u32> = (0..20).collect();
+//! let start = cache.create_with_prompt(0, &prompt)?;
+//! let kv = vec![0.5f32; 20 * 2 * 8];
+//! for layer in 0..2 {
+//!     cache.write_kv(start.seq, layer, 0, &kv, &kv)?;
+//! }
+//! let q = vec![0.25f32; 20 * 4 * 8];
+//! let mut out = vec![0.0f32; q.len()];
+//! cache.prefill(1, &[(start.seq, 20)], &q, &mut out, 4, 1.0 / 8f32.sqrt())?;
+//! assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-3));
+//!
+//! // Next token: append, write its K/V, decode.
+//! cache.append_tokens(start.seq, &[20])?;
+//! let kv1 = vec![0.5f32; 2 * 8];
+//! for layer in 0..2 {
+//!     cache.write_kv(start.seq, layer, 20, &kv1, &kv1)?;
+//! }
+//! let mut out1 = vec![0.0f32; 4 * 8];
+//! cache.decode(0, &[start.seq], &q[..4 * 8], &mut out1, 4, 1.0 / 8f32.sqrt())?;
+//! cache.release(start.seq)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 #![warn(missing_docs)]
 
