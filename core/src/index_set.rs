@@ -159,14 +159,11 @@ impl<'a> IndexSet<'a> {
     /// Clears member `i` and the summary bits of the words that became empty.
     fn clear_present(&mut self, i: u32) {
         self.count -= 1;
-        let mut bit = i as usize;
-        for level in 0..self.levels as usize {
-            let word = self.word_mut(level, bit / BITS);
-            *word &= !(1 << (bit % BITS));
-            if *word != 0 {
-                break;
-            }
-            bit /= BITS;
+        let word_index = i as usize / BITS;
+        let word = &mut self.words[word_index];
+        *word &= !(1 << (i as usize % BITS));
+        if *word == 0 {
+            self.clear_summary(word_index);
         }
     }
 
@@ -190,11 +187,38 @@ impl<'a> IndexSet<'a> {
         Some(index as u32)
     }
 
-    /// Removes and returns the lowest member. O(levels).
+    /// Removes and returns the lowest member. O(levels); O(1) when the hinted word holds
+    /// a member.
     pub fn pop_first(&mut self) -> Option<u32> {
+        // Fast path: level 0 starts at word 0, and clearing the lowest set bit of the
+        // hinted word needs no search and no membership test.
+        let h = self.hint as usize;
+        let w = self.words[h];
+        if w != 0 {
+            let rest = w & (w - 1);
+            self.words[h] = rest;
+            self.count -= 1;
+            if rest == 0 {
+                self.clear_summary(h);
+            }
+            return Some(h as u32 * BITS as u32 + w.trailing_zeros());
+        }
         let i = self.first()?;
         self.clear_present(i);
         Some(i)
+    }
+
+    /// Clears the summary bits above level-0 word `word`, which just became empty.
+    fn clear_summary(&mut self, word: usize) {
+        let mut bit = word;
+        for level in 1..self.levels as usize {
+            let word = self.word_mut(level, bit / BITS);
+            *word &= !(1 << (bit % BITS));
+            if *word != 0 {
+                break;
+            }
+            bit /= BITS;
+        }
     }
 }
 
