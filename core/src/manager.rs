@@ -492,6 +492,9 @@ impl<'a> BlockManager<'a> {
     /// As [`BlockManager::append_tokens`].
     pub fn append(&mut self, seq: SeqId, n: u32, slots: &mut [u32]) -> Result<Appended, SeqError> {
         let i = self.check(seq)?;
+        if n == 1 && self.append_one_in_place(i, None, slots) {
+            return Ok(Appended::default());
+        }
         self.append_checked(i, n, None, slots)
     }
 
@@ -517,6 +520,11 @@ impl<'a> BlockManager<'a> {
             tokens: tokens.len() as u64,
             max_tokens,
         })?;
+        if let [id] = *tokens {
+            if self.append_one_in_place(i, Some(id), slots) {
+                return Ok(Appended::default());
+            }
+        }
         self.append_checked(i, n, Some(tokens), slots)
     }
 
@@ -608,6 +616,38 @@ impl<'a> BlockManager<'a> {
             copy,
             new_blocks: grow,
         })
+    }
+
+    /// The decode fast path: appends one token to sequence `i` when it lands inside the
+    /// sequence's partly filled last block, which it holds alone and which the prefix
+    /// cache does not track, without filling it. Returns `false` (having changed nothing)
+    /// in every other case, for the general path. Cannot exceed `max_blocks_per_seq`:
+    /// the token goes into a block the sequence already has.
+    #[inline]
+    fn append_one_in_place(&mut self, i: usize, id: Option<u32>, slots: &mut [u32]) -> bool {
+        let Some(slot) = slots.first_mut() else {
+            return false;
+        };
+        let len = self.seq_len[i];
+        let (full, offset) = self.split(len);
+        if offset == 0 || offset + 1 == self.config.block_size {
+            return false;
+        }
+        let b = self.table[self.row(i) + full as usize];
+        let bi = b as usize;
+        if self.refcount[bi] != 1 || self.fill[bi] != offset || self.prefix.is_tracked(b) {
+            return false;
+        }
+        *slot = b * self.config.block_size + offset;
+        match id {
+            Some(id) => self.prefix.tokens_mut(b)[offset as usize] = id,
+            None => self.seq_flags[i] &= !HASHABLE,
+        }
+        self.fill[bi] = offset + 1;
+        self.tokens_stored += 1;
+        self.seq_len[i] = len + 1;
+        self.logical_tokens += 1;
+        true
     }
 
     /// Makes exclusively held block `b` writable from token `offset` on: it leaves the
