@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
 };
-use kvpage::{f16, Arena, Element, KvLayout};
+use kvpage::{f16, Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
@@ -73,8 +73,9 @@ fn stream_sum(buf: &[u64], threads: usize) -> u64 {
 fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     let blocks_per_seq = CONTEXT.div_ceil(block_size);
     let num_blocks = SEQS * blocks_per_seq;
-    let layout = KvLayout::new(1, KV_HEADS, HEAD_DIM, block_size, num_blocks).expect("layout");
-    let mut arena = Arena::for_layout::<f16>(&layout).expect("arena");
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, f16::DTYPE).expect("geometry");
+    let layout = KvLayout::new(geometry, num_blocks).expect("layout");
+    let mut arena = Arena::for_layout(&layout).expect("arena");
     fill(rng, arena.as_mut_slice::<f16>());
     let mut physical: Vec<u32> = (0..num_blocks).collect();
     physical.shuffle(rng);

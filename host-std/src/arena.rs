@@ -11,6 +11,8 @@
 //! every usual geometry (e.g. any `head_dim * dtype_size` multiple of 32 bytes with an
 //! even token count). Kernels use unaligned loads, so odd geometries stay correct.
 
+use kvpage_core::Geometry;
+
 use crate::dtype::Element;
 use crate::error::KernelError;
 use crate::kernels::MAX_HEAD_DIM;
@@ -20,91 +22,67 @@ use crate::kernels::MAX_HEAD_DIM;
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
-/// Element-level shape of an arena: which elements of the arena belong to which block,
-/// layer, K/V, head and token.
+/// Widest [`Element`] in bytes (`f32`). [`KvLayout::new`] keeps the arena's byte size
+/// addressable for every element type, not only the geometry's dtype.
+const MAX_ELEM_BYTES: u128 = 4;
+
+/// Element-level shape of an arena: a core [`Geometry`] (layers, KV heads, head dim,
+/// block size, dtype) and the number of blocks. It says which elements of the arena
+/// belong to which block, layer, K/V, head and token; the per-block part is the
+/// geometry's ([`Geometry::elems_per_block`], [`Geometry::tile_offset`]).
 ///
-/// Invariant (checked by [`KvLayout::new`]): every dimension is non-zero, `head_dim <=`
-/// [`MAX_HEAD_DIM`], every element index of the arena fits in a `usize`, and every slot
-/// (`block * block_size + offset`) fits in a `u32`. All methods are O(1).
+/// The geometry's dtype is the arena's storage type: [`Arena::for_layout`] sizes the
+/// arena with it, and the kernels, which stay generic over the [`Element`] type `T`,
+/// refuse a `T` whose [`Element::DTYPE`] differs from it
+/// ([`KernelError::DTypeMismatch`]). [`crate::KvCache`] builds its layout from its
+/// configured geometry; a caller of the kernels passes a geometry whose dtype is the
+/// element type it uses.
+///
+/// Invariant (checked by [`KvLayout::new`], on top of the geometry's own: non-zero
+/// dimensions, a block's size fits a `u64`): `num_blocks > 0`, `head_dim <=`
+/// [`MAX_HEAD_DIM`], the arena's byte size for any element type (up to 4 bytes) fits an
+/// `isize` (so every element and byte offset fits a `usize`), and every slot
+/// (`block * block_size + offset`) fits a `u32`. All methods are O(1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
-    layers: u32,
-    kv_heads: u32,
-    head_dim: u32,
-    block_size: u32,
+    geometry: Geometry,
     num_blocks: u32,
 }
 
 impl KvLayout {
-    /// Checks and builds a layout. O(1).
+    /// Checks and builds the layout of `num_blocks` blocks of `geometry`. O(1).
     ///
     /// # Errors
-    /// [`KernelError::BadLayout`] if a dimension is zero, the arena's element count
-    /// overflows `usize`, or the slot count overflows `u32`;
-    /// [`KernelError::HeadDimTooLarge`] if `head_dim > MAX_HEAD_DIM`.
-    pub const fn new(
-        layers: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        block_size: u32,
-        num_blocks: u32,
-    ) -> Result<Self, KernelError> {
-        if layers == 0 || kv_heads == 0 || head_dim == 0 || block_size == 0 || num_blocks == 0 {
+    /// [`KernelError::BadLayout`] if `num_blocks` is zero;
+    /// [`KernelError::HeadDimTooLarge`] if `head_dim > MAX_HEAD_DIM`;
+    /// [`KernelError::BadLayout`] if the arena's byte size (at 4 bytes per element)
+    /// overflows `isize`, or the slot count overflows `u32`. (Zero dimensions and a
+    /// block too large for a `u64` are already refused by [`Geometry::new`].)
+    pub const fn new(geometry: Geometry, num_blocks: u32) -> Result<Self, KernelError> {
+        if num_blocks == 0 {
             return Err(KernelError::BadLayout);
         }
+        let head_dim = geometry.head_dim();
         if head_dim as usize > MAX_HEAD_DIM {
             return Err(KernelError::HeadDimTooLarge { head_dim });
         }
-        let per_block =
-            2u128 * layers as u128 * kv_heads as u128 * head_dim as u128 * block_size as u128;
-        // Leave room for byte offsets of 4-byte elements as well.
-        if per_block * num_blocks as u128 * 4 > isize::MAX as u128 {
+        // Leave room for byte offsets of the widest (4-byte) elements.
+        let arena_elems = geometry.elems_per_block() as u128 * num_blocks as u128;
+        if arena_elems * MAX_ELEM_BYTES > isize::MAX as u128 {
             return Err(KernelError::BadLayout);
         }
-        if block_size as u64 * num_blocks as u64 > u32::MAX as u64 + 1 {
+        if geometry.block_size() as u64 * num_blocks as u64 > u32::MAX as u64 + 1 {
             return Err(KernelError::BadLayout);
         }
         Ok(Self {
-            layers,
-            kv_heads,
-            head_dim,
-            block_size,
+            geometry,
             num_blocks,
         })
     }
 
-    /// The layout of `num_blocks` blocks of a core [`kvpage_core::Geometry`]. O(1).
-    ///
-    /// # Errors
-    /// As [`KvLayout::new`].
-    pub const fn from_geometry(
-        geometry: &kvpage_core::Geometry,
-        num_blocks: u32,
-    ) -> Result<Self, KernelError> {
-        Self::new(
-            geometry.layers(),
-            geometry.kv_heads(),
-            geometry.head_dim(),
-            geometry.block_size(),
-            num_blocks,
-        )
-    }
-
-    /// Transformer layers.
-    pub const fn layers(&self) -> u32 {
-        self.layers
-    }
-    /// KV heads per layer.
-    pub const fn kv_heads(&self) -> u32 {
-        self.kv_heads
-    }
-    /// Elements per head.
-    pub const fn head_dim(&self) -> u32 {
-        self.head_dim
-    }
-    /// Tokens per block.
-    pub const fn block_size(&self) -> u32 {
-        self.block_size
+    /// The geometry: layers, KV heads, head dim, block size and storage dtype.
+    pub const fn geometry(&self) -> &Geometry {
+        &self.geometry
     }
     /// Blocks in the arena.
     pub const fn num_blocks(&self) -> u32 {
@@ -112,28 +90,51 @@ impl KvLayout {
     }
     /// Token slots in the arena (`num_blocks * block_size`).
     pub const fn num_slots(&self) -> u64 {
-        self.num_blocks as u64 * self.block_size as u64
+        self.num_blocks as u64 * self.geometry.block_size() as u64
     }
     /// Elements of one `[token][head_dim]` tile (`block_size * head_dim`).
     pub const fn tile_elems(&self) -> usize {
-        self.block_size as usize * self.head_dim as usize
+        self.geometry.block_size() as usize * self.geometry.head_dim() as usize
     }
-    /// Elements of one block: `2 * layers * kv_heads * block_size * head_dim`.
+    /// Elements of one block ([`Geometry::elems_per_block`]:
+    /// `2 * layers * kv_heads * block_size * head_dim`), as a `usize` (lossless by the
+    /// invariant).
     pub const fn elems_per_block(&self) -> usize {
-        2 * self.layers as usize * self.kv_heads as usize * self.tile_elems()
+        self.geometry.elems_per_block() as usize
     }
-    /// Elements of the whole arena.
+    /// Elements of the whole arena (`num_blocks * elems_per_block`).
     pub const fn arena_elems(&self) -> usize {
         self.elems_per_block() * self.num_blocks as usize
     }
+    /// Bytes of the whole arena in the geometry's dtype (`arena_elems * dtype size`).
+    pub const fn arena_bytes(&self) -> usize {
+        self.arena_elems() * self.geometry.dtype().size_bytes() as usize
+    }
     /// Element offset of the `[token][head_dim]` tile of (`block`, `layer`, `kv` (0 = K,
-    /// 1 = V), `kv_head`) in the arena. The caller keeps the indices in range (the
-    /// kernels validate them first); out-of-range indices give an offset past the arena,
-    /// which slicing then rejects.
+    /// 1 = V), `kv_head`) in the arena: the block's start plus
+    /// [`Geometry::tile_offset`]. The caller keeps the indices in range (the kernels
+    /// validate them first); out-of-range indices give an offset past the arena, which
+    /// slicing then rejects.
+    #[inline]
     pub const fn tile_offset(&self, block: u32, layer: u32, kv: u32, kv_head: u32) -> usize {
         block as usize * self.elems_per_block()
-            + ((layer as usize * 2 + kv as usize) * self.kv_heads as usize + kv_head as usize)
-                * self.tile_elems()
+            + self.geometry.tile_offset(layer, kv, kv_head) as usize
+    }
+
+    /// Checks that `T` is the geometry's storage type. O(1).
+    ///
+    /// # Errors
+    /// [`KernelError::DTypeMismatch`] if `T::DTYPE` differs from the geometry's dtype.
+    pub const fn check_element<T: Element>(&self) -> Result<(), KernelError> {
+        let layout = self.geometry.dtype();
+        // `DType`'s `PartialEq` is not `const`; compare the discriminants.
+        if layout as u8 != T::DTYPE as u8 {
+            return Err(KernelError::DTypeMismatch {
+                layout,
+                element: T::DTYPE,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -177,12 +178,13 @@ impl Arena {
         Ok(Self { lines, bytes })
     }
 
-    /// Allocates the arena of a layout for storage type `T`. O(arena bytes).
+    /// Allocates the arena of a layout, in its geometry's dtype
+    /// ([`KvLayout::arena_bytes`]). O(arena bytes).
     ///
     /// # Errors
     /// [`ArenaAllocError`] if the allocator refuses.
-    pub fn for_layout<T: Element>(layout: &KvLayout) -> Result<Self, ArenaAllocError> {
-        Self::new(layout.arena_elems() * core::mem::size_of::<T>())
+    pub fn for_layout(layout: &KvLayout) -> Result<Self, ArenaAllocError> {
+        Self::new(layout.arena_bytes())
     }
 
     /// Size in bytes as requested. O(1).

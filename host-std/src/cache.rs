@@ -3,7 +3,9 @@
 //!
 //! Everything is allocated once in [`KvCache::new`]: the manager's tables, the arena, and
 //! two small buffers (a slot buffer of `max_seq_len` entries, a batch buffer of
-//! `max_seqs` entries). No later operation allocates.
+//! `max_seqs` entries). Each allocation is fallible: a size the allocator refuses is a
+//! typed error ([`CacheError::TablesAlloc`], [`CacheError::Alloc`]), never an abort.
+//! No later operation allocates.
 //!
 //! What the type enforces, beyond the core's own checks:
 //! - A [`Seq`] from another cache is refused: each cache gets its own instance tag from a
@@ -51,9 +53,15 @@ unsafe impl Send for Tables {}
 unsafe impl Sync for Tables {}
 
 impl Tables {
-    /// Allocates `config.storage_words()` words and builds the manager over them.
-    fn new(config: Config) -> Result<Self, InitError> {
-        let storage = Box::into_raw(vec![0u64; config.storage_words()].into_boxed_slice());
+    /// Allocates `config.storage_words()` zeroed words and builds the manager over them.
+    /// O(storage words).
+    ///
+    /// # Errors
+    /// [`CacheError::TablesAlloc`] if the allocator refuses the storage (instead of
+    /// aborting), [`CacheError::Init`] if the core refuses the configuration.
+    fn new(config: Config) -> Result<Self, CacheError> {
+        let words = try_filled(config.storage_words(), 0u64)?;
+        let storage = Box::into_raw(words.into_boxed_slice());
         // SAFETY: `storage` comes from `Box::into_raw`, so it is valid and unique; it
         // stays allocated until `Drop` (or the error path below) frees it, after the
         // manager borrowing it is gone.
@@ -66,7 +74,7 @@ impl Tables {
             Err(e) => {
                 // SAFETY: the failed `new` dropped its borrow; nothing else points here.
                 drop(unsafe { Box::from_raw(storage) });
-                Err(e)
+                Err(CacheError::Init(e))
             }
         }
     }
@@ -79,6 +87,28 @@ impl Tables {
     fn get_mut(&mut self) -> &mut BlockManager<'static> {
         &mut self.manager
     }
+}
+
+/// An empty vector with room for exactly `n` elements, or [`CacheError::TablesAlloc`]
+/// if the allocator refuses (or `n` elements overflow `isize::MAX` bytes) instead of
+/// aborting. O(1) plus the allocator's cost.
+fn try_with_capacity<T>(n: usize) -> Result<Vec<T>, CacheError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| CacheError::TablesAlloc {
+            bytes: n.saturating_mul(core::mem::size_of::<T>()),
+        })?;
+    Ok(v)
+}
+
+/// `n` copies of `value`, allocated as [`try_with_capacity`] does. O(n).
+///
+/// # Errors
+/// [`CacheError::TablesAlloc`] if the allocator refuses.
+fn try_filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>, CacheError> {
+    let mut v = try_with_capacity(n)?;
+    v.resize(n, value);
+    Ok(v)
 }
 
 impl Drop for Tables {
@@ -151,6 +181,12 @@ pub enum CacheError {
     BadConfig,
     /// The arena could not be allocated.
     Alloc(ArenaAllocError),
+    /// The core's tables or the cache's bookkeeping buffers (everything but the arena)
+    /// could not be allocated.
+    TablesAlloc {
+        /// Bytes requested (saturated at `usize::MAX`).
+        bytes: usize,
+    },
     /// A sequence operation failed (stale or foreign handle, out of blocks, ...).
     Seq(SeqError),
     /// A kernel refused its inputs (buffer lengths, layer, heads, ...).
@@ -182,6 +218,9 @@ impl core::fmt::Display for CacheError {
             Self::Init(e) => write!(f, "configuration: {e}"),
             Self::BadConfig => f.write_str("configuration sizes are zero or do not fit"),
             Self::Alloc(e) => e.fmt(f),
+            Self::TablesAlloc { bytes } => {
+                write!(f, "could not allocate {bytes} bytes of cache tables")
+            }
             Self::Seq(e) => e.fmt(f),
             Self::Kernel(e) => e.fmt(f),
             Self::NotWritable {
@@ -256,8 +295,8 @@ const _: fn() = || {
 pub struct KvCache {
     tables: Tables,
     arena: Arena,
+    /// The arena's layout; its geometry is the configured one.
     layout: KvLayout,
-    geometry: Geometry,
     threads: usize,
     /// Per block-table row: start of the range K/V may be written to.
     pending: Vec<u32>,
@@ -270,7 +309,6 @@ pub struct KvCache {
 impl core::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("KvCache")
-            .field("geometry", &self.geometry)
             .field("layout", &self.layout)
             .field("stats", &self.stats())
             .finish()
@@ -285,7 +323,8 @@ impl KvCache {
     /// [`CacheError::BadConfig`] (zero `max_seq_len`, a capacity of zero blocks or more
     /// than `u32::MAX`), [`CacheError::Init`] from the core, [`CacheError::Kernel`] if
     /// the layout is unsupported (head dim over [`kernels::MAX_HEAD_DIM`]),
-    /// [`CacheError::Alloc`] if memory is refused.
+    /// [`CacheError::TablesAlloc`] if memory for the core's tables or the small buffers
+    /// is refused, [`CacheError::Alloc`] if memory for the arena is refused.
     pub fn new(config: CacheConfig) -> Result<Self, CacheError> {
         let g = config.geometry;
         let num_blocks = match config.capacity {
@@ -296,7 +335,7 @@ impl KvCache {
         if num_blocks == 0 || config.max_seq_len == 0 {
             return Err(CacheError::BadConfig);
         }
-        let layout = KvLayout::from_geometry(&g, num_blocks)?;
+        let layout = KvLayout::new(g, num_blocks)?;
         let core_config = Config {
             num_blocks,
             block_size: g.block_size(),
@@ -305,22 +344,22 @@ impl KvCache {
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1),
         };
         core_config.validate().map_err(CacheError::Init)?;
-        let tables = Tables::new(core_config).map_err(CacheError::Init)?;
-        let elem = g.dtype().size_bytes() as usize;
-        let arena = Arena::new(layout.arena_elems() * elem).map_err(CacheError::Alloc)?;
+        let tables = Tables::new(core_config)?;
+        let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
         let threads = match config.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        let max_seqs = config.max_seqs as usize;
+        let max_tokens = core_config.max_tokens_per_seq() as usize;
         Ok(Self {
             tables,
             arena,
             layout,
-            geometry: g,
             threads,
-            pending: vec![0; config.max_seqs as usize],
-            slots: vec![0; core_config.max_blocks_per_seq as usize * g.block_size() as usize],
-            batch: Vec::with_capacity(config.max_seqs as usize),
+            pending: try_filled(max_seqs, 0)?,
+            slots: try_filled(max_tokens, 0)?,
+            batch: try_with_capacity(max_seqs)?,
         })
     }
 
@@ -339,7 +378,7 @@ impl KvCache {
 
     /// The model geometry. O(1).
     pub fn geometry(&self) -> &Geometry {
-        &self.geometry
+        self.layout.geometry()
     }
 
     /// The arena's element layout. O(1).
@@ -443,7 +482,7 @@ impl KvCache {
     fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
         if let Some(c) = copy {
             let pairs = [(c.src, c.dst)];
-            let done = for_dtype!(self.geometry.dtype(), T => {
+            let done = for_dtype!(self.layout.geometry().dtype(), T => {
                 kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &pairs)
             });
             debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
@@ -510,7 +549,8 @@ impl KvCache {
         let m = self.tables.get();
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
-        let row = (self.geometry.kv_heads() * self.geometry.head_dim()) as usize;
+        let g = self.layout.geometry();
+        let row = (g.kv_heads() * g.head_dim()) as usize;
         let tokens = k.len() / row.max(1);
         let pending = self.pending[seq.0.index() as usize];
         let end = u64::from(first) + tokens as u64;
@@ -522,7 +562,7 @@ impl KvCache {
                 len,
             });
         }
-        let bs = self.geometry.block_size();
+        let bs = g.block_size();
         let slots = &mut self.slots[..tokens];
         for (i, s) in slots.iter_mut().enumerate() {
             let pos = first + i as u32;
@@ -530,7 +570,7 @@ impl KvCache {
         }
         let slots = &self.slots[..tokens];
         let layout = &self.layout;
-        for_dtype!(self.geometry.dtype(), T => {
+        for_dtype!(self.layout.geometry().dtype(), T => {
             kernels::write_kv(layout, self.arena.as_mut_slice::<T>(), layer, slots, k, v)
         })?;
         Ok(())
@@ -615,10 +655,45 @@ impl KvCache {
             scale,
             threads: self.threads,
         };
-        for_dtype!(self.geometry.dtype(), T => {
+        for_dtype!(self.layout.geometry().dtype(), T => {
             let arena = self.arena.as_slice::<T>();
             kernels::paged_attention(&self.layout, arena, layer, table, &self.batch, q, out, params)
         })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn impossible_table_sizes_are_typed_errors() {
+        // Not validated (`KvCache::new` validates first): more words than a `usize` holds.
+        let config = Config {
+            num_blocks: u32::MAX,
+            block_size: u32::MAX,
+            max_seqs: u32::MAX,
+            max_blocks_per_seq: u32::MAX,
+            instance: 1,
+        };
+        assert_eq!(config.storage_words(), usize::MAX);
+        assert!(matches!(
+            Tables::new(config),
+            Err(CacheError::TablesAlloc { bytes: usize::MAX })
+        ));
+        // A byte count that fits an `isize` but no address space: the allocator refuses.
+        let words = isize::MAX as usize / 8;
+        assert_eq!(
+            try_filled(words, 0u64).err(),
+            Some(CacheError::TablesAlloc { bytes: words * 8 })
+        );
+        assert_eq!(
+            try_with_capacity::<SeqQuery>(usize::MAX).err(),
+            Some(CacheError::TablesAlloc { bytes: usize::MAX })
+        );
+        // A possible size still works, with exactly the requested capacity.
+        let v = try_filled(5, 7u32).unwrap();
+        assert_eq!((v.len(), v.capacity(), v[4]), (5, 5, 7));
     }
 }

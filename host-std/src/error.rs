@@ -6,6 +6,8 @@
 
 use core::fmt;
 
+use kvpage_core::DType;
+
 /// Which buffer of a kernel call had the wrong length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buffer {
@@ -70,9 +72,16 @@ pub enum KernelError {
         /// Head dimension of the geometry.
         head_dim: u32,
     },
-    /// A layout dimension is zero, or the arena's size (or a buffer size derived from
-    /// the shapes) overflows `usize`, or its slots overflow `u32`.
+    /// A layout has zero blocks, or the arena's size (or a buffer size derived from the
+    /// shapes) overflows `usize`, or its slots overflow `u32`.
     BadLayout,
+    /// The kernel's element type is not the storage dtype of the layout's geometry.
+    DTypeMismatch {
+        /// The geometry's dtype.
+        layout: DType,
+        /// The dtype of the element type the kernel was called with.
+        element: DType,
+    },
     /// The softmax scale is not finite.
     BadScale,
     /// A slot (`block * block_size + offset`) is past the end of the arena.
@@ -145,7 +154,11 @@ impl fmt::Display for KernelError {
                 "head dim {head_dim} exceeds the CPU kernels' maximum of {}",
                 crate::kernels::MAX_HEAD_DIM
             ),
-            Self::BadLayout => f.write_str("KV layout has a zero or oversized dimension"),
+            Self::BadLayout => f.write_str("KV layout has zero blocks or an oversized arena"),
+            Self::DTypeMismatch { layout, element } => write!(
+                f,
+                "kernel called with {element:?} elements on a {layout:?} layout"
+            ),
             Self::BadScale => f.write_str("softmax scale is not finite"),
             Self::SlotOutOfRange { slot, slots } => {
                 write!(f, "slot {slot} out of range (arena has {slots})")

@@ -1,7 +1,8 @@
 //! kvpage: the std facade of the paged KV cache — owned storage, CPU kernels.
 //!
 //! - [`Arena`] and [`KvLayout`]: one aligned allocation in the block-major layout of the
-//!   design (`[layer][k|v][kv_head][token][head_dim]` per block).
+//!   design (`[layer][k|v][kv_head][token][head_dim]` per block); a layout is a core
+//!   [`Geometry`] (whose dtype is the arena's storage type) and a number of blocks.
 //! - [`KvCache`]: the owned cache — core manager, storage, arena and kernels in one
 //!   type; handles checked per cache, copy-on-write executed for the caller.
 //! - [`Element`]: storage types `f32`, `f16`, `bf16`; arithmetic is `f32`.
@@ -60,4 +61,4 @@ pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq};
 pub use dtype::Element;
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
-pub use kvpage_core::{DType, Geometry, SeqError, Stats};
+pub use kvpage_core::{DType, Geometry, GeometryError, SeqError, Stats};

@@ -10,8 +10,22 @@ use kvpage::kernels::{
     contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
     ContiguousKv, SeqQuery,
 };
-use kvpage::{bf16, f16, Arena, Buffer, Element, KernelError, KvLayout};
+use kvpage::{
+    bf16, f16, Arena, Buffer, DType, Element, Geometry, GeometryError, KernelError, KvLayout,
+};
 use rand::seq::SliceRandom;
+
+/// The layout of `num_blocks` blocks of a geometry whose dtype is `T`'s.
+fn layout_of<T: Element>(
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    block_size: u32,
+    num_blocks: u32,
+) -> Result<KvLayout, KernelError> {
+    let geometry = Geometry::new(layers, kv_heads, head_dim, block_size, T::DTYPE).unwrap();
+    KvLayout::new(geometry, num_blocks)
+}
 
 /// One test case: `lens[i]` tokens of context of which `queries[i]` are new.
 struct Case {
@@ -39,7 +53,7 @@ fn check<T: Element>(case: &Case) {
     let num_blocks = blocks_per_seq.iter().sum::<usize>() + 3;
     let layers = 2;
     let layer = 1;
-    let layout = KvLayout::new(
+    let layout = layout_of::<T>(
         layers,
         case.kv_heads,
         case.head_dim,
@@ -47,7 +61,7 @@ fn check<T: Element>(case: &Case) {
         num_blocks as u32,
     )
     .unwrap();
-    let mut arena = Arena::for_layout::<T>(&layout).unwrap();
+    let mut arena = Arena::for_layout(&layout).unwrap();
 
     // Physical blocks in shuffled order; unused table entries hold a poison id.
     let mut physical: Vec<u32> = (0..num_blocks as u32).collect();
@@ -244,8 +258,8 @@ fn head_shapes_mqa_mha_and_odd_head_dims() {
 fn large_scores_stay_finite_with_the_running_max() {
     // Scale 40: scores around ±40 * |q·k| would overflow a naive exp.
     let mut rng = rng(5);
-    let layout = KvLayout::new(1, 1, 16, 8, 8).unwrap();
-    let mut arena = Arena::for_layout::<f32>(&layout).unwrap();
+    let layout = layout_of::<f32>(1, 1, 16, 8, 8).unwrap();
+    let mut arena = Arena::for_layout(&layout).unwrap();
     let len = 50;
     let k = random_vec(&mut rng, len * 16);
     let v = random_vec(&mut rng, len * 16);
@@ -287,8 +301,8 @@ fn shared_prefix_blocks_and_copy_on_write() {
     // hit); the second then diverges inside a copied third block.
     let mut rng = rng(6);
     let (bs, hd) = (4usize, 8usize);
-    let layout = KvLayout::new(1, 1, hd as u32, bs as u32, 16).unwrap();
-    let mut arena = Arena::for_layout::<f32>(&layout).unwrap();
+    let layout = layout_of::<f32>(1, 1, hd as u32, bs as u32, 16).unwrap();
+    let mut arena = Arena::for_layout(&layout).unwrap();
     let len = 10; // two full blocks + 2 tokens in a shared partial block
     let k = random_vec(&mut rng, len * hd);
     let v = random_vec(&mut rng, len * hd);
@@ -368,8 +382,8 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let layout = KvLayout::new(2, 2, 8, 4, 6).unwrap();
-    let mut arena = Arena::for_layout::<f16>(&layout).unwrap();
+    let layout = layout_of::<f16>(2, 2, 8, 4, 6).unwrap();
+    let mut arena = Arena::for_layout(&layout).unwrap();
     let mut rng = rng(7);
     let table = vec![3, 1, 4, 0, 2, 5];
     let slots: Vec<u32> = (0..9).map(|t| table[t / 4] * 4 + (t % 4) as u32).collect();
@@ -628,17 +642,96 @@ fn write_and_copy_errors_write_nothing() {
     );
     assert_eq!(s.arena.as_slice::<f16>(), &before[..], "arena was written");
     assert_eq!(
-        KvLayout::new(1, 1, 300, 4, 4),
+        layout_of::<f16>(1, 1, 300, 4, 4),
         Err(KernelError::HeadDimTooLarge { head_dim: 300 })
     );
-    assert_eq!(KvLayout::new(1, 0, 8, 4, 4), Err(KernelError::BadLayout));
+    // Zero dimensions are the geometry's to refuse; zero blocks are the layout's.
+    assert_eq!(
+        Geometry::new(1, 0, 8, 4, DType::F16),
+        Err(GeometryError::ZeroDimension)
+    );
+    assert_eq!(layout_of::<f16>(1, 1, 8, 4, 0), Err(KernelError::BadLayout));
+}
+
+#[test]
+fn kernels_refuse_an_element_type_other_than_the_layouts() {
+    let mut s = setup(); // an f16 layout
+    let before: Vec<f16> = s.arena.as_slice::<f16>().to_vec();
+    let layout = s.layout;
+    let mismatch = |element| KernelError::DTypeMismatch {
+        layout: DType::F16,
+        element,
+    };
+    let kv = vec![0.25f32; 16];
+    assert_eq!(
+        write_kv(&layout, s.arena.as_mut_slice::<f32>(), 0, &[0], &kv, &kv),
+        Err(mismatch(DType::F32))
+    );
+    assert_eq!(
+        copy_blocks(&layout, s.arena.as_mut_slice::<bf16>(), &[(0, 1)]),
+        Err(mismatch(DType::Bf16))
+    );
+    let mut out = vec![7.0f32; 32];
+    let bt = BlockTable {
+        table: &s.table,
+        stride: 3,
+    };
+    let params = AttentionParams {
+        q_heads: 4,
+        scale: 0.5,
+        threads: 1,
+    };
+    let one = [SeqQuery::decode(0, 9)];
+    let arena = s.arena.as_slice::<bf16>();
+    assert_eq!(
+        paged_attention(&layout, arena, 1, bt, &one, &s.q, &mut out, params),
+        Err(mismatch(DType::Bf16))
+    );
+    assert!(out.iter().all(|x| *x == 7.0), "output was written");
+    assert_eq!(s.arena.as_slice::<f16>(), &before[..], "arena was written");
+    assert!(!mismatch(DType::F32).to_string().is_empty());
+    // The same call with the layout's own type works.
+    let arena = s.arena.as_slice::<f16>();
+    paged_attention(&layout, arena, 1, bt, &one, &s.q, &mut out, params).unwrap();
+}
+
+#[test]
+fn layout_delegates_its_shape_to_the_geometry() {
+    let g = Geometry::new(3, 2, 8, 4, DType::Bf16).unwrap();
+    let layout = KvLayout::new(g, 5).unwrap();
+    assert_eq!(layout.geometry(), &g);
+    assert_eq!(layout.num_blocks(), 5);
+    assert_eq!(layout.num_slots(), 20);
+    assert_eq!(layout.tile_elems(), 32);
+    assert_eq!(layout.elems_per_block() as u64, g.elems_per_block());
+    assert_eq!(layout.arena_elems(), 5 * 384);
+    assert_eq!(layout.arena_bytes(), 5 * 384 * 2);
+    assert_eq!(Arena::for_layout(&layout).unwrap().len_bytes(), 5 * 384 * 2);
+    assert_eq!(
+        layout.tile_offset(4, 2, 1, 1),
+        4 * 384 + g.tile_offset(2, 1, 1) as usize
+    );
+    assert_eq!(
+        layout.tile_offset(4, 2, 1, 1),
+        4 * 384 + (2 * 2 + 1) * 2 * 32 + 32
+    );
+    assert_eq!(layout.check_element::<bf16>(), Ok(()));
+    // Slots past `u32`: 2^16 tokens per block, 2^16 + 1 blocks.
+    let g = Geometry::new(1, 1, 8, 1 << 16, DType::F16).unwrap();
+    assert!(KvLayout::new(g, 1 << 16).is_ok());
+    assert_eq!(KvLayout::new(g, (1 << 16) + 1), Err(KernelError::BadLayout));
+    // An arena past `isize` bytes (for 4-byte elements), though each block fits a `u64`.
+    // 2^39 elements per block; 4 bytes each: 2^22 blocks reach 2^63 bytes.
+    let g = Geometry::new(1 << 20, 1 << 10, 256, 1, DType::F16).unwrap();
+    assert!(KvLayout::new(g, (1 << 22) - 1).is_ok());
+    assert_eq!(KvLayout::new(g, 1 << 22), Err(KernelError::BadLayout));
 }
 
 #[test]
 fn copy_blocks_copies_every_layer() {
     let mut rng = rng(8);
-    let layout = KvLayout::new(3, 2, 8, 4, 5).unwrap();
-    let mut arena = Arena::for_layout::<bf16>(&layout).unwrap();
+    let layout = layout_of::<bf16>(3, 2, 8, 4, 5).unwrap();
+    let mut arena = Arena::for_layout(&layout).unwrap();
     let n = layout.elems_per_block();
     let vals = random_vec(&mut rng, layout.arena_elems());
     bf16::narrow(&vals, arena.as_mut_slice::<bf16>());

@@ -25,6 +25,8 @@ const PARALLEL_MIN_WORK: u64 = 1 << 15;
 ///
 /// # Errors
 /// Nothing is written on error.
+/// - [`KernelError::DTypeMismatch`] — `T` is not the storage dtype of the layout's
+///   geometry;
 /// - [`KernelError::BufferLength`] — `arena` is not `layout.arena_elems()` long, or
 ///   `q` / `out` not `Σ queries × q_heads × head_dim`;
 /// - [`KernelError::LayerOutOfRange`], [`KernelError::HeadsNotDivisible`],
@@ -43,16 +45,18 @@ pub fn paged_attention<T: Element>(
     out: &mut [f32],
     params: AttentionParams,
 ) -> Result<(), KernelError> {
+    layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
-    if layer >= layout.layers() {
+    let g = layout.geometry();
+    if layer >= g.layers() {
         return Err(KernelError::LayerOutOfRange {
             layer,
-            layers: layout.layers(),
+            layers: g.layers(),
         });
     }
     let stride = table.stride as usize;
     let rows = table.table.len().checked_div(stride).unwrap_or(0);
-    let bs = layout.block_size() as usize;
+    let bs = g.block_size() as usize;
     for s in seqs {
         if s.row as usize >= rows {
             return Err(KernelError::RowOutOfRange {
@@ -76,7 +80,7 @@ pub fn paged_attention<T: Element>(
             });
         }
     }
-    let shape = Shape::check(layout.kv_heads(), layout.head_dim(), seqs, q, out, &params)?;
+    let shape = Shape::check(g.kv_heads(), g.head_dim(), seqs, q, out, &params)?;
 
     run(&shape, seqs, q, out, |seq, kv_head| PagedSource {
         arena,
@@ -101,13 +105,13 @@ struct PagedSource<'a, T> {
 impl<T> KvSource<T> for PagedSource<'_, T> {
     #[inline(always)]
     fn run(&self, t0: usize) -> usize {
-        let bs = self.layout.block_size() as usize;
+        let bs = self.layout.geometry().block_size() as usize;
         bs - t0 % bs
     }
     #[inline(always)]
     fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
-        let bs = self.layout.block_size() as usize;
-        let hd = self.layout.head_dim() as usize;
+        let g = self.layout.geometry();
+        let (bs, hd) = (g.block_size() as usize, g.head_dim() as usize);
         let block = self.blocks[t0 / bs];
         let start = self
             .layout

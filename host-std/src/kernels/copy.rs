@@ -11,13 +11,15 @@ use crate::error::{Buffer, KernelError};
 /// O(copies × elems_per_block).
 ///
 /// # Errors
-/// Nothing is copied on error. [`KernelError::BufferLength`] for a wrong `arena` length,
+/// Nothing is copied on error. [`KernelError::DTypeMismatch`] if `T` is not the
+/// geometry's dtype, [`KernelError::BufferLength`] for a wrong `arena` length,
 /// [`KernelError::BlockOutOfRange`], [`KernelError::CopyOntoItself`].
 pub fn copy_blocks<T: Element>(
     layout: &KvLayout,
     arena: &mut [T],
     copies: &[(u32, u32)],
 ) -> Result<(), KernelError> {
+    layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
     let blocks = layout.num_blocks();
     for &(src, dst) in copies {

@@ -14,8 +14,9 @@ use crate::error::{Buffer, KernelError};
 /// one token's worth of data per slot, far less than attention reads).
 ///
 /// # Errors
-/// Nothing is written on error. [`KernelError::BufferLength`] for a wrong `arena`, `k`
-/// or `v` length, [`KernelError::LayerOutOfRange`], [`KernelError::SlotOutOfRange`].
+/// Nothing is written on error. [`KernelError::DTypeMismatch`] if `T` is not the
+/// geometry's dtype, [`KernelError::BufferLength`] for a wrong `arena`, `k` or `v`
+/// length, [`KernelError::LayerOutOfRange`], [`KernelError::SlotOutOfRange`].
 pub fn write_kv<T: Element>(
     layout: &KvLayout,
     arena: &mut [T],
@@ -24,15 +25,17 @@ pub fn write_kv<T: Element>(
     k: &[f32],
     v: &[f32],
 ) -> Result<(), KernelError> {
+    layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
-    if layer >= layout.layers() {
+    let g = layout.geometry();
+    if layer >= g.layers() {
         return Err(KernelError::LayerOutOfRange {
             layer,
-            layers: layout.layers(),
+            layers: g.layers(),
         });
     }
-    let hd = layout.head_dim() as usize;
-    let heads = layout.kv_heads();
+    let hd = g.head_dim() as usize;
+    let heads = g.kv_heads();
     let row = heads as usize * hd;
     check_len(Buffer::Keys, slots.len() * row, k.len())?;
     check_len(Buffer::Values, slots.len() * row, v.len())?;
@@ -42,7 +45,7 @@ pub fn write_kv<T: Element>(
             slots: layout.num_slots(),
         });
     }
-    let bs = layout.block_size();
+    let bs = g.block_size();
     for (i, &slot) in slots.iter().enumerate() {
         let (block, offset) = (slot / bs, (slot % bs) as usize);
         for h in 0..heads {
