@@ -56,6 +56,10 @@ fn base_prompt(base: u8, len: usize) -> Vec<u32> {
 
 struct Model {
     seqs: BTreeMap<SeqId, Vec<Cell>>,
+    /// Namespace and fork family (the id of the sequence it was forked from, transitively)
+    /// of every sequence: the only legitimate reasons for two sequences to share a block
+    /// are a common family (fork) or a common namespace (prefix cache).
+    origin: HashMap<SeqId, (u64, SeqId)>,
     /// Swapped-out sequences and their content.
     swapped: BTreeMap<SeqId, Vec<Cell>>,
     host: Vec<Option<Cell>>,
@@ -130,6 +134,7 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
     let stats = kv.stats();
     assert_eq!(stats.free_blocks + stats.cached_blocks + stats.used_blocks, stats.total_blocks);
     let mut refs: HashMap<u32, u32> = HashMap::new();
+    let mut holders: HashMap<u32, Vec<SeqId>> = HashMap::new();
     let mut logical = 0u64;
     for (&s, cells) in &model.seqs {
         let len = kv.len(s).unwrap();
@@ -139,11 +144,32 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
         assert_eq!(blocks.len(), (len as usize).div_ceil(BS as usize));
         for &b in blocks {
             *refs.entry(b).or_default() += 1;
+            holders.entry(b).or_default().push(s);
         }
         for (pos, &cell) in cells.iter().enumerate() {
             let slot = slot_of(kv, s, pos as u32);
             assert_eq!(model.arena[slot as usize], Some(cell), "{s:?} reads a wrong value at {pos}");
         }
+    }
+    // The holders of each block must be connected by "same namespace or same family":
+    // sharing spreads by prefix hits within a namespace and by forks within a family.
+    for (b, seqs) in &holders {
+        let related = |x: &SeqId, y: &SeqId| {
+            let (a, c) = (model.origin[x], model.origin[y]);
+            a.0 == c.0 || a.1 == c.1
+        };
+        let mut reached = vec![seqs[0]];
+        let mut k = 0;
+        while k < reached.len() {
+            let from = reached[k];
+            for s in seqs {
+                if !reached.contains(s) && related(&from, s) {
+                    reached.push(*s);
+                }
+            }
+            k += 1;
+        }
+        assert_eq!(reached.len(), seqs.len(), "block {b} shared by unrelated sequences {seqs:?}");
     }
     let mut cached = 0;
     for b in 0..CONFIG.num_blocks {
@@ -177,6 +203,7 @@ fn run(ops: &[Op]) {
     let mut moves = [BlockMove { from: 0, to: 0 }; 16];
     let mut model = Model {
         seqs: BTreeMap::new(),
+        origin: HashMap::new(),
         swapped: BTreeMap::new(),
         host: vec![None; (HOST_BLOCKS * BS) as usize],
         stale: Vec::new(),
@@ -190,6 +217,7 @@ fn run(ops: &[Op]) {
             Op::Create { ns } => match kv.create(u64::from(ns)) {
                 Ok(s) => {
                     model.seqs.insert(s, Vec::new());
+                    model.origin.insert(s, (u64::from(ns), s));
                     None
                 }
                 Err(e) => Some(e),
@@ -210,6 +238,7 @@ fn run(ops: &[Op]) {
                         let cells: Vec<Cell> =
                             prompt.iter().enumerate().map(|(p, &t)| (u64::from(t), p as u32)).collect();
                         model.seqs.insert(start.seq, cells[..r].to_vec());
+                        model.origin.insert(start.seq, (u64::from(ns), start.seq));
                         assert_new_slots_unique(&kv, &model, start.seq, r as u32, &slots[..prompt.len() - r]);
                         write_back(&mut model, None, &slots[..prompt.len() - r], &cells[r..]);
                         model.seqs.insert(start.seq, cells);
@@ -263,6 +292,8 @@ fn run(ops: &[Op]) {
                     Ok(child) => {
                         let cells = model.seqs[&s].clone();
                         model.seqs.insert(child, cells);
+                        let parent_origin = model.origin[&s];
+                        model.origin.insert(child, parent_origin);
                         None
                     }
                     Err(e) => Some(e),
