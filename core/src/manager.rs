@@ -428,27 +428,16 @@ impl<'a> BlockManager<'a> {
             });
         }
         let i = self.seq_free.first().ok_or(SeqError::NoFreeSequence)? as usize;
-        let bs = self.config.block_size as usize;
-        let max_hits = tokens.len().saturating_sub(1) / bs;
         // Look up, writing candidate block ids into the (free) row: free rows are scratch.
         let row = self.row(i);
-        let (mut hits, mut idle_hits) = (0usize, 0u32);
-        let mut parent = Link::ROOT;
-        let mut hash = root_hash(namespace);
-        while hits < max_hits {
-            let chunk = &tokens[hits * bs..(hits + 1) * bs];
-            let h = chain_hash(hash, namespace, chunk);
-            let Some(b) = self.prefix.find(h, namespace, parent, chunk) else {
-                break;
-            };
-            self.table[row + hits] = b;
-            if self.refcount[b as usize] == 0 {
-                idle_hits += 1;
-            }
-            parent = self.prefix.link_of(b);
-            hash = h;
-            hits += 1;
-        }
+        let (table, refcount) = (&mut *self.table, &*self.refcount);
+        let mut idle_hits = 0u32;
+        let walk = self.prefix.walk(namespace, tokens, |k, b| {
+            table[row + k] = b;
+            idle_hits += u32::from(refcount[b as usize] == 0);
+        });
+        let (hits, hash, parent) = (walk.blocks as usize, walk.hash, walk.last);
+        let bs = self.config.block_size as usize;
         let needed = self.blocks_for(len as u32) - hits as u32;
         let available = self.available_blocks() - idle_hits;
         if needed > available {
@@ -932,22 +921,7 @@ impl<'a> BlockManager<'a> {
     /// from the prefix cache of `namespace` right now (whole blocks, at most
     /// `(len - 1) / block_size` of them). Changes nothing. O(prompt length).
     pub fn cached_prefix_tokens(&self, namespace: u64, tokens: &[u32]) -> u32 {
-        let bs = self.config.block_size as usize;
-        let max_hits = tokens.len().saturating_sub(1) / bs;
-        let mut parent = Link::ROOT;
-        let mut hash = root_hash(namespace);
-        let mut hits = 0usize;
-        while hits < max_hits {
-            let chunk = &tokens[hits * bs..(hits + 1) * bs];
-            let h = chain_hash(hash, namespace, chunk);
-            let Some(b) = self.prefix.find(h, namespace, parent, chunk) else {
-                break;
-            };
-            parent = self.prefix.link_of(b);
-            hash = h;
-            hits += 1;
-        }
-        (hits * bs) as u32
+        self.prefix.walk(namespace, tokens, |_, _| {}).blocks * self.config.block_size
     }
 
     /// Tokens held by `seq`. O(1).

@@ -35,6 +35,17 @@ impl Link {
     pub(crate) const ROOT: Link = Link { block: NIL, gen: 0 };
 }
 
+/// How far a prompt's leading blocks are cached: see [`PrefixCache::walk`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Walk {
+    /// Whole leading blocks found.
+    pub(crate) blocks: u32,
+    /// Chain hash after the last block found (the namespace's seed if none).
+    pub(crate) hash: u64,
+    /// Link of the last block found ([`Link::ROOT`] if none).
+    pub(crate) last: Link,
+}
+
 /// Seed of the hash chain of a namespace.
 pub(crate) fn root_hash(namespace: u64) -> u64 {
     mix(namespace ^ 0x6b76_7061_6765_0001)
@@ -217,6 +228,39 @@ impl<'a> PrefixCache<'a> {
             }
             pos = (pos + 1) & mask;
         }
+    }
+
+    /// Finds the longest run of registered blocks matching the leading whole blocks of
+    /// `tokens` in `namespace`, stopping one token short of the end (at most
+    /// `(len - 1) / block_size` blocks, so a prompt always leaves a token to compute).
+    /// Calls `hit(k, block)` for logical block `k` of the run, in order.
+    /// O(prompt length).
+    pub(crate) fn walk(
+        &self,
+        namespace: u64,
+        tokens: &[u32],
+        mut hit: impl FnMut(usize, u32),
+    ) -> Walk {
+        let bs = self.block_size as usize;
+        let max_blocks = tokens.len().saturating_sub(1) / bs;
+        let mut walk = Walk {
+            blocks: 0,
+            hash: root_hash(namespace),
+            last: Link::ROOT,
+        };
+        for (k, chunk) in tokens.chunks_exact(bs).take(max_blocks).enumerate() {
+            let h = chain_hash(walk.hash, namespace, chunk);
+            let Some(b) = self.find(h, namespace, walk.last, chunk) else {
+                break;
+            };
+            hit(k, b);
+            walk = Walk {
+                blocks: walk.blocks + 1,
+                hash: h,
+                last: self.link_of(b),
+            };
+        }
+        walk
     }
 
     /// Records that full block `b` has `hash` and stands for content whose registered
