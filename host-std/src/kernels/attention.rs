@@ -31,6 +31,7 @@ const PARALLEL_MIN_WORK: u64 = 1 << 15;
 ///   `q` / `out` not `Σ queries × q_heads × head_dim`;
 /// - [`KernelError::LayerOutOfRange`], [`KernelError::HeadsNotDivisible`],
 ///   [`KernelError::BadScale`];
+/// - [`KernelError::BadLayout`] — `Σ queries × q_heads × head_dim` overflows `usize`;
 /// - [`KernelError::RowOutOfRange`], [`KernelError::ContextTooLong`],
 ///   [`KernelError::QueriesExceedContext`] — a bad [`SeqQuery`];
 /// - [`KernelError::BlockOutOfRange`] — a block id the context needs is not in the arena.
@@ -61,7 +62,7 @@ pub fn paged_attention<T: Element>(
         if s.row as usize >= rows {
             return Err(KernelError::RowOutOfRange {
                 row: s.row,
-                rows: rows as u32,
+                rows: u32::try_from(rows).unwrap_or(u32::MAX),
             });
         }
         let capacity = stride as u64 * bs as u64;
@@ -154,6 +155,8 @@ impl Shape {
         if !params.scale.is_finite() {
             return Err(KernelError::BadScale);
         }
+        // Counts are caller data: sums and products are checked (the buffer size) or
+        // saturated (the work estimate, which only picks the thread count).
         let mut total_q: usize = 0;
         let mut work: u64 = 0;
         for s in seqs {
@@ -163,11 +166,14 @@ impl Shape {
                     context_len: s.context_len,
                 });
             }
-            total_q += s.queries as usize;
-            work += u64::from(s.queries) * u64::from(s.context_len);
+            total_q = total_q
+                .checked_add(s.queries as usize)
+                .ok_or(KernelError::BadLayout)?;
+            work = work.saturating_add(u64::from(s.queries) * u64::from(s.context_len));
         }
-        let expected = total_q
-            .checked_mul(params.q_heads as usize * head_dim as usize)
+        let expected = (params.q_heads as usize)
+            .checked_mul(head_dim as usize)
+            .and_then(|row| row.checked_mul(total_q))
             .ok_or(KernelError::BadLayout)?;
         check_len(Buffer::Query, expected, q.len())?;
         check_len(Buffer::Output, expected, out.len())?;

@@ -29,8 +29,10 @@ pub struct ContiguousKv<'a, T> {
 /// sequence's region. Same complexity.
 ///
 /// # Errors
-/// Nothing is written on error. [`KernelError::BufferLength`] if `k`, `v`, `q` or `out`
-/// has the wrong length (`k` and `v` must hold a whole number of rows),
+/// Nothing is written on error. [`KernelError::BadLayout`] if a count is zero or
+/// `kv_heads * capacity * head_dim` overflows `usize`; [`KernelError::BufferLength`] if
+/// `k`, `v`, `q` or `out` has the wrong length (`k` and `v` must hold a whole number of
+/// rows),
 /// [`KernelError::RowOutOfRange`], [`KernelError::ContextTooLong`] (over `capacity`),
 /// and the shape errors of [`super::paged_attention`].
 pub fn contiguous_attention<T: Element>(
@@ -43,7 +45,11 @@ pub fn contiguous_attention<T: Element>(
     if kv.kv_heads == 0 || kv.head_dim == 0 || kv.capacity == 0 {
         return Err(KernelError::BadLayout);
     }
-    let per_row = kv.kv_heads as usize * kv.capacity as usize * kv.head_dim as usize;
+    // Three caller-given u32 factors: the product can overflow (and wrap to zero).
+    let per_row = (kv.kv_heads as usize)
+        .checked_mul(kv.capacity as usize)
+        .and_then(|n| n.checked_mul(kv.head_dim as usize))
+        .ok_or(KernelError::BadLayout)?;
     let rows = kv.k.len() / per_row;
     check_len(Buffer::Contiguous, rows * per_row, kv.k.len())?;
     check_len(Buffer::Contiguous, kv.k.len(), kv.v.len())?;
@@ -51,7 +57,7 @@ pub fn contiguous_attention<T: Element>(
         if s.row as usize >= rows {
             return Err(KernelError::RowOutOfRange {
                 row: s.row,
-                rows: rows as u32,
+                rows: u32::try_from(rows).unwrap_or(u32::MAX),
             });
         }
         if s.context_len > kv.capacity {

@@ -1,0 +1,91 @@
+//! Caller inputs at the edges of their types: sizes whose products overflow, counts
+//! near `u32::MAX`. Each must be a typed error with nothing written, never a panic
+//! (debug overflow checks) or a wrapped size.
+
+use kvpage::kernels::{
+    contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
+};
+use kvpage::{f16, Arena, Buffer, DType, Geometry, KernelError, KvLayout};
+
+const PARAMS: AttentionParams = AttentionParams {
+    q_heads: 1,
+    scale: 1.0,
+    threads: 1,
+};
+
+/// `kv_heads * capacity * head_dim` = 2^64: used to panic (debug) or wrap to 0 and
+/// divide by zero (release) while sizing a row of the contiguous cache.
+#[test]
+fn contiguous_row_size_overflow_is_an_error() {
+    let empty: [f32; 0] = [];
+    for (kv_heads, head_dim, capacity) in [
+        (1u32 << 31, 4u32, 1u32 << 31),
+        (u32::MAX, 256, u32::MAX),
+        (u32::MAX, u32::MAX, u32::MAX),
+    ] {
+        let kv = ContiguousKv {
+            k: &empty,
+            v: &empty,
+            kv_heads,
+            head_dim,
+            capacity,
+        };
+        let mut out = [7.0f32; 4];
+        let r = contiguous_attention(
+            kv,
+            &[SeqQuery::decode(0, 1)],
+            &[0.5; 4],
+            &mut out,
+            AttentionParams {
+                q_heads: kv_heads,
+                ..PARAMS
+            },
+        );
+        assert_eq!(
+            r,
+            Err(KernelError::BadLayout),
+            "{kv_heads} {head_dim} {capacity}"
+        );
+        assert_eq!(out, [7.0; 4]);
+    }
+}
+
+/// Two sequences of `u32::MAX` queries over `u32::MAX` tokens: the work estimate
+/// (queries × context summed over sequences) overflowed a `u64` before the query buffer
+/// was checked. A block of 2^16 tokens and a row of 2^16 entries address 2^32 tokens.
+#[test]
+fn huge_query_counts_are_a_buffer_error_not_an_overflow() {
+    let geometry = Geometry::new(1, 1, 1, 1 << 16, DType::F16).unwrap();
+    let layout = KvLayout::new(geometry, 1).unwrap();
+    let arena = Arena::for_layout(&layout).unwrap();
+    let table = vec![0u32; 1 << 16];
+    let bt = BlockTable {
+        table: &table,
+        stride: 1 << 16,
+    };
+    let seq = SeqQuery {
+        row: 0,
+        context_len: u32::MAX,
+        queries: u32::MAX,
+    };
+    let mut out = [7.0f32; 1];
+    let r = paged_attention(
+        &layout,
+        arena.as_slice::<f16>(),
+        0,
+        bt,
+        &[seq, seq, seq],
+        &[0.5],
+        &mut out,
+        PARAMS,
+    );
+    assert_eq!(
+        r,
+        Err(KernelError::BufferLength {
+            buffer: Buffer::Query,
+            expected: 3 * u32::MAX as usize,
+            actual: 1
+        })
+    );
+    assert_eq!(out, [7.0]);
+}
