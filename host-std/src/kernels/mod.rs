@@ -82,5 +82,7 @@ pub struct AttentionParams {
     /// Factor applied to `q·k` before the softmax (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
     /// Threads to use (the calling thread included); 0 or 1 run on the calling thread.
+    /// At most one per task is started, and a thread the OS refuses to start is done
+    /// without (its tasks run on the others).
     pub threads: usize,
 }
