@@ -550,14 +550,15 @@ impl KvCache {
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
         let g = self.layout.geometry();
-        let row = (g.kv_heads() * g.head_dim()) as usize;
-        let tokens = k.len() / row.max(1);
+        // In `usize`: `kv_heads * head_dim` can pass `u32::MAX` (heads are a `u32`).
+        let row = g.kv_heads() as usize * g.head_dim() as usize;
+        let tokens = k.len() / row;
         let pending = self.pending[seq.0.index() as usize];
         let end = u64::from(first) + tokens as u64;
         if first < pending || end > u64::from(len) {
             return Err(CacheError::NotWritable {
                 first,
-                tokens: tokens as u32,
+                tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
                 pending,
                 len,
             });

@@ -3,7 +3,8 @@
 //! (debug overflow checks) or a wrapped size.
 
 use kvpage::kernels::{
-    contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
+    contiguous_attention, paged_attention, write_kv, AttentionParams, BlockTable, ContiguousKv,
+    SeqQuery,
 };
 use kvpage::{f16, Arena, Buffer, DType, Geometry, KernelError, KvLayout};
 
@@ -88,4 +89,18 @@ fn huge_query_counts_are_a_buffer_error_not_an_overflow() {
         })
     );
     assert_eq!(out, [7.0]);
+}
+
+/// `slots × kv_heads × head_dim` past `usize`: u32::MAX KV heads of 256 dims are 2^40
+/// elements per token (a valid layout), and 2^24 + 1 slots overflow. The size check
+/// comes before the arena's, so no 8 TiB arena is needed to reach it.
+#[test]
+fn write_kv_size_overflow_is_an_error() {
+    let geometry = Geometry::new(1, u32::MAX, 256, 1, DType::F16).unwrap();
+    let layout = KvLayout::new(geometry, 1).unwrap();
+    let slots = vec![0u32; (1 << 24) + 1];
+    assert_eq!(
+        write_kv::<f16>(&layout, &mut [], 0, &slots, &[], &[]),
+        Err(KernelError::BadLayout)
+    );
 }

@@ -15,7 +15,8 @@ use crate::error::{Buffer, KernelError};
 ///
 /// # Errors
 /// Nothing is written on error. [`KernelError::DTypeMismatch`] if `T` is not the
-/// geometry's dtype, [`KernelError::BufferLength`] for a wrong `arena`, `k` or `v`
+/// geometry's dtype, [`KernelError::BadLayout`] if `slots.len() × kv_heads × head_dim`
+/// overflows `usize`, [`KernelError::BufferLength`] for a wrong `arena`, `k` or `v`
 /// length, [`KernelError::LayerOutOfRange`], [`KernelError::SlotOutOfRange`].
 pub fn write_kv<T: Element>(
     layout: &KvLayout,
@@ -26,19 +27,22 @@ pub fn write_kv<T: Element>(
     v: &[f32],
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
-    check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
     let g = layout.geometry();
+    let hd = g.head_dim() as usize;
+    let heads = g.kv_heads();
+    // Up to 2^40 elements per token (u32 heads × 256 dims): times a caller's token count
+    // it can overflow.
+    let row = heads as usize * hd;
+    let kv_len = slots.len().checked_mul(row).ok_or(KernelError::BadLayout)?;
+    check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
     if layer >= g.layers() {
         return Err(KernelError::LayerOutOfRange {
             layer,
             layers: g.layers(),
         });
     }
-    let hd = g.head_dim() as usize;
-    let heads = g.kv_heads();
-    let row = heads as usize * hd;
-    check_len(Buffer::Keys, slots.len() * row, k.len())?;
-    check_len(Buffer::Values, slots.len() * row, v.len())?;
+    check_len(Buffer::Keys, kv_len, k.len())?;
+    check_len(Buffer::Values, kv_len, v.len())?;
     if let Some(&slot) = slots.iter().find(|&&s| u64::from(s) >= layout.num_slots()) {
         return Err(KernelError::SlotOutOfRange {
             slot,
