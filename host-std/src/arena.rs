@@ -112,11 +112,30 @@ impl KvLayout {
     }
     /// Element offset of the `[token][head_dim]` tile of (`block`, `layer`, `kv` (0 = K,
     /// 1 = V), `kv_head`) in the arena: the block's start plus
-    /// [`Geometry::tile_offset`]. The caller keeps the indices in range (the kernels
-    /// validate them first); out-of-range indices give an offset past the arena, which
-    /// slicing then rejects.
+    /// [`Geometry::tile_offset`]. Indices out of range (`block >= num_blocks`,
+    /// `layer >= layers`, `kv > 1`, `kv_head >= kv_heads`) give `usize::MAX`, an offset
+    /// past the arena, which `get` or slicing then rejects. O(1).
     #[inline]
     pub const fn tile_offset(&self, block: u32, layer: u32, kv: u32, kv_head: u32) -> usize {
+        let g = &self.geometry;
+        if block >= self.num_blocks || layer >= g.layers() || kv > 1 || kv_head >= g.kv_heads() {
+            // The arithmetic below could overflow for such indices.
+            return usize::MAX;
+        }
+        self.tile_offset_in_range(block, layer, kv, kv_head)
+    }
+
+    /// [`KvLayout::tile_offset`] for indices the caller has validated (the kernels'
+    /// inner loops): in range, the offset is below `arena_elems` (layout invariant), so
+    /// nothing overflows.
+    #[inline(always)]
+    pub(crate) const fn tile_offset_in_range(
+        &self,
+        block: u32,
+        layer: u32,
+        kv: u32,
+        kv_head: u32,
+    ) -> usize {
         block as usize * self.elems_per_block()
             + self.geometry.tile_offset(layer, kv, kv_head) as usize
     }

@@ -104,3 +104,30 @@ fn write_kv_size_overflow_is_an_error() {
         Err(KernelError::BadLayout)
     );
 }
+
+/// `KvLayout::tile_offset` is public: indices out of range give an offset past the arena
+/// (`usize::MAX`), never an overflow panic in the offset arithmetic.
+#[test]
+fn tile_offset_out_of_range_is_past_the_arena() {
+    // 2^39 elements per block: a valid layout whose offsets overflow for a u32 block id.
+    let geometry = Geometry::new(1, 1 << 20, 256, 1 << 10, DType::F16).unwrap();
+    let layout = KvLayout::new(geometry, 1).unwrap();
+    let past = |block, layer, kv, head| {
+        let off = layout.tile_offset(block, layer, kv, head);
+        assert!(
+            off >= layout.arena_elems(),
+            "{block} {layer} {kv} {head}: {off}"
+        );
+    };
+    past(u32::MAX, 0, 0, 0);
+    past(0, u32::MAX, 1, 0);
+    past(0, 0, u32::MAX, 0);
+    past(0, 0, 0, u32::MAX);
+    past(u32::MAX, u32::MAX, u32::MAX, u32::MAX);
+    past(1, 0, 0, 0);
+    // In range: the block's start plus the geometry's offset.
+    assert_eq!(
+        layout.tile_offset(0, 0, 1, 3),
+        geometry.tile_offset(0, 1, 3) as usize
+    );
+}

@@ -116,7 +116,7 @@ impl<T> KvSource<T> for PagedSource<'_, T> {
         let block = self.blocks[t0 / bs];
         let start = self
             .layout
-            .tile_offset(block, self.layer, kv as u32, self.kv_head)
+            .tile_offset_in_range(block, self.layer, kv as u32, self.kv_head)
             + (t0 % bs) * hd;
         &self.arena[start..start + n * hd]
     }

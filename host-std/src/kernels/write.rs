@@ -55,7 +55,7 @@ pub fn write_kv<T: Element>(
         for h in 0..heads {
             let src = i * row + h as usize * hd;
             for (kv, input) in [(0, k), (1, v)] {
-                let dst = layout.tile_offset(block, layer, kv, h) + offset * hd;
+                let dst = layout.tile_offset_in_range(block, layer, kv, h) + offset * hd;
                 T::narrow(&input[src..src + hd], &mut arena[dst..dst + hd]);
             }
         }
