@@ -158,6 +158,7 @@ fn prefix_lookup(c: &mut Criterion) {
         .collect();
     let mut slots = vec![0u32; 4096];
     let first = kv.create_with_prompt(0, &prompt, &mut slots).unwrap();
+    kv.commit(first.seq, 4096).unwrap();
     let mut g = c.benchmark_group("prefix_lookup_4096_tokens");
     g.bench_function("paged", |b| {
         b.iter_custom(|iters| {

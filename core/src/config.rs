@@ -26,7 +26,7 @@ pub(crate) const U32_PER_BLOCK: u128 = 10;
 /// Number of `u64` arrays with one entry per block.
 pub(crate) const U64_PER_BLOCK: u128 = 2;
 /// Number of `u32` arrays with one entry per sequence (besides the block table).
-pub(crate) const U32_PER_SEQ: u128 = 6;
+pub(crate) const U32_PER_SEQ: u128 = 8;
 /// Number of `u64` arrays with one entry per sequence.
 pub(crate) const U64_PER_SEQ: u128 = 2;
 

@@ -16,7 +16,17 @@
 //! kv.append_tokens(seq, &[7; 20], &mut slots).unwrap();
 //! assert_eq!(kv.blocks(seq).unwrap(), &[0, 1]);
 //! assert_eq!(slots[19], 1 * 16 + 3);
+//! // ... the backend writes the K/V of those 20 slots, then:
+//! kv.commit(seq, 20).unwrap(); // block 0 is full: now other prompts can share it
+//! let other = kv.create_with_prompt(0, &[7; 18], &mut slots).unwrap();
+//! assert_eq!(other.reused_tokens, 16);
 //! ```
+//!
+//! A sequence's life: [`BlockManager::create_with_prompt`] (or [`BlockManager::create`]
+//! and appends) returns the slot of each new token; the backend executes any reported
+//! [`BlockCopy`] and writes the K/V there; [`BlockManager::commit`] then offers the full
+//! blocks to the prefix cache; [`BlockManager::block_table`] and
+//! [`BlockManager::seq_lens`] are what attention kernels read.
 //!
 //! After [`BlockManager::new`] no operation allocates or panics on caller input; every
 //! misuse is a typed error ([`SeqError`], [`InitError`], [`GeometryError`]) and a failed

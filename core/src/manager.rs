@@ -27,9 +27,6 @@ use crate::stats::Stats;
 use crate::storage::Carver;
 
 const LIVE: u32 = 1;
-/// Every full block of the sequence so far was hashed with known token ids, so the next
-/// full block can be registered in the prefix cache.
-const HASHABLE: u32 = 2;
 /// The sequence's blocks are in the host tier; its row holds host block ids.
 const SWAPPED: u32 = 4;
 
@@ -122,6 +119,12 @@ pub struct BlockManager<'a> {
     seq_flags: &'a mut [u32],
     /// Length of a swapped-out sequence (its `seq_len` reads 0 meanwhile).
     seq_swapped_len: &'a mut [u32],
+    /// Leading tokens whose ids are known (appended with ids): only their full blocks can
+    /// enter the prefix cache.
+    seq_known: &'a mut [u32],
+    /// Leading full blocks already offered to the prefix cache by [`BlockManager::commit`]
+    /// (registered, or found registered already); the chain fields describe the last one.
+    seq_committed: &'a mut [u32],
     seq_chain_block: &'a mut [u32],
     seq_chain_gen: &'a mut [u32],
     seq_namespace: &'a mut [u64],
@@ -165,7 +168,7 @@ impl<'a> BlockManager<'a> {
         );
         // Keep the counts in config.rs in step with what is carved here.
         const _: () = assert!(U32_PER_BLOCK == 10 && U64_PER_BLOCK == 2);
-        const _: () = assert!(U32_PER_SEQ == 6 && U64_PER_SEQ == 2);
+        const _: () = assert!(U32_PER_SEQ == 8 && U64_PER_SEQ == 2);
         let refcount = carve.u32s(n);
         let fill = carve.u32s(n);
         let prefix = PrefixCache::new(
@@ -203,6 +206,8 @@ impl<'a> BlockManager<'a> {
             seq_gen: carve.u32s(s),
             seq_flags: carve.u32s(s),
             seq_swapped_len: carve.u32s(s),
+            seq_known: carve.u32s(s),
+            seq_committed: carve.u32s(s),
             seq_chain_block: carve.u32s(s),
             seq_chain_gen: carve.u32s(s),
             seq_namespace: carve.words(s),
@@ -383,7 +388,9 @@ impl<'a> BlockManager<'a> {
     fn open_seq(&mut self, i: usize, namespace: u64) {
         self.seq_free.remove(i as u32);
         self.seq_len[i] = 0;
-        self.seq_flags[i] = LIVE | HASHABLE;
+        self.seq_flags[i] = LIVE;
+        self.seq_known[i] = 0;
+        self.seq_committed[i] = 0;
         self.seq_namespace[i] = namespace;
         self.seq_chain_hash[i] = root_hash(namespace);
         self.seq_chain_block[i] = Link::ROOT.block;
@@ -406,8 +413,9 @@ impl<'a> BlockManager<'a> {
     /// leading blocks already in the prefix cache of `namespace` (verified token by token)
     /// and allocating the rest. At most `(len - 1) / block_size` blocks are reused, so at
     /// least one prompt token is always computed. `slots[..len - reused_tokens]` receives
-    /// the physical slot of each prompt token after the reused ones. Full new blocks are
-    /// registered in the cache. O(prompt length).
+    /// the physical slot of each prompt token after the reused ones. The new blocks
+    /// become shareable once their K/V is written and [`BlockManager::commit`]ted.
+    /// O(prompt length).
     ///
     /// # Errors
     /// [`SeqError::NoFreeSequence`], [`SeqError::TooLong`], [`SeqError::OutOfBlocks`] (the
@@ -458,6 +466,8 @@ impl<'a> BlockManager<'a> {
             self.retain_block(b);
         }
         self.seq_len[i] = reused as u32;
+        self.seq_known[i] = reused as u32;
+        self.seq_committed[i] = hits as u32;
         self.logical_tokens += reused as u64;
         self.seq_chain_hash[i] = hash;
         self.seq_chain_block[i] = parent.block;
@@ -473,9 +483,9 @@ impl<'a> BlockManager<'a> {
 
     /// Appends `n` tokens whose ids are not known: allocates blocks as needed and writes
     /// the physical slot (`block * block_size + offset`) of each new token into
-    /// `slots[..n]`. Blocks filled this way are not registered in the prefix cache, nor
-    /// are later ones of this sequence (until it is truncated back to a hashed block).
-    /// O(n) plus O(1) per new block.
+    /// `slots[..n]`. Blocks holding such tokens never enter the prefix cache, nor do later
+    /// ones of this sequence (until it is truncated back before them). O(n) plus O(1) per
+    /// new block.
     ///
     /// # Errors
     /// As [`BlockManager::append_tokens`].
@@ -487,11 +497,11 @@ impl<'a> BlockManager<'a> {
         self.append_checked(i, n, None, slots)
     }
 
-    /// Appends `tokens`: like [`BlockManager::append`], and each block that becomes full
-    /// is registered in the prefix cache (unless an identical block already is). If the
-    /// last block is partly filled and shared (after a fork or a prefix hit), it is copied
-    /// first and the copy is returned: the backend must execute it before writing.
-    /// O(n) plus O(block_size) per filled block.
+    /// Appends `tokens`: like [`BlockManager::append`], and the ids are kept so that full
+    /// blocks can enter the prefix cache once [`BlockManager::commit`] says their K/V is
+    /// written. If the last block is partly filled and shared (after a fork or a prefix
+    /// hit), it is copied first and the copy is returned: the backend must execute it
+    /// before writing. O(n).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::TooLong`] past
@@ -573,7 +583,6 @@ impl<'a> BlockManager<'a> {
         }
         let mut block_index = full_blocks as usize;
         let mut off = offset;
-        let mut hashable = ids.is_some() && self.seq_flags[i] & HASHABLE != 0;
         for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
             if off == 0 {
                 let b = self.alloc_block();
@@ -589,15 +598,12 @@ impl<'a> BlockManager<'a> {
             }
             off += 1;
             if off == bs {
-                if hashable {
-                    hashable = self.on_block_full(i, b);
-                }
                 off = 0;
                 block_index += 1;
             }
         }
-        if n > 0 && !hashable {
-            self.seq_flags[i] &= !HASHABLE;
+        if ids.is_some() && self.seq_known[i] == len {
+            self.seq_known[i] = new_len as u32;
         }
         self.seq_len[i] = new_len as u32;
         self.logical_tokens += u64::from(n);
@@ -628,9 +634,11 @@ impl<'a> BlockManager<'a> {
             return false;
         }
         *slot = b * self.config.block_size + offset;
-        match id {
-            Some(id) => self.prefix.tokens_mut(b)[offset as usize] = id,
-            None => self.seq_flags[i] &= !HASHABLE,
+        if let Some(id) = id {
+            self.prefix.tokens_mut(b)[offset as usize] = id;
+            if self.seq_known[i] == len {
+                self.seq_known[i] = len + 1;
+            }
         }
         self.fill[bi] = offset + 1;
         self.tokens_stored += 1;
@@ -649,9 +657,10 @@ impl<'a> BlockManager<'a> {
         self.set_fill(b, offset);
     }
 
-    /// Hashes the block sequence `i` just filled and registers it unless an identical one
-    /// is registered already. Returns whether the sequence's chain is still intact.
-    fn on_block_full(&mut self, i: usize, b: u32) -> bool {
+    /// Hashes full block `b`, the next uncommitted one of sequence `i`, and registers it
+    /// unless an identical one is registered already. Returns whether the sequence's chain
+    /// is still intact (it breaks when the previous block's representative was evicted).
+    fn commit_block(&mut self, i: usize, b: u32) -> bool {
         let namespace = self.seq_namespace[i];
         let parent = Link {
             block: self.seq_chain_block[i],
@@ -694,6 +703,8 @@ impl<'a> BlockManager<'a> {
         self.total_refs += blocks as u64;
         self.seq_len[dst] = len;
         self.seq_flags[dst] = self.seq_flags[src];
+        self.seq_known[dst] = self.seq_known[src];
+        self.seq_committed[dst] = self.seq_committed[src];
         self.seq_namespace[dst] = self.seq_namespace[src];
         self.seq_chain_hash[dst] = self.seq_chain_hash[src];
         self.seq_chain_block[dst] = self.seq_chain_block[src];
@@ -734,25 +745,60 @@ impl<'a> BlockManager<'a> {
         }
         self.seq_len[i] = new_len;
         self.logical_tokens -= u64::from(len - new_len);
-        let chain = if full == 0 {
-            let namespace = self.seq_namespace[i];
-            Some((root_hash(namespace), Link::ROOT))
-        } else {
-            self.prefix.hashed(self.table[row + full - 1])
-        };
-        // A sequence that appended tokens without ids regains hashability only at a block
-        // boundary: the ids of a kept partial block may be unknown.
-        let had_ids = self.seq_flags[i] & HASHABLE != 0 || offset == 0;
-        match chain.filter(|_| had_ids) {
-            Some((hash, link)) => {
-                self.seq_chain_hash[i] = hash;
-                self.seq_chain_block[i] = link.block;
-                self.seq_chain_gen[i] = link.gen;
-                self.seq_flags[i] |= HASHABLE;
-            }
-            None => self.seq_flags[i] &= !HASHABLE,
+        self.seq_known[i] = self.seq_known[i].min(new_len);
+        if self.seq_committed[i] as usize > full {
+            self.rewind_commit(i, full);
         }
         Ok(())
+    }
+
+    /// Sets the committed prefix of sequence `i` back to its first `blocks` blocks.
+    fn rewind_commit(&mut self, i: usize, blocks: usize) {
+        let row = self.row(i);
+        let chain = match blocks {
+            0 => None,
+            k => self.prefix.hashed(self.table[row + k - 1]),
+        };
+        // Committed blocks keep their hash; without it, start over from the first block
+        // (committing again finds the registered blocks, so nothing is lost).
+        let (blocks, hash, link) = match chain {
+            Some((hash, link)) => (blocks, hash, link),
+            None => (0, root_hash(self.seq_namespace[i]), Link::ROOT),
+        };
+        self.seq_committed[i] = blocks as u32;
+        self.seq_chain_hash[i] = hash;
+        self.seq_chain_block[i] = link.block;
+        self.seq_chain_gen[i] = link.gen;
+    }
+
+    /// Declares that the K/V of the first `computed_tokens` tokens of `seq` is written:
+    /// their full blocks whose token ids are known become shareable through the prefix
+    /// cache of the sequence's namespace (a block identical to one registered already is
+    /// linked to it instead). Until then no other sequence can hit them, so nobody reads
+    /// K/V that is not there yet. Returns the blocks committed by this call.
+    /// O(block_size) per newly committed block; committing the same tokens again is O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
+    /// [`SeqError::BeyondLength`] when `computed_tokens` exceeds the length.
+    pub fn commit(&mut self, seq: SeqId, computed_tokens: u32) -> Result<u32, SeqError> {
+        let i = self.check(seq)?;
+        let len = self.seq_len[i];
+        if computed_tokens > len {
+            return Err(SeqError::BeyondLength {
+                requested: computed_tokens,
+                len,
+            });
+        }
+        let (target, _) = self.split(computed_tokens.min(self.seq_known[i]));
+        let row = self.row(i);
+        let start = self.seq_committed[i];
+        let mut k = start;
+        while k < target && self.commit_block(i, self.table[row + k as usize]) {
+            k += 1;
+        }
+        self.seq_committed[i] = k;
+        Ok(k.saturating_sub(start))
     }
 
     /// Releases `seq` and its references; its handle (and every copy) becomes stale.
@@ -830,7 +876,10 @@ impl<'a> BlockManager<'a> {
         self.seq_swapped_len[i] = len;
         self.seq_len[i] = 0;
         self.logical_tokens -= u64::from(len);
-        self.seq_flags[i] = (self.seq_flags[i] | SWAPPED) & !HASHABLE;
+        self.seq_flags[i] |= SWAPPED;
+        // The blocks come back as fresh copies the prefix cache knows nothing about.
+        self.seq_known[i] = 0;
+        self.rewind_commit(i, 0);
         Ok(blocks)
     }
 

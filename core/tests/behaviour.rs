@@ -193,6 +193,21 @@ fn prefix_reuse_namespaces_and_lru_eviction() {
         let a = kv.create_with_prompt(5, &p, &mut slots).unwrap();
         assert_eq!(a.reused_tokens, 0);
         assert_eq!(&slots[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11][..10]);
+        // Nothing is shared before the K/V is committed: a reader would see unwritten K/V.
+        assert_eq!(kv.cached_prefix_tokens(5, &p), 0);
+        assert!(!kv.is_registered(0));
+        // Committing 7 tokens offers only the one full block among them.
+        assert_eq!(kv.commit(a.seq, 7), Ok(1));
+        assert_eq!(kv.cached_prefix_tokens(5, &p), 4);
+        assert_eq!(kv.commit(a.seq, 10), Ok(1));
+        assert_eq!(kv.commit(a.seq, 10), Ok(0));
+        assert_eq!(
+            kv.commit(a.seq, 11),
+            Err(SeqError::BeyondLength {
+                requested: 11,
+                len: 10
+            })
+        );
         let b = kv.create_with_prompt(5, &p, &mut slots).unwrap();
         assert_eq!(b.reused_tokens, 8);
         assert_eq!(kv.blocks(b.seq).unwrap(), &[0, 1, 3]);
@@ -200,6 +215,7 @@ fn prefix_reuse_namespaces_and_lru_eviction() {
         // Another namespace never shares.
         let c = kv.create_with_prompt(6, &p, &mut slots).unwrap();
         assert_eq!(c.reused_tokens, 0);
+        kv.commit(c.seq, 10).unwrap();
         assert_eq!(kv.stats().prefix_hit_tokens, 8);
         // A prompt of exactly two blocks reuses only one, so one token is computed.
         let d = kv.create_with_prompt(5, &p[..8], &mut slots).unwrap();
@@ -237,6 +253,7 @@ fn truncate_rolls_back_and_reregisters() {
         let mut slots = [0u32; 16];
         let p = prompt(9);
         let a = kv.create_with_prompt(0, &p, &mut slots).unwrap().seq;
+        kv.commit(a, 9).unwrap();
         assert!(kv.is_registered(0) && kv.is_registered(1));
         kv.truncate(a, 6).unwrap();
         assert_eq!(kv.blocks(a).unwrap(), &[0, 1]);
@@ -244,8 +261,11 @@ fn truncate_rolls_back_and_reregisters() {
             !kv.is_registered(1),
             "a partly kept exclusive block leaves the cache"
         );
-        // Re-appending the same tokens registers block 1 again and a new prompt hits it.
+        // Re-appending the same tokens and committing registers block 1 again, and a new
+        // prompt hits it.
         kv.append_tokens(a, &p[6..9], &mut slots).unwrap();
+        assert!(!kv.is_registered(1));
+        assert_eq!(kv.commit(a, 9), Ok(1));
         assert!(kv.is_registered(1));
         let b = kv.create_with_prompt(0, &p, &mut slots).unwrap();
         assert_eq!(b.reused_tokens, 8);
@@ -258,6 +278,33 @@ fn truncate_rolls_back_and_reregisters() {
         );
         kv.truncate(a, 0).unwrap();
         assert_eq!(kv.blocks(a).unwrap(), &[] as &[u32]);
+    });
+}
+
+#[test]
+fn only_blocks_with_known_ids_are_committed() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 16];
+        let a = kv.create(0).unwrap();
+        kv.append_tokens(a, &prompt(4), &mut slots).unwrap();
+        kv.append(a, 4, &mut slots).unwrap(); // ids of block 1 unknown
+        kv.append_tokens(a, &prompt(4), &mut slots).unwrap(); // block 2: after unknown ids
+        assert_eq!(
+            kv.commit(a, 12),
+            Ok(1),
+            "only block 0 has known ids from the start"
+        );
+        assert!(kv.is_registered(0) && !kv.is_registered(1) && !kv.is_registered(2));
+        // Rolling back to the known part and appending with ids makes blocks committable.
+        kv.truncate(a, 4).unwrap();
+        kv.append_tokens(a, &[1, 2, 3, 4], &mut slots).unwrap();
+        assert_eq!(kv.commit(a, 8), Ok(1));
+        let mut p = prompt(4);
+        p.extend_from_slice(&[1, 2, 3, 4, 0]);
+        assert_eq!(kv.cached_prefix_tokens(0, &p), 8);
+        // A fork shares the committed state; a swap forgets it.
+        let b = kv.fork(a).unwrap();
+        assert_eq!(kv.commit(b, 8), Ok(0));
     });
 }
 

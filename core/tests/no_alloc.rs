@@ -88,13 +88,18 @@ fn random_operations_allocate_nothing() {
                     *t = base * 1000 + i as u32;
                 }
                 kv.create_with_prompt(0, &prompt[..len], &mut slots)
-                    .map(|p| live[k] = Some(p.seq))
+                    .and_then(|p| {
+                        live[k] = Some(p.seq);
+                        kv.commit(p.seq, len as u32)
+                    })
                     .is_ok()
             }
             (2, Some(s)) => kv.append(s, rng.below(40), &mut slots).is_ok(),
             (3, Some(s)) => {
                 let n = rng.below(20) as usize;
-                kv.append_tokens(s, &prompt[..n], &mut slots).is_ok()
+                kv.append_tokens(s, &prompt[..n], &mut slots)
+                    .and_then(|_| kv.commit(s, kv.len(s)?))
+                    .is_ok()
             }
             (4, Some(s)) => {
                 let slot = rng.below(32) as usize;

@@ -27,6 +27,7 @@ enum Op {
     Evict { n: u8 },
     UseStale { which: u8 },
     SwapOut { seq: u8 },
+    Commit { seq: u8, percent: u8 },
     SwapIn { which: u8 },
 }
 
@@ -45,6 +46,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..5).prop_map(|n| Op::Evict { n }),
         1 => any::<u8>().prop_map(|which| Op::UseStale { which }),
         1 => any::<u8>().prop_map(|seq| Op::SwapOut { seq }),
+        2 => (any::<u8>(), 0u8..=100).prop_map(|(seq, percent)| Op::Commit { seq, percent }),
         1 => any::<u8>().prop_map(|which| Op::SwapIn { which }),
     ]
 }
@@ -242,6 +244,10 @@ fn run(ops: &[Op]) {
                         assert_new_slots_unique(&kv, &model, start.seq, r as u32, &slots[..prompt.len() - r]);
                         write_back(&mut model, None, &slots[..prompt.len() - r], &cells[r..]);
                         model.seqs.insert(start.seq, cells);
+                        // Usually the backend computes the prompt at once and commits it.
+                        if tail % 3 != 0 {
+                            kv.commit(start.seq, prompt.len() as u32).unwrap();
+                        }
                         None
                     }
                     Err(e) => Some(e),
@@ -327,6 +333,20 @@ fn run(ops: &[Op]) {
                 assert_eq!(kv.stats().cached_blocks, cached - evicted);
                 None
             }
+            Op::Commit { seq, percent } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let len = model.seqs[&s].len() as u32;
+                    let upto = len * u32::from(percent) / 100;
+                    kv.commit(s, upto).unwrap();
+                    assert_eq!(kv.commit(s, upto), Ok(0), "committing again does nothing");
+                    assert_eq!(
+                        kv.commit(s, len + 1),
+                        Err(SeqError::BeyondLength { requested: len + 1, len })
+                    );
+                    None
+                }
+            },
             Op::SwapOut { seq } => match pick(&model, seq) {
                 None => None,
                 Some(s) => match kv.swap_out(s, &mut host, &mut moves) {
@@ -424,6 +444,7 @@ fn deterministic_block_ids() {
     let script = |kv: &mut BlockManager<'_>| -> Vec<Vec<u32>> {
         let mut slots = [0u32; 64];
         let a = kv.create_with_prompt(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &mut slots).unwrap().seq;
+        kv.commit(a, 9).unwrap();
         let b = kv.fork(a).unwrap();
         kv.append_tokens(b, &[4, 4, 4], &mut slots).unwrap();
         kv.append(a, 5, &mut slots).unwrap();
