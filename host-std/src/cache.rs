@@ -15,7 +15,9 @@
 //!   forget it.
 //! - K/V can only be written at positions appended since the sequence last became
 //!   shareable (the pending range `[pending, len)`): never into a block another sequence
-//!   reads. A fork closes the pending range of both sequences.
+//!   reads. A fork closes the pending range of both sequences, and so does
+//!   [`KvCache::commit`], which is also what lets other prompts share the blocks through
+//!   the prefix cache: a block is never shared before its K/V is written.
 
 use core::mem::ManuallyDrop;
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -439,9 +441,10 @@ impl KvCache {
         })
     }
 
-    /// Appends `tokens` (ids known: full blocks are registered in the prefix cache),
-    /// executing the copy-on-write the core reports. Their K/V must then be written
-    /// with [`KvCache::write_kv`]. O(tokens + block copy).
+    /// Appends `tokens` (ids known: once committed, full blocks are shared through the
+    /// prefix cache), executing the copy-on-write the core reports. Their K/V must then
+    /// be written with [`KvCache::write_kv`] in every layer, then
+    /// [`KvCache::commit`]ted. O(tokens + block copy).
     ///
     /// # Errors
     /// The core's ([`SeqError::StaleHandle`], [`SeqError::ForeignHandle`],
@@ -487,6 +490,23 @@ impl KvCache {
             });
             debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
         }
+    }
+
+    /// Declares the K/V of every token of `seq` written in every layer: its full blocks
+    /// (with known ids) become shareable through the prefix cache of its namespace, and
+    /// its pending range closes, since other sequences may now read those positions.
+    /// Call it once a step, after the last layer's [`KvCache::write_kv`]. Returns the
+    /// blocks newly offered to the cache. O(block_size) per such block.
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`].
+    pub fn commit(&mut self, seq: Seq) -> Result<u32, CacheError> {
+        let (len, blocks) = Self::with_manager(&mut self.tables, |m| {
+            let len = m.len(seq.0)?;
+            m.commit(seq.0, len).map(|n| (len, n))
+        })?;
+        self.pending[seq.0.index() as usize] = len;
+        Ok(blocks)
     }
 
     /// Creates a sequence sharing every block of `seq` (nothing is copied now; the first

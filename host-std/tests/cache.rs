@@ -56,6 +56,8 @@ fn write(cache: &mut KvCache, seq: Seq, tokens: &[u32], from: usize) {
             .write_kv(seq, layer, from as u32, &k[from * ROW..], &v[from * ROW..])
             .unwrap();
     }
+    // Every layer is written: the full blocks may now be shared.
+    cache.commit(seq).unwrap();
 }
 
 /// Decodes the last token of every sequence in layer 1 and compares with the reference.
@@ -255,9 +257,19 @@ fn bad_inputs_write_nothing() {
         Err(CacheError::NotWritable {
             first: 6,
             tokens: 1,
-            pending: 0,
+            pending: 6,
             len: 6
         })
+    );
+    assert_eq!(
+        c.write_kv(p.seq, 0, 0, &kv, &kv),
+        Err(CacheError::NotWritable {
+            first: 0,
+            tokens: 1,
+            pending: 6,
+            len: 6
+        }),
+        "committed K/V may be shared: it is read-only"
     );
     let child = c.fork(p.seq).unwrap();
     assert_eq!(

@@ -194,6 +194,10 @@ impl Model {
             }
             self.finish_layer(l, &mut h, &attn);
         }
+        // Every layer's K/V of the batch is written: commit, so prompts can share it.
+        for (seq, _, _) in batch {
+            cache.commit(*seq).unwrap();
+        }
         let mut row = 0;
         batch
             .iter()
