@@ -231,6 +231,16 @@ impl KvPolicy for Paged<'_> {
         }
     }
 
+    fn computed(&mut self, id: u32, tokens: u32) -> Result<(), PolicyError> {
+        if self.cfg.prefix {
+            let seq = self.seq(id)?;
+            self.bm
+                .commit(seq, tokens)
+                .map_err(|e| internal("commit", id, e))?;
+        }
+        Ok(())
+    }
+
     fn release(&mut self, id: u32) -> Result<(), PolicyError> {
         let seq = self.seq(id)?;
         self.bm

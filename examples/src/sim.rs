@@ -117,6 +117,11 @@ pub trait KvPolicy {
     fn swap_in(&mut self, id: u32) -> Result<u64, PolicyError>;
     /// The memory now. Called every step: should be O(1) or close.
     fn usage(&self) -> Usage;
+    /// The step ran: the K/V of the first `tokens` tokens of sequence `id` is computed, so
+    /// a prefix cache may share its full blocks from now on. Default: nothing to do.
+    fn computed(&mut self, _id: u32, _tokens: u32) -> Result<(), PolicyError> {
+        Ok(())
+    }
     /// Prompt tokens served from a prefix cache so far.
     fn prefix_hit_tokens(&self) -> u64 {
         0
@@ -361,6 +366,8 @@ pub fn run(
     let mut emit: Vec<u32> = Vec::new(); // sequences that emit a token this step
     let mut preempted_ids: Vec<u32> = Vec::new();
     let mut joined: Vec<u32> = Vec::new();
+    // (sequence, tokens it holds) for every sequence that computed tokens this step.
+    let mut computed: Vec<(u32, u32)> = Vec::new();
     let mut tok_buf: Vec<u32> = Vec::new();
     let mut series = Vec::new();
     let mut next = 0usize;
@@ -458,6 +465,7 @@ pub fn run(
         emit.clear();
         preempted_ids.clear();
         joined.clear();
+        computed.clear();
         for &a in &actions[..plan.actions] {
             match a {
                 Action::Preempt { id, mode } => {
@@ -504,6 +512,7 @@ pub fn run(
                     let s = &mut seqs[id as usize];
                     let was_prefill = s.held < s.target;
                     s.held += t;
+                    computed.push((id, s.held));
                     if !was_prefill || s.held >= s.target {
                         emit.push(id);
                     }
@@ -557,6 +566,7 @@ pub fn run(
                         admitted_once: true,
                     };
                     shape.add_run(u64::from(hit), u64::from(len - hit));
+                    computed.push((id, len));
                     if len >= target {
                         emit.push(id);
                     }
@@ -568,6 +578,13 @@ pub fn run(
             running.retain(|id| !preempted_ids.contains(id));
         }
         running.extend_from_slice(&joined);
+        // The step's K/V is computed once the step has run: only now may other prompts
+        // share it (a prefix hit within the same step would read K/V not yet written).
+        for &(id, held) in &computed {
+            if !preempted_ids.contains(&id) {
+                policy.computed(id, held).map_err(policy_err)?;
+            }
+        }
 
         let usage = policy.usage();
         if shape.tokens == 0 && shape.swap_bytes == 0 {
