@@ -615,9 +615,10 @@ impl<'a> BlockManager<'a> {
 
     /// The decode fast path: appends one token to sequence `i` when it lands inside the
     /// sequence's partly filled last block, which it holds alone and which the prefix
-    /// cache does not track, without filling it. Returns `false` (having changed nothing)
-    /// in every other case, for the general path. Cannot exceed `max_blocks_per_seq`:
-    /// the token goes into a block the sequence already has.
+    /// cache does not track. Returns `false` (having changed nothing) in every other case,
+    /// for the general path. Cannot exceed `max_blocks_per_seq`: the token goes into a
+    /// block the sequence already has. (Filling the block needs nothing more: blocks
+    /// enter the prefix cache on [`BlockManager::commit`].)
     #[inline]
     fn append_one_in_place(&mut self, i: usize, id: Option<u32>, slots: &mut [u32]) -> bool {
         let Some(slot) = slots.first_mut() else {
@@ -625,7 +626,7 @@ impl<'a> BlockManager<'a> {
         };
         let len = self.seq_len[i];
         let (full, offset) = self.split(len);
-        if offset == 0 || offset + 1 == self.config.block_size {
+        if offset == 0 {
             return false;
         }
         let b = self.table[self.row(i) + full as usize];
