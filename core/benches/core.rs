@@ -105,29 +105,48 @@ fn append(c: &mut Criterion) {
     g.finish();
 }
 
+/// A pool for 4096-token sequences: 4096 blocks, 4 sequences of up to 256 blocks.
+const LONG_SEQS: Config = Config {
+    num_blocks: 4096,
+    block_size: BS,
+    max_seqs: 4,
+    max_blocks_per_seq: 256,
+    instance: 0,
+};
+
+/// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it
+/// returned (for operations that must be undone before they can run again).
+fn timed_with_reset<S, T>(
+    iters: u64,
+    state: &mut S,
+    mut op: impl FnMut(&mut S) -> T,
+    mut reset: impl FnMut(&mut S, T),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let t = Instant::now();
+        let out = op(state);
+        total += t.elapsed();
+        reset(state, out);
+    }
+    total
+}
+
 /// Fork of a 4096-token sequence (256 blocks) against copying its 256-entry block list.
 fn fork(c: &mut Criterion) {
-    let config = Config {
-        num_blocks: 4096,
-        block_size: BS,
-        max_seqs: 4,
-        max_blocks_per_seq: 256,
-        instance: 0,
-    };
+    let config = LONG_SEQS;
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
     let parent = sequences(&mut kv, 1, 4096)[0];
     let mut g = c.benchmark_group("fork_4096_tokens");
     g.bench_function("paged", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                let child = kv.fork(black_box(parent)).unwrap();
-                total += t.elapsed();
-                kv.release(child).unwrap();
-            }
-            total
+            timed_with_reset(
+                iters,
+                &mut kv,
+                |kv| kv.fork(black_box(parent)).unwrap(),
+                |kv, child| kv.release(child).unwrap(),
+            )
         })
     });
     let list: Vec<u32> = (0..256).collect();
@@ -144,13 +163,7 @@ fn fork(c: &mut Criterion) {
 /// Prefix lookup of a fully cached 4096-token prompt (255 blocks reused, 16 tokens
 /// appended) against hashing the prompt once with std's SipHash.
 fn prefix_lookup(c: &mut Criterion) {
-    let config = Config {
-        num_blocks: 4096,
-        block_size: BS,
-        max_seqs: 4,
-        max_blocks_per_seq: 256,
-        instance: 0,
-    };
+    let config = LONG_SEQS;
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
     let prompt: Vec<u32> = (0..4096u32)
@@ -162,17 +175,15 @@ fn prefix_lookup(c: &mut Criterion) {
     let mut g = c.benchmark_group("prefix_lookup_4096_tokens");
     g.bench_function("paged", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                let hit = kv
-                    .create_with_prompt(0, black_box(&prompt), &mut slots)
-                    .unwrap();
-                total += t.elapsed();
-                assert_eq!(hit.reused_tokens, 4080);
-                kv.release(hit.seq).unwrap();
-            }
-            total
+            timed_with_reset(
+                iters,
+                &mut (&mut kv, &mut slots),
+                |(kv, slots)| kv.create_with_prompt(0, black_box(&prompt), slots).unwrap(),
+                |(kv, _), hit| {
+                    assert_eq!(hit.reused_tokens, 4080);
+                    kv.release(hit.seq).unwrap();
+                },
+            )
         })
     });
     g.bench_function("siphash_prompt", |b| {
