@@ -9,6 +9,8 @@
 //!   name it.
 //! - A live sequence of length `len` owns exactly `ceil(len / block_size)` entries at the
 //!   start of its row, each naming a used block; `len ≤ max_blocks_per_seq * block_size`.
+//! - Its committed blocks (`seq_committed`) are full and lie within its known-id prefix
+//!   (`seq_known ≤ len`); only committed blocks are ever registered.
 //! - Only a block with refcount 1 and not registered is ever written: appending into a
 //!   shared or registered partial block copies it first (copy-on-write) or unregisters it.
 //! - Every operation checks all its preconditions (handle, lengths, buffer sizes, free
@@ -669,13 +671,18 @@ impl<'a> BlockManager<'a> {
         };
         let tokens = self.prefix.tokens(b);
         let hash = chain_hash(self.seq_chain_hash[i], namespace, tokens);
-        let link = match self.prefix.find(hash, namespace, parent, tokens) {
-            Some(existing) => self.prefix.link_of(existing),
-            None if parent == Link::ROOT || self.prefix.is_registered(parent.block) => {
-                self.prefix.register(b, hash, namespace, parent)
+        let link = if self.prefix.is_registered(b) {
+            // Committed already by a sequence sharing it (a fork): it represents itself.
+            self.prefix.link_of(b)
+        } else {
+            match self.prefix.find(hash, namespace, parent, tokens) {
+                Some(existing) => self.prefix.link_of(existing),
+                None if self.prefix.link_alive(parent) => {
+                    self.prefix.register(b, hash, namespace, parent)
+                }
+                // The previous block's representative left the cache: the chain is broken.
+                None => return false,
             }
-            // The representative of the previous block was evicted: the chain is broken.
-            None => return false,
         };
         self.prefix.set_hashed(b, hash, link);
         self.seq_chain_hash[i] = hash;

@@ -20,7 +20,7 @@
 pub(crate) const NIL: u32 = u32::MAX;
 
 const REGISTERED: u32 = 1;
-/// The block was full with known token ids when it filled: `hash` and `link` are valid.
+/// The block was committed (full, token ids known): `hash` and `link` are valid.
 const HASHED: u32 = 2;
 
 /// Identity of a registered block at one moment: its id and registration generation.
@@ -79,7 +79,7 @@ pub(crate) struct PrefixCache<'a> {
     parent_gen: &'a mut [u32],
     /// Registration generation, bumped whenever the block leaves the cache.
     gen: &'a mut [u32],
-    /// Registered block standing for this block's content when it filled.
+    /// Registered block standing for this block's content when it was committed.
     link: &'a mut [u32],
     link_gen: &'a mut [u32],
     prev: &'a mut [u32],
@@ -162,7 +162,7 @@ impl<'a> PrefixCache<'a> {
         self.flags[b as usize] & REGISTERED != 0
     }
 
-    /// The hash and link of `b` if it filled with known token ids.
+    /// The hash and link of `b` if it was committed.
     pub(crate) fn hashed(&self, b: u32) -> Option<(u64, Link)> {
         let i = b as usize;
         (self.flags[i] & HASHED != 0).then(|| {
@@ -192,7 +192,7 @@ impl<'a> PrefixCache<'a> {
     }
 
     /// Is the block a parent link points at still the one that was linked?
-    fn link_alive(&self, link: Link) -> bool {
+    pub(crate) fn link_alive(&self, link: Link) -> bool {
         link.block == NIL
             || (self.is_registered(link.block) && self.gen[link.block as usize] == link.gen)
     }

@@ -438,6 +438,30 @@ proptest! {
     }
 }
 
+/// Found by the property test: a sequence commits a block that a fork of it committed
+/// already, after the previous block's representative left the cache.
+#[test]
+fn commit_of_a_block_a_fork_committed() {
+    run(&[
+        Op::CreatePrompt { ns: 0, base: 0, len: 6, tail: 114 },
+        Op::Append { seq: 0, n: 10, with_ids: true, alphabet: 1 },
+        Op::Fork { seq: 0 },
+        Op::Fork { seq: 0 },
+        Op::Create { ns: 0 },
+        Op::Fork { seq: 0 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 4, tail: 1 },
+        Op::SwapOut { seq: 0 },
+        Op::Release { seq: 64 },
+        Op::Commit { seq: 32, percent: 25 },
+        Op::Release { seq: 26 },
+        Op::Append { seq: 0, n: 0, with_ids: false, alphabet: 1 },
+        Op::Evict { n: 1 },
+        Op::Commit { seq: 31, percent: 50 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 8, tail: 52 },
+        Op::Commit { seq: 88, percent: 50 },
+    ]);
+}
+
 /// The same operations give the same block ids, every time.
 #[test]
 fn deterministic_block_ids() {
