@@ -450,13 +450,7 @@ impl KvCache {
     /// The core's ([`SeqError::StaleHandle`], [`SeqError::ForeignHandle`],
     /// [`SeqError::TooLong`], [`SeqError::OutOfBlocks`]). Nothing changes on error.
     pub fn append_tokens(&mut self, seq: Seq, tokens: &[u32]) -> Result<(), CacheError> {
-        let slots = &mut self.slots;
-        let (len, done) = Self::with_manager(&mut self.tables, |m| {
-            let len = m.len(seq.0)?;
-            m.append_tokens(seq.0, tokens, slots).map(|a| (len, a))
-        })?;
-        self.after_append(seq, len, done.copy);
-        Ok(())
+        self.append_with(seq, |m, slots| m.append_tokens(seq.0, tokens, slots))
     }
 
     /// Appends `n` tokens whose ids are unknown (not registered in the prefix cache);
@@ -465,19 +459,28 @@ impl KvCache {
     /// # Errors
     /// As [`KvCache::append_tokens`].
     pub fn append(&mut self, seq: Seq, n: u32) -> Result<(), CacheError> {
+        self.append_with(seq, |m, slots| m.append(seq.0, n, slots))
+    }
+
+    /// Runs one core append on `seq`, executes the copy-on-write it reports and opens the
+    /// pending range at the old length.
+    fn append_with(
+        &mut self,
+        seq: Seq,
+        append: impl FnOnce(
+            &mut BlockManager<'static>,
+            &mut [u32],
+        ) -> Result<kvpage_core::Appended, SeqError>,
+    ) -> Result<(), CacheError> {
         let slots = &mut self.slots;
         let (len, done) = Self::with_manager(&mut self.tables, |m| {
             let len = m.len(seq.0)?;
-            m.append(seq.0, n, slots).map(|a| (len, a))
+            append(m, slots).map(|a| (len, a))
         })?;
-        self.after_append(seq, len, done.copy);
-        Ok(())
-    }
-
-    fn after_append(&mut self, seq: Seq, old_len: u32, copy: Option<kvpage_core::BlockCopy>) {
-        self.execute_copy(copy);
+        self.execute_copy(done.copy);
         let p = &mut self.pending[seq.0.index() as usize];
-        *p = (*p).min(old_len);
+        *p = (*p).min(len);
+        Ok(())
     }
 
     /// Performs a copy-on-write the core reported. The core's block ids are always in
