@@ -58,6 +58,21 @@ fn go(
     )
 }
 
+/// Replays `r` through a fresh paged policy built from `cfg`: the run and its per-step
+/// views.
+fn go_paged(
+    r: &[Request],
+    cfg: PagedConfig,
+    engine: &EngineConfig,
+    tokens: &TokenSource,
+) -> (RunOutput, Vec<StepView>) {
+    let mut storage = PagedStorage::for_config(&cfg);
+    let mut p = Paged::new(cfg, &mut storage).unwrap();
+    let mut views = Vec::new();
+    let out = go(r, &mut p, engine, tokens, &mut views).unwrap();
+    (out, views)
+}
+
 fn outcome(ttft: f64, finish: f64, preempted: u32) -> Outcome {
     Outcome {
         completions: 1,
@@ -150,17 +165,12 @@ fn paged_recompute_preemption_hand_computed() {
     // step 6: B 4th token, done at t=6.
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 0);
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
-    let mut views = Vec::new();
-    let out = go(
+    let (out, views) = go_paged(
         &r,
-        &mut p,
+        cfg,
         &engine(4, Preemption::Recompute, 1000),
         &TokenSource::new(2, 0, 0, 0),
-        &mut views,
-    )
-    .unwrap();
+    );
     assert_eq!(
         out.outcomes,
         vec![outcome(1.0, 4.0, 0), outcome(1.0, 6.0, 1)]
@@ -187,17 +197,12 @@ fn paged_swap_preemption_hand_computed() {
     // next step — and it decodes its 3rd and 4th tokens at steps 6 and 7: no prefill again.
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 8);
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
-    let mut views = Vec::new();
-    let out = go(
+    let (out, views) = go_paged(
         &r,
-        &mut p,
+        cfg,
         &engine(4, Preemption::Swap, 1000),
         &TokenSource::new(2, 0, 0, 0),
-        &mut views,
-    )
-    .unwrap();
+    );
     assert_eq!(
         out.outcomes,
         vec![outcome(1.0, 4.0, 0), outcome(1.0, 7.0, 1)]
@@ -220,16 +225,12 @@ fn paged_swap_preemption_hand_computed() {
 fn swap_falls_back_to_recompute_when_the_host_tier_is_full() {
     let r = reqs(&[(0.0, 3, 4), (0.0, 3, 4)]);
     let cfg = paged_cfg(2, 4, false, 1); // host holds 1 block, B needs 2
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
-    let out = go(
+    let (out, _) = go_paged(
         &r,
-        &mut p,
+        cfg,
         &engine(4, Preemption::Swap, 1000),
         &TokenSource::new(2, 0, 0, 0),
-        &mut Vec::new(),
-    )
-    .unwrap();
+    );
     assert_eq!(
         (out.report.extra.swaps, out.report.extra.recomputed_tokens),
         (0, 5)
@@ -268,19 +269,10 @@ fn prefix_cache_shares_the_system_prompt_and_idle_time_is_skipped() {
     // reuses both blocks: 4 hit tokens, prefills only its 5th, done at t=11.
     let r = reqs(&[(0.0, 5, 1), (10.0, 5, 1)]);
     let cfg = paged_cfg(2, 8, true, 0);
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
     let ts = TokenSource::new(2, 4, 1, 9);
     assert_eq!(ts.token(&r[0], 3), ts.token(&r[1], 3));
     assert_ne!(ts.token(&r[0], 4), ts.token(&r[1], 4));
-    let out = go(
-        &r,
-        &mut p,
-        &engine(4, Preemption::Recompute, 1000),
-        &ts,
-        &mut Vec::new(),
-    )
-    .unwrap();
+    let (out, _) = go_paged(&r, cfg, &engine(4, Preemption::Recompute, 1000), &ts);
     assert_eq!(
         out.outcomes,
         vec![outcome(1.0, 1.0, 0), outcome(11.0, 11.0, 0)]
@@ -343,10 +335,7 @@ fn random_traces_keep_the_invariants() {
                 prefix,
                 host_bytes: host * g.bytes_per_block(),
             };
-            let mut storage = PagedStorage::for_config(&cfg);
-            let mut p = Paged::new(cfg, &mut storage).unwrap();
-            let mut views = Vec::new();
-            let out = go(&r, &mut p, &engine(4, pre, 32), &ts, &mut views).unwrap();
+            let (out, views) = go_paged(&r, cfg, &engine(4, pre, 32), &ts);
             check(&r, &out, &views, cfg.budget_bytes, name);
             assert!(
                 out.report.preemptions > 0,
@@ -416,17 +405,12 @@ fn chunked_prefill_takes_blocks_chunk_by_chunk_and_the_watermark_holds_admission
         prefix: false,
         host_bytes: 0,
     };
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
-    let mut views = Vec::new();
-    let out = go(
+    let (out, views) = go_paged(
         &r,
-        &mut p,
+        cfg,
         &engine(4, Preemption::Recompute, 4),
         &TokenSource::new(2, 0, 0, 0),
-        &mut views,
-    )
-    .unwrap();
+    );
     let blocks: Vec<u64> = views
         .iter()
         .map(|v| v.usage.reserved_bytes / g.bytes_per_block())
