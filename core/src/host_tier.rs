@@ -11,8 +11,9 @@ use crate::error::InitError;
 use crate::index_set::{words_for, IndexSet};
 
 /// One block copy of a swap: block `from` of the source tier to block `to` of the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(C)]
 pub struct BlockMove {
     /// Block to read (device block on swap-out, host block on swap-in).
     pub from: u32,

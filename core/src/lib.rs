@@ -36,6 +36,7 @@
 #![deny(missing_docs)]
 
 mod config;
+pub mod engine;
 mod error;
 mod geometry;
 mod host_tier;
@@ -49,14 +50,18 @@ mod stats;
 mod storage;
 
 pub use config::Config;
+pub use engine::{
+    Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
+    RequestId, RequestState, Sampled, ScheduledSeq, Step,
+};
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use host_tier::{BlockMove, HostPool};
 pub use index_set::IndexSet;
-pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};
+pub use manager::{Appended, BlockCopy, BlockManager, PrefixHit, PromptStart, SeqId};
 pub use scheduler::{
-    schedule, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput, StepPlan,
-    SwappedSeq, WaitingSeq,
+    schedule, schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig,
+    StepInput, StepPlan, SwappedSeq, WaitingSeq,
 };
 pub use shared::SharedManager;
 pub use stats::Stats;

@@ -69,8 +69,9 @@ impl SeqId {
 
 /// A whole-block copy the backend must perform before writing the new tokens: all
 /// layers' K and V of physical block `src` into physical block `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(C)]
 pub struct BlockCopy {
     /// Block to read.
     pub src: u32,
@@ -86,6 +87,16 @@ pub struct Appended {
     pub copy: Option<BlockCopy>,
     /// Blocks newly allocated for the tokens (not counting the copy's destination).
     pub new_blocks: u32,
+}
+
+/// Result of [`BlockManager::prefix_lookup`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PrefixHit {
+    /// Leading prompt tokens found cached (a multiple of the block size).
+    pub tokens: u32,
+    /// Blocks of them that no sequence references now.
+    pub idle_blocks: u32,
 }
 
 /// Result of [`BlockManager::create_with_prompt`].
@@ -979,6 +990,38 @@ impl<'a> BlockManager<'a> {
     /// `(len - 1) / block_size` of them). Changes nothing. O(prompt length).
     pub fn cached_prefix_tokens(&self, namespace: u64, tokens: &[u32]) -> u32 {
         self.prefix.walk(namespace, tokens, |_, _| {}).blocks * self.config.block_size
+    }
+
+    /// What [`BlockManager::create_with_prompt`] would reuse from the prefix cache of
+    /// `namespace` for the prompt `tokens` right now: the leading tokens (whole blocks, at
+    /// most `(len - 1) / block_size` of them) and how many of those blocks no sequence
+    /// references (cached, idle: they count in [`BlockManager::available_blocks`] until
+    /// the new sequence takes them). Changes nothing. O(prompt length).
+    pub fn prefix_lookup(&self, namespace: u64, tokens: &[u32]) -> PrefixHit {
+        let mut idle_blocks = 0u32;
+        let walk = self.prefix.walk(namespace, tokens, |_, b| {
+            idle_blocks += u32::from(self.refcount[b as usize] == 0);
+        });
+        PrefixHit {
+            tokens: walk.blocks * self.config.block_size,
+            idle_blocks,
+        }
+    }
+
+    /// Whether the next append to `seq` copies its last block first: the block is
+    /// partly filled and shared with another sequence (copy-on-write takes one more
+    /// block). O(1).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`].
+    pub fn append_copies(&self, seq: SeqId) -> Result<bool, SeqError> {
+        let i = self.check(seq)?;
+        let (full, offset) = self.split(self.seq_len[i]);
+        if offset == 0 {
+            return Ok(false);
+        }
+        let b = self.table[self.row(i) + full as usize];
+        Ok(self.refcount[b as usize] > 1)
     }
 
     /// Tokens held by `seq`. O(1).

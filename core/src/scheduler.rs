@@ -4,14 +4,15 @@
 //!
 //! The policy is a pure function over caller slices ([`schedule`]): it reads the state of
 //! the sequences and the free-block count, writes [`Action`]s into a caller buffer, and
-//! allocates nothing. The caller executes the actions against a
-//! [`crate::BlockManager`] (and a [`crate::HostPool`] for swaps), so the policy is easy to
-//! test by hand and to reuse with any backend.
+//! allocates nothing. [`crate::Engine`] executes the actions against a
+//! [`crate::BlockManager`] (and a [`crate::HostPool`] for swaps); a plan made from the
+//! manager's true state always executes (the engine's property tests check it). The
+//! policy is easy to test by hand and to reuse with any backend.
 //!
 //! # The rules, in order
 //! 1. **Running** sequences, oldest admission first, take their share of the per-step
 //!    token budget: up to `pending_tokens` (a prefill chunk, or 1 to decode). When the
-//!    blocks that share needs are not available, the most recently admitted running
+//!    blocks that share needs (new blocks plus a copy-on-write block) are not available, the most recently admitted running
 //!    sequence is preempted (possibly the one asking), freeing its exclusive blocks: by
 //!    swap when [`Preemption::Swap`] is configured and the host tier has room, otherwise
 //!    by recompute.
@@ -20,8 +21,9 @@
 //!    allows. They run from the next step on.
 //! 3. If nobody was preempted and nothing remains swapped out, **waiting** requests are
 //!    admitted first come, first served: each needs the blocks of its whole prompt (less
-//!    its cached prefix) above the free-block watermark, a running slot and some token
-//!    budget; its first prefill chunk runs this step. The first request that does not fit
+//!    its cached prefix, plus the idle cached blocks it takes) above the free-block
+//!    watermark, a running slot, a free sequence slot and some token budget; its first
+//!    prefill chunk runs this step. The first request that does not fit
 //!    stops admission (no overtaking).
 
 use core::fmt;
@@ -48,15 +50,14 @@ pub struct SchedulerConfig {
     /// Free blocks admission and swap-in must leave untouched, so running sequences can
     /// grow without immediate preemption.
     pub watermark_blocks: u32,
-    /// Tokens per block (as in [`crate::Config::block_size`]).
-    pub block_size: u32,
     /// What preemption does.
     pub preemption: Preemption,
 }
 
 /// A running sequence as the scheduler sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(C)]
 pub struct RunningSeq {
     /// Caller's id, echoed in actions.
     pub id: u32,
@@ -68,29 +69,37 @@ pub struct RunningSeq {
     pub exclusive_blocks: u32,
     /// Blocks it holds in all (what a swap moves to the host).
     pub blocks: u32,
+    /// 1 when its last block is partly filled and shared with another sequence, so the
+    /// next append copies it first (copy-on-write takes one more block); else 0.
+    pub cow_blocks: u32,
 }
 
 /// A swapped-out sequence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(C)]
 pub struct SwappedSeq {
     /// Caller's id.
     pub id: u32,
-    /// Blocks it needs back on the device.
+    /// Device blocks a swap-in allocates: one per block it holds in the host tier.
     pub blocks: u32,
 }
 
 /// A request waiting for admission.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(C)]
 pub struct WaitingSeq {
     /// Caller's id.
     pub id: u32,
     /// Tokens of its prompt (for a recomputed sequence: prompt plus tokens generated).
     pub prompt_tokens: u32,
     /// Leading prompt tokens already in the prefix cache (a multiple of the block size;
-    /// see [`crate::BlockManager::cached_prefix_tokens`]), 0 without a prefix cache.
+    /// see [`crate::BlockManager::prefix_lookup`]), 0 without a prefix cache.
     pub cached_tokens: u32,
+    /// Blocks of that cached prefix that no sequence references now: they count as
+    /// available (evictable) until the admission takes them, and then they do not.
+    pub cached_idle_blocks: u32,
 }
 
 /// One decision of a step, in the order the caller should execute them.
@@ -126,19 +135,25 @@ pub enum Action {
     },
 }
 
-/// What the scheduler is given each step.
+/// What the scheduler is given each step: the state of the sequences and of the pool,
+/// as the manager reports it.
 #[derive(Debug, Clone, Copy)]
 pub struct StepInput<'s> {
     /// Running sequences, oldest admission first.
     pub running: &'s [RunningSeq],
-    /// Swapped-out sequences, oldest swap first.
+    /// Swapped-out sequences, in the order they should come back.
     pub swapped: &'s [SwappedSeq],
     /// Waiting requests, first come first.
     pub waiting: &'s [WaitingSeq],
+    /// Tokens per block: the manager's ([`crate::Config::block_size`]).
+    pub block_size: u32,
     /// Device blocks free or evictable ([`crate::BlockManager::available_blocks`]).
     pub available_blocks: u32,
     /// Free host-tier blocks (0 without a host tier).
     pub host_free_blocks: u32,
+    /// Free sequence slots of the manager (`max_seqs` minus live sequences, swapped-out
+    /// ones included): an admission takes one, a swap-in none.
+    pub free_seqs: u32,
 }
 
 /// Summary of a planned step.
@@ -149,8 +164,9 @@ pub struct StepPlan {
     pub actions: usize,
     /// Tokens computed this step.
     pub tokens: u32,
-    /// Device blocks the step's growth and admissions take (net of preemptions' frees).
-    pub blocks_needed: u32,
+    /// Device blocks the step's growth, copy-on-write, swap-ins and admissions take
+    /// (idle cached blocks an admission reuses included), not net of preemptions' frees.
+    pub blocks_needed: u64,
     /// Preemptions in the plan.
     pub preemptions: u32,
 }
@@ -184,7 +200,12 @@ impl core::error::Error for ScheduleError {}
 /// Plans one step; see the module docs for the rules. Writes the actions to `out` in
 /// the order to execute them (runs and preemptions as decided, then swap-ins, then
 /// admissions) and returns a summary.
-/// O(running + swapped + waiting); allocates nothing.
+///
+/// Executed in order on the manager whose state `input` describes, every action
+/// succeeds: growth counts copy-on-write blocks, admissions count the idle cached blocks
+/// they take, swap-ins the blocks they allocate and admissions a sequence slot.
+/// All arithmetic on the caller's counts is done in `u64` or saturates, so extreme
+/// counts neither panic nor wrap. O(running + swapped + waiting); allocates nothing.
 ///
 /// # Errors
 /// [`ScheduleError::OutputTooSmall`] unless `out` has `running + swapped + waiting`
@@ -198,17 +219,39 @@ pub fn schedule(
     if out.len() < needed {
         return Err(ScheduleError::OutputTooSmall { needed });
     }
-    if config.block_size == 0 || config.token_budget == 0 {
+    let mut n = 0usize;
+    let mut plan = schedule_with(config, input, |a| {
+        out[n] = a;
+        n += 1;
+    })?;
+    plan.actions = n;
+    Ok(plan)
+}
+
+/// [`schedule`] handing each action to `emit`, in execution order, instead of writing a
+/// buffer (the engine stores them in its own format). At most
+/// `running + swapped + waiting` calls. O(running + swapped + waiting).
+///
+/// # Errors
+/// [`ScheduleError::ZeroConfig`] for a zero block size or budget.
+pub fn schedule_with(
+    config: &SchedulerConfig,
+    input: &StepInput<'_>,
+    mut emit: impl FnMut(Action),
+) -> Result<StepPlan, ScheduleError> {
+    let bs = u64::from(input.block_size);
+    if bs == 0 || config.token_budget == 0 {
         return Err(ScheduleError::ZeroConfig);
     }
-    let blocks_for = |tokens: u32| tokens.div_ceil(config.block_size);
+    let blocks_for = |tokens: u64| tokens.div_ceil(bs);
+    let watermark = u64::from(config.watermark_blocks);
     let mut plan = StepPlan::default();
-    let mut available = input.available_blocks;
-    let mut host_free = input.host_free_blocks;
+    let mut available = u64::from(input.available_blocks);
+    let mut host_free = u64::from(input.host_free_blocks);
     let mut budget = config.token_budget;
-    // Actions are written in the order they are decided, which is a valid execution
+    // Actions are emitted in the order they are decided, which is a valid execution
     // order: a run placed before a preemption only used blocks free at that point.
-    let mut n = 0usize;
+    let mut actions = 0usize;
     let mut preempted = 0u32;
     let mut end = input.running.len();
     let mut r = 0usize;
@@ -218,24 +261,27 @@ pub fn schedule(
         if tokens == 0 {
             break;
         }
-        let grow = blocks_for(seq.held_tokens.saturating_add(tokens)) - blocks_for(seq.held_tokens);
+        let held = u64::from(seq.held_tokens);
+        let grow = blocks_for(held + u64::from(tokens)) - blocks_for(held)
+            + u64::from(seq.cow_blocks.min(1));
         // Preempt the youngest until this sequence fits (or it is the youngest itself).
         while grow > available {
             end -= 1;
             let victim = input.running[end];
-            let mode = if config.preemption == Preemption::Swap && victim.blocks <= host_free {
-                host_free -= victim.blocks;
-                Preemption::Swap
-            } else {
-                Preemption::Recompute
-            };
-            out[n] = Action::Preempt {
+            let mode =
+                if config.preemption == Preemption::Swap && u64::from(victim.blocks) <= host_free {
+                    host_free -= u64::from(victim.blocks);
+                    Preemption::Swap
+                } else {
+                    Preemption::Recompute
+                };
+            emit(Action::Preempt {
                 id: victim.id,
                 mode,
-            };
-            n += 1;
+            });
+            actions += 1;
             preempted += 1;
-            available += victim.exclusive_blocks;
+            available += u64::from(victim.exclusive_blocks);
             if end == r {
                 break;
             }
@@ -247,50 +293,58 @@ pub fn schedule(
         budget -= tokens;
         plan.tokens += tokens;
         plan.blocks_needed += grow;
-        out[n] = Action::Run { id: seq.id, tokens };
-        n += 1;
+        emit(Action::Run { id: seq.id, tokens });
+        actions += 1;
         r += 1;
     }
     plan.preemptions = preempted;
-    let mut running = end as u32;
+    let mut running = end as u64;
+    let max_running = u64::from(config.max_running);
+    let mut free_seqs = input.free_seqs;
     if preempted == 0 {
         let mut swapped_left = input.swapped.len();
         for seq in input.swapped {
-            let want = seq.blocks + 1;
-            if running >= config.max_running || want + config.watermark_blocks > available {
+            let blocks = u64::from(seq.blocks);
+            // Its blocks, one spare to grow into, and the watermark.
+            if running >= max_running || blocks + 1 + watermark > available {
                 break;
             }
-            available -= seq.blocks;
-            plan.blocks_needed += seq.blocks;
+            available -= blocks;
+            plan.blocks_needed += blocks;
             running += 1;
             swapped_left -= 1;
-            out[n] = Action::SwapIn { id: seq.id };
-            n += 1;
+            emit(Action::SwapIn { id: seq.id });
+            actions += 1;
         }
         if swapped_left == 0 {
             for seq in input.waiting {
-                let cached = seq.cached_tokens.min(seq.prompt_tokens.saturating_sub(1));
-                let cached_blocks = cached / config.block_size;
-                let whole = blocks_for(seq.prompt_tokens) - cached_blocks;
-                let tokens = (seq.prompt_tokens - cached).min(budget);
+                let prompt = u64::from(seq.prompt_tokens);
+                // At least one prompt token is always computed.
+                let cached = u64::from(seq.cached_tokens).min(prompt.saturating_sub(1)) / bs * bs;
+                let cached_blocks = cached / bs;
+                let idle = u64::from(seq.cached_idle_blocks).min(cached_blocks);
+                let whole = blocks_for(prompt) - cached_blocks;
+                let tokens = (prompt - cached).min(u64::from(budget)) as u32;
                 if tokens == 0
-                    || running >= config.max_running
-                    || whole + config.watermark_blocks > available
+                    || running >= max_running
+                    || free_seqs == 0
+                    || whole + idle + watermark > available
                 {
                     break;
                 }
-                let now = blocks_for(cached + tokens) - cached_blocks;
+                let now = blocks_for(cached + u64::from(tokens)) - cached_blocks + idle;
                 available -= now;
                 budget -= tokens;
                 plan.tokens += tokens;
                 plan.blocks_needed += now;
                 running += 1;
-                out[n] = Action::Admit { id: seq.id, tokens };
-                n += 1;
+                free_seqs -= 1;
+                emit(Action::Admit { id: seq.id, tokens });
+                actions += 1;
             }
         }
     }
-    plan.actions = n;
+    plan.actions = actions;
     Ok(plan)
 }
 
@@ -302,7 +356,6 @@ mod tests {
         token_budget: 64,
         max_running: 8,
         watermark_blocks: 1,
-        block_size: 16,
         preemption: Preemption::Recompute,
     };
 
@@ -314,6 +367,7 @@ mod tests {
             pending_tokens: pending,
             exclusive_blocks: blocks,
             blocks,
+            cow_blocks: 0,
         }
     }
 
@@ -335,11 +389,13 @@ mod tests {
                 id: 2,
                 prompt_tokens: 100,
                 cached_tokens: 0,
+                cached_idle_blocks: 0,
             },
             WaitingSeq {
                 id: 3,
                 prompt_tokens: 10,
                 cached_tokens: 0,
+                cached_idle_blocks: 0,
             },
         ];
         let input = StepInput {
@@ -348,6 +404,8 @@ mod tests {
             waiting: &wait,
             available_blocks: 20,
             host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
         };
         let (p, a) = plan(&CFG, input);
         // Two decodes (the second crosses into a new block), then 62 of the 100 prompt
@@ -369,6 +427,8 @@ mod tests {
             waiting: &[],
             available_blocks: 1,
             host_free_blocks: 5,
+            block_size: 16,
+            free_seqs: 64,
         };
         let (p, a) = plan(&CFG, input);
         // 0 takes the free block; 1 needs one: 2 (youngest) is preempted, freeing one.
@@ -427,6 +487,8 @@ mod tests {
             waiting: &[],
             available_blocks: 0,
             host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
         };
         let (p, a) = plan(&CFG, input);
         assert_eq!(
@@ -450,6 +512,7 @@ mod tests {
             id: 6,
             prompt_tokens: 5,
             cached_tokens: 0,
+            cached_idle_blocks: 0,
         }];
         let input = StepInput {
             running: &[],
@@ -457,6 +520,8 @@ mod tests {
             waiting: &wait,
             available_blocks: 8,
             host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
         };
         let (_, a) = plan(&CFG, input);
         // 4 comes back (3 + 1 spare + 1 watermark <= 8); 5 does not fit, so 6 waits too.
@@ -471,16 +536,19 @@ mod tests {
                 id: 0,
                 prompt_tokens: 40,
                 cached_tokens: 32,
+                cached_idle_blocks: 0,
             },
             WaitingSeq {
                 id: 1,
                 prompt_tokens: 200,
                 cached_tokens: 0,
+                cached_idle_blocks: 0,
             },
             WaitingSeq {
                 id: 2,
                 prompt_tokens: 1,
                 cached_tokens: 0,
+                cached_idle_blocks: 0,
             },
         ];
         let input = StepInput {
@@ -489,6 +557,8 @@ mod tests {
             waiting: &wait,
             available_blocks: 6,
             host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
         };
         let (p, a) = plan(&CFG, input);
         // 0 needs 1 block beyond its 2 cached ones and computes 8 tokens; 1 needs 13
@@ -508,6 +578,8 @@ mod tests {
             waiting: &[],
             available_blocks: 9,
             host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
         };
         assert_eq!(
             schedule(&CFG, &input, &mut out),
@@ -521,5 +593,125 @@ mod tests {
             schedule(&zero, &input, &mut [Action::SwapIn { id: 0 }; 2]),
             Err(ScheduleError::ZeroConfig)
         );
+    }
+
+    #[test]
+    fn copy_on_write_idle_hits_and_sequence_slots_are_counted() {
+        // A decode into a shared partial block grows by no block but copies the block
+        // first: with no block available it cannot run, with one it can.
+        let mut cow = running(0, 20, 1);
+        cow.cow_blocks = 1;
+        let input = StepInput {
+            running: &[cow],
+            swapped: &[],
+            waiting: &[],
+            block_size: 16,
+            available_blocks: 0,
+            host_free_blocks: 0,
+            free_seqs: 4,
+        };
+        let (p, a) = plan(&CFG, input);
+        assert_eq!(
+            a[0],
+            Some(Action::Preempt {
+                id: 0,
+                mode: Preemption::Recompute
+            })
+        );
+        assert_eq!(p.tokens, 0);
+        let (p, a) = plan(
+            &CFG,
+            StepInput {
+                available_blocks: 1,
+                ..input
+            },
+        );
+        assert_eq!(a[0], Some(Action::Run { id: 0, tokens: 1 }));
+        assert_eq!(p.blocks_needed, 1);
+        // Idle cached blocks a hit takes leave the available count.
+        let wait = [
+            WaitingSeq {
+                id: 1,
+                prompt_tokens: 40,
+                cached_tokens: 32,
+                cached_idle_blocks: 2,
+            },
+            WaitingSeq {
+                id: 2,
+                prompt_tokens: 8,
+                cached_tokens: 0,
+                cached_idle_blocks: 0,
+            },
+        ];
+        let input = StepInput {
+            running: &[],
+            waiting: &wait,
+            available_blocks: 4,
+            ..input
+        };
+        let (p, a) = plan(&CFG, input);
+        // 1 takes 2 idle + 1 new block (plus the watermark of 1 must stay): 4 - 3 = 1
+        // left, which 2 cannot take above the watermark.
+        assert_eq!(a[0], Some(Action::Admit { id: 1, tokens: 8 }));
+        assert_eq!(a[1], None);
+        assert_eq!(p.blocks_needed, 3);
+        // Without a free sequence slot nobody is admitted.
+        let (_, a) = plan(
+            &CFG,
+            StepInput {
+                free_seqs: 0,
+                available_blocks: 40,
+                ..input
+            },
+        );
+        assert_eq!(a[0], None);
+    }
+
+    #[test]
+    fn extreme_counts_neither_panic_nor_wrap() {
+        let big = RunningSeq {
+            id: 0,
+            held_tokens: u32::MAX,
+            pending_tokens: u32::MAX,
+            exclusive_blocks: u32::MAX,
+            blocks: u32::MAX,
+            cow_blocks: u32::MAX,
+        };
+        let swapped = [SwappedSeq {
+            id: 1,
+            blocks: u32::MAX,
+        }];
+        let wait = [WaitingSeq {
+            id: 2,
+            prompt_tokens: u32::MAX,
+            cached_tokens: u32::MAX,
+            cached_idle_blocks: u32::MAX,
+        }];
+        let cfg = SchedulerConfig {
+            token_budget: u32::MAX,
+            max_running: u32::MAX,
+            watermark_blocks: u32::MAX,
+            preemption: Preemption::Swap,
+        };
+        for available in [0, 1, u32::MAX] {
+            let input = StepInput {
+                running: &[big, big],
+                swapped: &swapped,
+                waiting: &wait,
+                block_size: 1,
+                available_blocks: available,
+                host_free_blocks: u32::MAX,
+                free_seqs: u32::MAX,
+            };
+            let mut out = [Action::SwapIn { id: 0 }; 4];
+            let p = schedule(&cfg, &input, &mut out).unwrap();
+            assert!(p.actions <= 4);
+            let input = StepInput {
+                running: &[],
+                swapped: &[],
+                ..input
+            };
+            schedule(&cfg, &input, &mut out).unwrap();
+        }
     }
 }

@@ -28,4 +28,19 @@ impl<'a> Carver<'a> {
         let words = self.words(n.div_ceil(2));
         &mut bytemuck::cast_slice_mut::<u64, u32>(words)[..n]
     }
+
+    /// Next `n` records of a plain-data type, zeroed, taken as
+    /// [`words_for_pods`]`::<T>(n)` words.
+    pub(crate) fn pods<T: bytemuck::Pod>(&mut self, n: usize) -> &'a mut [T] {
+        let words = self.words(words_for_pods::<T>(n));
+        let bytes = bytemuck::cast_slice_mut::<u64, u8>(words);
+        // Word-aligned start and `align_of::<T>() <= 8` (checked below): the cast holds.
+        const { assert!(core::mem::align_of::<T>() <= 8) };
+        bytemuck::cast_slice_mut::<u8, T>(&mut bytes[..n * core::mem::size_of::<T>()])
+    }
+}
+
+/// Words [`Carver::pods`] takes for `n` records of `T`. O(1).
+pub(crate) const fn words_for_pods<T>(n: usize) -> usize {
+    (n * core::mem::size_of::<T>()).div_ceil(8)
 }

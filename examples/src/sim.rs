@@ -350,7 +350,6 @@ pub fn run(
         token_budget: cfg.max_batched_tokens.max(1),
         max_running: cfg.max_num_seqs.max(1),
         watermark_blocks: policy.watermark_blocks(),
-        block_size: bt,
         preemption: cfg.preemption,
     };
     let needs_tokens = policy.needs_tokens();
@@ -401,6 +400,7 @@ pub fn run(
                 pending_tokens: s.pending(),
                 exclusive_blocks: policy.exclusive_blocks(id, blocks),
                 blocks,
+                cow_blocks: 0,
             });
         }
         in_swapped.clear();
@@ -433,6 +433,7 @@ pub fn run(
                 id,
                 prompt_tokens: target,
                 cached_tokens: cached,
+                cached_idle_blocks: 0,
             });
             let cached = cached.min(target.saturating_sub(1));
             let whole = u64::from(target.div_ceil(bt) - cached / bt);
@@ -453,8 +454,10 @@ pub fn run(
                 running: &in_running,
                 swapped: &in_swapped,
                 waiting: &in_waiting,
+                block_size: bt,
                 available_blocks: policy.available_blocks(),
                 host_free_blocks: policy.host_free_blocks(),
+                free_seqs: u32::MAX,
             },
             &mut actions,
         )

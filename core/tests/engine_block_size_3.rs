@@ -1,0 +1,4 @@
+//! The engine property test (see `engine_block_size_4.rs`) at an odd block size.
+
+const BLOCK_SIZE: u32 = 3;
+include!("engine/body.rs");
