@@ -19,110 +19,20 @@
 //!   [`KvCache::commit`], which is also what lets other prompts share the blocks through
 //!   the prefix cache: a block is never shared before its K/V is written.
 
-use core::mem::ManuallyDrop;
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use half::{bf16, f16};
 use kvpage_core::{
-    BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, SeqId, Stats,
+    BlockManager, Config, EngineError, Geometry, GeometryError, InitError, SeqError, SeqId, Stats,
 };
 
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
+use crate::dtype::for_dtype;
 use crate::error::KernelError;
 use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery};
+use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
 static NEXT_INSTANCE: AtomicU32 = AtomicU32::new(1);
-
-/// The core manager together with the storage it borrows.
-///
-/// `BlockManager<'a>` borrows `&'a mut [u64]`; to keep both in one owned value the
-/// storage is turned into a raw pointer (`Box::into_raw`) and the manager is built over a
-/// `'static` reborrow of it. The `'static` never leaves this type: [`Tables::get`]
-/// shortens it to `&self`'s lifetime, and [`Tables::get_mut`] is private to this module
-/// and only ever used to call the manager's methods, never to move a manager in or out.
-/// `Drop` drops the manager first and frees the storage after. (The `self_cell` crate
-/// only lends the owner immutably, which a manager over `&mut [u64]` cannot use.)
-struct Tables {
-    manager: ManuallyDrop<BlockManager<'static>>,
-    storage: *mut [u64],
-}
-
-// SAFETY: `Tables` owns the storage exclusively (nothing else holds the pointer); the
-// manager is plain data over that storage, so moving both to another thread is sound.
-unsafe impl Send for Tables {}
-// SAFETY: `&Tables` only gives out `&BlockManager`, whose methods taking `&self` read.
-unsafe impl Sync for Tables {}
-
-impl Tables {
-    /// Allocates `config.storage_words()` zeroed words and builds the manager over them.
-    /// O(storage words).
-    ///
-    /// # Errors
-    /// [`CacheError::TablesAlloc`] if the allocator refuses the storage (instead of
-    /// aborting), [`CacheError::Init`] if the core refuses the configuration.
-    fn new(config: Config) -> Result<Self, CacheError> {
-        let words = try_filled(config.storage_words(), 0u64)?;
-        let storage = Box::into_raw(words.into_boxed_slice());
-        // SAFETY: `storage` comes from `Box::into_raw`, so it is valid and unique; it
-        // stays allocated until `Drop` (or the error path below) frees it, after the
-        // manager borrowing it is gone.
-        let words: &'static mut [u64] = unsafe { &mut *storage };
-        match BlockManager::new(config, words) {
-            Ok(m) => Ok(Self {
-                manager: ManuallyDrop::new(m),
-                storage,
-            }),
-            Err(e) => {
-                // SAFETY: the failed `new` dropped its borrow; nothing else points here.
-                drop(unsafe { Box::from_raw(storage) });
-                Err(CacheError::Init(e))
-            }
-        }
-    }
-
-    fn get(&self) -> &BlockManager<'_> {
-        &self.manager
-    }
-
-    /// Only for calling the manager's methods (see the type's docs).
-    fn get_mut(&mut self) -> &mut BlockManager<'static> {
-        &mut self.manager
-    }
-}
-
-/// An empty vector with room for exactly `n` elements, or [`CacheError::TablesAlloc`]
-/// if the allocator refuses (or `n` elements overflow `isize::MAX` bytes) instead of
-/// aborting. O(1) plus the allocator's cost.
-fn try_with_capacity<T>(n: usize) -> Result<Vec<T>, CacheError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| CacheError::TablesAlloc {
-            bytes: n.saturating_mul(core::mem::size_of::<T>()),
-        })?;
-    Ok(v)
-}
-
-/// `n` copies of `value`, allocated as [`try_with_capacity`] does. O(n).
-///
-/// # Errors
-/// [`CacheError::TablesAlloc`] if the allocator refuses.
-fn try_filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>, CacheError> {
-    let mut v = try_with_capacity(n)?;
-    v.resize(n, value);
-    Ok(v)
-}
-
-impl Drop for Tables {
-    fn drop(&mut self) {
-        // SAFETY: the manager is dropped exactly once, here, before its storage is freed;
-        // the storage pointer came from `Box::into_raw` and is freed exactly once.
-        unsafe {
-            ManuallyDrop::drop(&mut self.manager);
-            drop(Box::from_raw(self.storage));
-        }
-    }
-}
 
 /// How large the arena is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,6 +101,8 @@ pub enum CacheError {
     },
     /// A sequence operation failed (stale or foreign handle, out of blocks, ...).
     Seq(SeqError),
+    /// An engine operation failed (see [`crate::Engine`]).
+    Engine(EngineError),
     /// A kernel refused its inputs (buffer lengths, layer, heads, ...).
     Kernel(KernelError),
     /// K/V written outside the sequence's pending range `[pending, len)`.
@@ -224,6 +136,7 @@ impl core::fmt::Display for CacheError {
                 write!(f, "could not allocate {bytes} bytes of cache tables")
             }
             Self::Seq(e) => e.fmt(f),
+            Self::Engine(e) => e.fmt(f),
             Self::Kernel(e) => e.fmt(f),
             Self::NotWritable {
                 first,
@@ -249,6 +162,7 @@ impl std::error::Error for CacheError {
             Self::Init(e) => Some(e),
             Self::Alloc(e) => Some(e),
             Self::Seq(e) => Some(e),
+            Self::Engine(e) => Some(e),
             Self::Kernel(e) => Some(e),
             _ => None,
         }
@@ -261,30 +175,16 @@ impl From<SeqError> for CacheError {
     }
 }
 
+impl From<EngineError> for CacheError {
+    fn from(e: EngineError) -> Self {
+        Self::Engine(e)
+    }
+}
+
 impl From<KernelError> for CacheError {
     fn from(e: KernelError) -> Self {
         Self::Kernel(e)
     }
-}
-
-/// Runs `$body` with the type alias `$t` bound to the storage type of `$dtype`.
-macro_rules! for_dtype {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::Bf16 => {
-                type $t = bf16;
-                $body
-            }
-        }
-    };
 }
 
 // A cache can move to, and be read from, other threads.
@@ -295,17 +195,19 @@ const _: fn() = || {
 
 /// The owned paged KV cache. See the module docs for what it enforces.
 pub struct KvCache {
-    tables: Tables,
-    arena: Arena,
+    pub(crate) tables: Tables,
+    pub(crate) arena: Arena,
     /// The arena's layout; its geometry is the configured one.
-    layout: KvLayout,
+    pub(crate) layout: KvLayout,
+    /// The host tier of an engine with swap space: its layout and arena.
+    pub(crate) host: Option<(KvLayout, Arena)>,
     threads: usize,
     /// Per block-table row: start of the range K/V may be written to.
     pending: Vec<u32>,
     /// Slot output of the core's appends (`max_seq_len` entries).
     slots: Vec<u32>,
     /// Batch of one attention call (`max_seqs` entries).
-    batch: Vec<SeqQuery>,
+    pub(crate) batch: Vec<SeqQuery>,
 }
 
 impl core::fmt::Debug for KvCache {
@@ -328,6 +230,19 @@ impl KvCache {
     /// [`CacheError::TablesAlloc`] if memory for the core's tables or the small buffers
     /// is refused, [`CacheError::Alloc`] if memory for the arena is refused.
     pub fn new(config: CacheConfig) -> Result<Self, CacheError> {
+        Self::build(config, None)
+    }
+
+    /// [`KvCache::new`], with the host tier and the request engine of an
+    /// [`crate::Engine`] when `engine` is given. O(arena bytes + host arena + tables).
+    ///
+    /// # Errors
+    /// As [`KvCache::new`], plus [`CacheError::Engine`] from the engine's sizes and
+    /// [`CacheError::Alloc`] for the host arena.
+    pub(crate) fn build(
+        config: CacheConfig,
+        engine: Option<EngineParts>,
+    ) -> Result<Self, CacheError> {
         let g = config.geometry;
         let num_blocks = match config.capacity {
             Capacity::Blocks(n) => u64::from(n),
@@ -346,8 +261,16 @@ impl KvCache {
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1),
         };
         core_config.validate().map_err(CacheError::Init)?;
-        let tables = Tables::new(core_config)?;
+        let tables = Tables::new(core_config, engine)?;
         let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
+        let host = match engine.map_or(0, |e| e.host_blocks) {
+            0 => None,
+            blocks => {
+                let host_layout = KvLayout::new(g, blocks)?;
+                let host_arena = Arena::for_layout(&host_layout).map_err(CacheError::Alloc)?;
+                Some((host_layout, host_arena))
+            }
+        };
         let threads = match config.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -358,6 +281,7 @@ impl KvCache {
             tables,
             arena,
             layout,
+            host,
             threads,
             pending: try_filled(max_seqs, 0)?,
             slots: try_filled(max_tokens, 0)?,
@@ -366,11 +290,11 @@ impl KvCache {
     }
 
     fn with_manager<R>(tables: &mut Tables, f: impl FnOnce(&mut BlockManager<'static>) -> R) -> R {
-        f(tables.get_mut())
+        f(&mut tables.parts_mut().manager)
     }
 
     fn manager(&self) -> &BlockManager<'_> {
-        self.tables.get()
+        self.tables.manager()
     }
 
     /// The core's manager, read-only: block table, lengths, reference counts. O(1).
@@ -569,7 +493,7 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), CacheError> {
-        let m = self.tables.get();
+        let m = self.tables.manager();
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
         let g = self.layout.geometry();
@@ -661,7 +585,7 @@ impl KvCache {
         Ok(())
     }
 
-    fn run_attention(
+    pub(crate) fn run_attention(
         &self,
         layer: u32,
         q: &[f32],
@@ -684,40 +608,5 @@ impl KvCache {
             kernels::paged_attention(&self.layout, arena, layer, table, &self.batch, q, out, params)
         })?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn impossible_table_sizes_are_typed_errors() {
-        // Not validated (`KvCache::new` validates first): more words than a `usize` holds.
-        let config = Config {
-            num_blocks: u32::MAX,
-            block_size: u32::MAX,
-            max_seqs: u32::MAX,
-            max_blocks_per_seq: u32::MAX,
-            instance: 1,
-        };
-        assert_eq!(config.storage_words(), usize::MAX);
-        assert!(matches!(
-            Tables::new(config),
-            Err(CacheError::TablesAlloc { bytes: usize::MAX })
-        ));
-        // A byte count that fits an `isize` but no address space: the allocator refuses.
-        let words = isize::MAX as usize / 8;
-        assert_eq!(
-            try_filled(words, 0u64).err(),
-            Some(CacheError::TablesAlloc { bytes: words * 8 })
-        );
-        assert_eq!(
-            try_with_capacity::<SeqQuery>(usize::MAX).err(),
-            Some(CacheError::TablesAlloc { bytes: usize::MAX })
-        );
-        // A possible size still works, with exactly the requested capacity.
-        let v = try_filled(5, 7u32).unwrap();
-        assert_eq!((v.len(), v.capacity(), v[4]), (5, 5, 7));
     }
 }

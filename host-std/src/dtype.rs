@@ -176,3 +176,24 @@ mod f16c {
         }
     }
 }
+
+/// Runs `$body` with the type alias `$t` bound to the storage type of `$dtype`.
+macro_rules! for_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            kvpage_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            kvpage_core::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            kvpage_core::DType::Bf16 => {
+                type $t = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use for_dtype;

@@ -53,12 +53,19 @@
 pub mod arena;
 pub mod cache;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kernels;
+mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
 pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq};
 pub use dtype::Element;
+pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
-pub use kvpage_core::{DType, Geometry, GeometryError, SeqError, Stats};
+pub use kvpage_core::{
+    BlockCopy, DType, EngineError, EngineStats, FinishReason, Finished, FinishedRequests, Geometry,
+    GeometryError, Preemption, RequestId, RequestState, Sampled, ScheduledSeq, SchedulerConfig,
+    SeqError, Stats, Step,
+};

@@ -6,7 +6,10 @@
 mod common;
 
 use common::{random_vec, reference_attention, rel_error, rng, tolerance};
-use kvpage::{bf16, f16, CacheConfig, Capacity, Element, Geometry, KvCache, Seq};
+use kvpage::{
+    bf16, f16, CacheConfig, Capacity, Element, Engine, EngineConfig, Geometry, KvCache, Preemption,
+    RequestId, Sampled, SchedulerConfig, Seq,
+};
 use rand::rngs::StdRng;
 
 const VOCAB: usize = 40;
@@ -207,6 +210,164 @@ impl Model {
             })
             .collect()
     }
+}
+
+impl Model {
+    /// Runs the engine's pending step through the model; returns, for every scheduled
+    /// sequence that emits, its request, the tokens its logits cover, and the logits of
+    /// its last new token.
+    fn engine_step(&self, engine: &mut Engine) -> Vec<(RequestId, Vec<u32>, Vec<f32>)> {
+        let step = engine.pending_step().unwrap();
+        let seqs: Vec<_> = step.seqs().collect();
+        let mut h: Vec<f32> = seqs
+            .iter()
+            .flat_map(|s| self.embed(step.input_tokens_of(s), s.first_pos as usize))
+            .collect();
+        let emitting: Vec<(RequestId, usize, usize)> = seqs
+            .iter()
+            .filter(|s| s.emits)
+            .map(|s| {
+                (
+                    s.request,
+                    (s.offset + s.tokens - 1) as usize,
+                    (s.first_pos + s.tokens) as usize,
+                )
+            })
+            .collect();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let x = rms_norm(&h);
+            let (q, k, v) = (
+                matmul(&x, &layer.wq, D, Q_HEADS * HD),
+                matmul(&x, &layer.wk, D, KV_HEADS * HD),
+                matmul(&x, &layer.wv, D, KV_HEADS * HD),
+            );
+            engine.write_kv(l as u32, &k, &v).unwrap();
+            let mut attn = vec![0.0f32; q.len()];
+            engine
+                .attention(
+                    l as u32,
+                    &q,
+                    &mut attn,
+                    Q_HEADS as u32,
+                    1.0 / (HD as f32).sqrt(),
+                )
+                .unwrap();
+            self.finish_layer(l, &mut h, &attn);
+        }
+        emitting
+            .into_iter()
+            .map(|(r, row, len)| {
+                let tokens = engine.tokens(r).unwrap()[..len].to_vec();
+                (r, tokens, self.logits(&h[row * D..(row + 1) * D]))
+            })
+            .collect()
+    }
+}
+
+/// Continuous batching through [`Engine`] with too little memory for every request at
+/// once (preemption by swap, or by recompute), prompts sharing a prefix, chunked
+/// prefill, and a fork: every sampled token's logits equal recomputing its sequence
+/// from scratch, and every request finishes once.
+fn serve_with_engine<T: Element>(preemption: Preemption) {
+    let mut rng = rng(7);
+    let model = Model::new(&mut rng);
+    let geometry =
+        Geometry::new(LAYERS as u32, KV_HEADS as u32, HD as u32, BLOCK, T::DTYPE).unwrap();
+    let swap = preemption == Preemption::Swap;
+    let mut engine = Engine::new(EngineConfig {
+        cache: CacheConfig {
+            geometry,
+            capacity: Capacity::Blocks(14),
+            max_seqs: 5,
+            max_seq_len: 40,
+            threads: 2,
+        },
+        max_requests: 8,
+        scheduler: SchedulerConfig {
+            token_budget: 12,
+            max_running: 4,
+            watermark_blocks: 0,
+            preemption,
+        },
+        host_capacity: Capacity::Blocks(if swap { 40 } else { 0 }),
+    })
+    .unwrap();
+    let shared: Vec<u32> = vec![3, 17, 5, 5, 22, 9, 31, 0, 12];
+    let mut requests = Vec::new();
+    for i in 0..6u32 {
+        let mut prompt = if i % 2 == 0 {
+            shared.clone()
+        } else {
+            vec![1 + i, 2, 3]
+        };
+        prompt.extend([i, (i * 7) % VOCAB as u32]);
+        requests.push(engine.add_request(&prompt, 1, Some(10)).unwrap());
+    }
+    let mut finished = Vec::new();
+    let mut forked = false;
+    let mut checked = 0;
+    for _ in 0..400 {
+        if engine.in_flight() == 0 {
+            break;
+        }
+        engine.step().unwrap();
+        let mut samples = Vec::new();
+        for (r, tokens, logits) in model.engine_step(&mut engine) {
+            let want: Vec<f64> = model
+                .recompute(&tokens)
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            let err = rel_error(&logits, &want);
+            assert!(
+                err <= tolerance::<T>(),
+                "request {r:?}: logits relative error {err:e}"
+            );
+            checked += 1;
+            samples.push(Sampled {
+                request: r,
+                token: argmax(&logits),
+                stop: false,
+            });
+        }
+        let done = engine.commit_step(&samples).unwrap();
+        finished.extend(done.iter().map(|f| f.request));
+        // Fork the first request once it decodes, with another first token.
+        if !forked && engine.tokens(requests[0]).is_ok_and(|t| t.len() > 11) {
+            let child = engine.fork(requests[0], Some(1)).unwrap();
+            requests.push(child);
+            forked = true;
+        }
+    }
+    assert_eq!(engine.in_flight(), 0, "the engine drained");
+    assert!(forked);
+    finished.sort();
+    requests.sort();
+    assert_eq!(finished, requests, "every request finished exactly once");
+    let stats = engine.stats();
+    assert!(checked >= 60, "{checked} samples checked");
+    if swap {
+        assert!(stats.swap_outs > 0 && stats.swap_ins > 0, "{stats:?}");
+    } else {
+        assert!(stats.recomputes > 0, "{stats:?}");
+    }
+    assert!(engine.cache().stats().prefix_hit_tokens > 0);
+    assert_eq!(engine.cache().stats().used_blocks, 0);
+}
+
+#[test]
+fn engine_serves_with_swap_f32() {
+    serve_with_engine::<f32>(Preemption::Swap);
+}
+
+#[test]
+fn engine_serves_with_recompute_f16() {
+    serve_with_engine::<f16>(Preemption::Recompute);
+}
+
+#[test]
+fn engine_serves_with_swap_bf16() {
+    serve_with_engine::<bf16>(Preemption::Swap);
 }
 
 fn argmax(x: &[f32]) -> u32 {

@@ -29,7 +29,7 @@ mod write;
 
 pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
-pub use copy::copy_blocks;
+pub use copy::{copy_blocks, copy_blocks_between};
 pub use write::write_kv;
 
 /// Largest head dimension the kernels accept (their scratch is sized for it).

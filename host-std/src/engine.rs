@@ -1,0 +1,262 @@
+//! [`Engine`]: the core's engine step over an owned [`KvCache`] — continuous batching
+//! where kvpage also executes the swaps and copy-on-write copies and runs attention.
+//!
+//! One step, as a model runs it:
+//! 1. [`Engine::step`] plans and executes the step on the block manager, then performs
+//!    the block copies it reported (swap-outs to the host arena, swap-ins back,
+//!    copy-on-write) and returns the [`Step`]: per scheduled sequence its query
+//!    positions and input token ids, all of them flattened in one order.
+//! 2. For each layer, the model computes q, k and v of the step's tokens as one batch
+//!    (`[step tokens][heads][head_dim]`, in [`Step`] order), stores k and v with
+//!    [`Engine::write_kv`] and attends with [`Engine::attention`] (causal over each
+//!    sequence's cached context plus its new tokens; decode is one token).
+//! 3. It samples a token for each sequence that emits and reports them with
+//!    [`Engine::commit_step`], which returns the finished requests.
+//!
+//! Everything is allocated in [`Engine::new`]; no later call allocates.
+
+use kvpage_core::{
+    EngineConfig as CoreEngineConfig, EngineError, EngineStats, FinishedRequests, RequestId,
+    RequestState, Sampled, SchedulerConfig, Step,
+};
+
+use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
+use crate::dtype::for_dtype;
+use crate::kernels::{self, SeqQuery};
+use crate::tables::EngineParts;
+
+/// What an [`Engine`] is built from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// The cache: geometry, device capacity, sequences, longest sequence, threads.
+    pub cache: CacheConfig,
+    /// Requests in flight at once (waiting, running, swapped out).
+    pub max_requests: u32,
+    /// Per-step token budget, running limit, watermark, preemption mode.
+    pub scheduler: SchedulerConfig,
+    /// Host memory for swapped-out sequences (`Capacity::Blocks(0)`: none; preemption
+    /// then always recomputes).
+    pub host_capacity: Capacity,
+}
+
+/// Continuous batching over an owned [`KvCache`]. See the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    cache: KvCache,
+}
+
+impl Engine {
+    /// Allocates the cache, its host tier and the request engine. O(arena bytes + host
+    /// arena + tables).
+    ///
+    /// # Errors
+    /// [`KvCache::new`]'s errors; [`CacheError::BadConfig`] for a host capacity of more
+    /// than `u32::MAX` blocks; [`CacheError::Engine`] for a zero `max_requests` or token
+    /// budget.
+    pub fn new(config: EngineConfig) -> Result<Self, CacheError> {
+        let host_blocks = match config.host_capacity {
+            Capacity::Blocks(n) => u64::from(n),
+            Capacity::Bytes(bytes) => config.cache.geometry.blocks_in(bytes),
+        };
+        let host_blocks = u32::try_from(host_blocks).map_err(|_| CacheError::BadConfig)?;
+        let parts = EngineParts {
+            host_blocks,
+            engine: CoreEngineConfig {
+                max_requests: config.max_requests,
+                scheduler: config.scheduler,
+                host_blocks,
+            },
+        };
+        Ok(Self {
+            cache: KvCache::build(config.cache, Some(parts))?,
+        })
+    }
+
+    /// The cache, read-only: geometry, statistics, block table. O(1).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    fn engine(&self) -> &kvpage_core::Engine<'_> {
+        match &self.cache.tables.get().engine {
+            Some(e) => e,
+            // `Engine::new` always builds the cache with an engine.
+            None => unreachable!("an Engine's cache always has an engine"),
+        }
+    }
+
+    /// Runs `f` on the core engine, the manager and the host pool.
+    fn with_parts<R>(
+        &mut self,
+        f: impl FnOnce(
+            &mut kvpage_core::Engine<'static>,
+            &mut kvpage_core::BlockManager<'static>,
+            Option<&mut kvpage_core::HostPool<'static>>,
+        ) -> R,
+    ) -> R {
+        let parts = self.cache.tables.parts_mut();
+        match parts.engine.as_mut() {
+            Some(e) => f(e, &mut parts.manager, parts.host.as_mut()),
+            None => unreachable!("an Engine's cache always has an engine"),
+        }
+    }
+
+    /// Counters of the engine. O(1).
+    pub fn stats(&self) -> EngineStats {
+        self.engine().stats()
+    }
+
+    /// Requests in flight. O(1).
+    pub fn in_flight(&self) -> usize {
+        self.engine().in_flight()
+    }
+
+    /// The token ids of a request: prompt, then sampled tokens. O(1).
+    ///
+    /// # Errors
+    /// [`EngineError::StaleRequest`].
+    pub fn tokens(&self, id: RequestId) -> Result<&[u32], CacheError> {
+        Ok(self.engine().tokens(id)?)
+    }
+
+    /// Where a request is. O(1).
+    ///
+    /// # Errors
+    /// [`EngineError::StaleRequest`].
+    pub fn state(&self, id: RequestId) -> Result<RequestState, CacheError> {
+        Ok(self.engine().state(id)?)
+    }
+
+    /// Queues a request (see [`kvpage_core::Engine::add_request`]). O(prompt).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::add_request`], wrapped in [`CacheError::Engine`].
+    pub fn add_request(
+        &mut self,
+        prompt: &[u32],
+        namespace: u64,
+        max_new_tokens: Option<u32>,
+    ) -> Result<RequestId, CacheError> {
+        Ok(self.with_parts(|e, _, _| e.add_request(prompt, namespace, max_new_tokens))?)
+    }
+
+    /// Plans and executes one step, including its block copies (swap-out, swap-in,
+    /// copy-on-write, in that order), and returns what the model computes. O(the core
+    /// step + copied blocks × bytes per block).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::step`], wrapped in [`CacheError::Engine`]; a copy
+    /// refused by the kernels would be an internal bug ([`CacheError::Kernel`]).
+    pub fn step(&mut self) -> Result<Step<'_>, CacheError> {
+        let cache = &mut self.cache;
+        let parts = cache.tables.parts_mut();
+        let Some(engine) = parts.engine.as_mut() else {
+            unreachable!("an Engine's cache always has an engine")
+        };
+        let step = engine.step(&mut parts.manager, parts.host.as_mut())?;
+        let layout = &cache.layout;
+        for_dtype!(layout.geometry().dtype(), T => {
+            let arena = cache.arena.as_mut_slice::<T>();
+            if let Some((host_layout, host_arena)) = cache.host.as_mut() {
+                let host_arena = host_arena.as_mut_slice::<T>();
+                kernels::copy_blocks_between(layout, arena, host_layout, host_arena, step.swap_out())?;
+                kernels::copy_blocks_between(host_layout, host_arena, layout, arena, step.swap_in())?;
+            }
+            for c in step.copies() {
+                kernels::copy_blocks(layout, arena, &[(c.src, c.dst)])?;
+            }
+        });
+        Ok(step)
+    }
+
+    /// The step waiting for [`Engine::commit_step`], if any. O(1).
+    pub fn pending_step(&self) -> Option<Step<'_>> {
+        self.engine().pending_step()
+    }
+
+    /// Stores the K and V of layer `layer` for every token of the pending step:
+    /// `[step tokens][kv_heads][head_dim]` f32 each, in [`Step`] order.
+    /// O(step tokens × kv_heads × head_dim).
+    ///
+    /// # Errors
+    /// [`EngineError::NoStepInProgress`]; the kernel's errors (buffer lengths, layer out
+    /// of range). Nothing is written on error.
+    pub fn write_kv(&mut self, layer: u32, k: &[f32], v: &[f32]) -> Result<(), CacheError> {
+        let cache = &mut self.cache;
+        let Some(engine) = cache.tables.get().engine.as_ref() else {
+            unreachable!("an Engine's cache always has an engine")
+        };
+        let step = engine.pending_step().ok_or(EngineError::NoStepInProgress)?;
+        let layout = &cache.layout;
+        for_dtype!(layout.geometry().dtype(), T => {
+            kernels::write_kv(layout, cache.arena.as_mut_slice::<T>(), layer, step.slots(), k, v)
+        })?;
+        Ok(())
+    }
+
+    /// Attention of layer `layer` for every sequence of the pending step: its new tokens
+    /// are the queries, causal over its whole context (cached positions and this step's,
+    /// whose K/V [`Engine::write_kv`] stored). `q` and `out` are `[step tokens][q_heads]
+    /// [head_dim]` in [`Step`] order. See [`kernels::paged_attention`] for the cost.
+    ///
+    /// # Errors
+    /// [`EngineError::NoStepInProgress`]; the kernel's errors. Nothing is written on
+    /// error.
+    pub fn attention(
+        &mut self,
+        layer: u32,
+        q: &[f32],
+        out: &mut [f32],
+        q_heads: u32,
+        scale: f32,
+    ) -> Result<(), CacheError> {
+        let cache = &mut self.cache;
+        let Some(engine) = cache.tables.get().engine.as_ref() else {
+            unreachable!("an Engine's cache always has an engine")
+        };
+        let step = engine.pending_step().ok_or(EngineError::NoStepInProgress)?;
+        cache.batch.clear();
+        // Scheduled sequences are live, so at most `max_seqs`: the batch's capacity.
+        cache.batch.extend(step.seqs().map(|s| SeqQuery {
+            row: s.seq.index(),
+            context_len: s.first_pos + s.tokens,
+            queries: s.tokens,
+        }));
+        cache.run_attention(layer, q, out, q_heads, scale)
+    }
+
+    /// Ends the step with the sampled tokens (see [`kvpage_core::Engine::commit_step`]).
+    /// O(scheduled + sampled + blocks committed or released).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::commit_step`], wrapped in [`CacheError::Engine`].
+    /// Nothing changes on error.
+    pub fn commit_step(&mut self, sampled: &[Sampled]) -> Result<FinishedRequests<'_>, CacheError> {
+        let parts = self.cache.tables.parts_mut();
+        let Some(engine) = parts.engine.as_mut() else {
+            unreachable!("an Engine's cache always has an engine")
+        };
+        Ok(engine.commit_step(&mut parts.manager, sampled)?)
+    }
+
+    /// Cancels a request in any state between steps. O(its blocks).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::cancel`], wrapped in [`CacheError::Engine`].
+    pub fn cancel(&mut self, id: RequestId) -> Result<(), CacheError> {
+        Ok(self.with_parts(|e, m, h| e.cancel(m, h, id))?)
+    }
+
+    /// Forks a running request between steps (see [`kvpage_core::Engine::fork`]).
+    /// O(blocks + tokens of the parent).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::fork`], wrapped in [`CacheError::Engine`].
+    pub fn fork(
+        &mut self,
+        id: RequestId,
+        last_token: Option<u32>,
+    ) -> Result<RequestId, CacheError> {
+        Ok(self.with_parts(|e, m, _| e.fork(m, id, last_token))?)
+    }
+}
