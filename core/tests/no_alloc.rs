@@ -134,3 +134,116 @@ fn random_operations_allocate_nothing() {
     assert!(done.iter().all(|&d| d > 1000), "operation counts {done:?}");
     assert!(kv.stats().prefix_hit_tokens > 0);
 }
+
+/// The engine's loop — add, step, commit with samples, fork, cancel, with preemption by
+/// swap under memory pressure — allocates nothing after construction either.
+#[test]
+fn engine_steps_allocate_nothing() {
+    use kvpage_core::{
+        Engine, EngineConfig, HostPool, Preemption, RequestId, Sampled, SchedulerConfig,
+    };
+    const KV: Config = Config {
+        num_blocks: 24,
+        block_size: 4,
+        max_seqs: 12,
+        max_blocks_per_seq: 16,
+        instance: 5,
+    };
+    const ENGINE: EngineConfig = EngineConfig {
+        max_requests: 16,
+        scheduler: SchedulerConfig {
+            token_budget: 32,
+            max_running: 8,
+            watermark_blocks: 1,
+            preemption: Preemption::Swap,
+        },
+        host_blocks: 48,
+    };
+    let mut kv_words = vec![0u64; KV.storage_words()];
+    let mut kv = BlockManager::new(KV, &mut kv_words).unwrap();
+    let mut host_words = vec![0u32; HostPool::storage_words(48)];
+    let mut host = HostPool::new(48, 5, &mut host_words).unwrap();
+    let mut words = vec![0u64; ENGINE.storage_words(&KV)];
+    let mut engine = Engine::new(ENGINE, &KV, &mut words).unwrap();
+    let mut live: [Option<RequestId>; 16] = [None; 16];
+    let mut samples = [Sampled {
+        request: RequestId::from_parts(0, 0),
+        token: 0,
+        stop: false,
+    }; 16];
+    let mut prompt = [0u32; 40];
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let (mut finished, mut forks) = (0u64, 0u64);
+
+    COUNTING.with(|c| c.set(true));
+    for _ in 0..20_000 {
+        let k = rng.below(16) as usize;
+        match rng.below(8) {
+            0 | 1 => {
+                let len = 1 + rng.below(40) as usize;
+                let base = rng.below(3);
+                for (i, t) in prompt[..len].iter_mut().enumerate() {
+                    *t = if i < 16 {
+                        base * 100 + i as u32
+                    } else {
+                        rng.below(1000)
+                    };
+                }
+                if let Ok(r) = engine.add_request(&prompt[..len], 0, Some(1 + rng.below(50))) {
+                    if let Some(slot) = live.iter_mut().find(|l| l.is_none()) {
+                        *slot = Some(r);
+                    }
+                }
+            }
+            2 => {
+                if let Some(r) = live[k] {
+                    if let Ok(c) = engine.fork(&mut kv, r, Some(rng.below(1000))) {
+                        forks += 1;
+                        if let Some(slot) = live.iter_mut().find(|l| l.is_none()) {
+                            *slot = Some(c);
+                        } else {
+                            engine.cancel(&mut kv, Some(&mut host), c).unwrap();
+                        }
+                    }
+                }
+            }
+            3 if rng.below(8) == 0 => {
+                if let Some(r) = live[k].take() {
+                    let _ = engine.cancel(&mut kv, Some(&mut host), r);
+                }
+            }
+            _ => {
+                let step = engine.step(&mut kv, Some(&mut host)).unwrap();
+                let mut n = 0;
+                for s in step.seqs().filter(|s| s.emits) {
+                    samples[n] = Sampled {
+                        request: s.request,
+                        token: rng.below(1000),
+                        stop: rng.below(64) == 0,
+                    };
+                    n += 1;
+                }
+                let done = engine.commit_step(&mut kv, &samples[..n]).unwrap();
+                for f in done.iter() {
+                    finished += 1;
+                    for l in live.iter_mut().filter(|l| **l == Some(f.request)) {
+                        *l = None;
+                    }
+                }
+            }
+        }
+    }
+    COUNTING.with(|c| c.set(false));
+
+    assert_eq!(
+        ALLOCATIONS.load(Ordering::SeqCst),
+        0,
+        "engine steps allocated"
+    );
+    let stats = engine.stats();
+    assert!(
+        finished > 1000 && forks > 100,
+        "finished {finished}, forks {forks}"
+    );
+    assert!(stats.swap_outs > 10 && stats.swap_ins > 10, "{stats:?}");
+}
