@@ -23,7 +23,7 @@ use kvpage_core::{
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
 use crate::dtype::for_dtype;
 use crate::kernels::{self, SeqQuery};
-use crate::tables::EngineParts;
+use crate::tables::{EngineParts, Tables};
 
 /// What an [`Engine`] is built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,11 +78,7 @@ impl Engine {
     }
 
     fn engine(&self) -> &kvpage_core::Engine<'_> {
-        match &self.cache.tables.get().engine {
-            Some(e) => e,
-            // `Engine::new` always builds the cache with an engine.
-            None => unreachable!("an Engine's cache always has an engine"),
-        }
+        core_engine(&self.cache.tables)
     }
 
     /// Runs `f` on the core engine, the manager and the host pool.
@@ -183,10 +179,9 @@ impl Engine {
     /// of range). Nothing is written on error.
     pub fn write_kv(&mut self, layer: u32, k: &[f32], v: &[f32]) -> Result<(), CacheError> {
         let cache = &mut self.cache;
-        let Some(engine) = cache.tables.get().engine.as_ref() else {
-            unreachable!("an Engine's cache always has an engine")
-        };
-        let step = engine.pending_step().ok_or(EngineError::NoStepInProgress)?;
+        let step = core_engine(&cache.tables)
+            .pending_step()
+            .ok_or(EngineError::NoStepInProgress)?;
         let layout = &cache.layout;
         for_dtype!(layout.geometry().dtype(), T => {
             kernels::write_kv(layout, cache.arena.as_mut_slice::<T>(), layer, step.slots(), k, v)
@@ -211,10 +206,9 @@ impl Engine {
         scale: f32,
     ) -> Result<(), CacheError> {
         let cache = &mut self.cache;
-        let Some(engine) = cache.tables.get().engine.as_ref() else {
-            unreachable!("an Engine's cache always has an engine")
-        };
-        let step = engine.pending_step().ok_or(EngineError::NoStepInProgress)?;
+        let step = core_engine(&cache.tables)
+            .pending_step()
+            .ok_or(EngineError::NoStepInProgress)?;
         cache.batch.clear();
         // Scheduled sequences are live, so at most `max_seqs`: the batch's capacity.
         cache.batch.extend(step.seqs().map(|s| SeqQuery {
@@ -233,10 +227,10 @@ impl Engine {
     /// Nothing changes on error.
     pub fn commit_step(&mut self, sampled: &[Sampled]) -> Result<FinishedRequests<'_>, CacheError> {
         let parts = self.cache.tables.parts_mut();
-        let Some(engine) = parts.engine.as_mut() else {
-            unreachable!("an Engine's cache always has an engine")
-        };
-        Ok(engine.commit_step(&mut parts.manager, sampled)?)
+        match parts.engine.as_mut() {
+            Some(e) => Ok(e.commit_step(&mut parts.manager, sampled)?),
+            None => unreachable!("an Engine's cache always has an engine"),
+        }
     }
 
     /// Cancels a request in any state between steps. O(its blocks).
@@ -258,5 +252,14 @@ impl Engine {
         last_token: Option<u32>,
     ) -> Result<RequestId, CacheError> {
         Ok(self.with_parts(|e, m, _| e.fork(m, id, last_token))?)
+    }
+}
+
+/// The request engine of an [`Engine`]'s cache tables. O(1).
+fn core_engine(tables: &Tables) -> &kvpage_core::Engine<'_> {
+    match &tables.get().engine {
+        Some(e) => e,
+        // `Engine::new` always builds its cache with an engine.
+        None => unreachable!("an Engine's cache always has an engine"),
     }
 }

@@ -55,6 +55,18 @@ struct Layer {
     w2: Vec<f32>,
 }
 
+impl Layer {
+    /// Queries, keys and values of the hidden states `h` (normalized first).
+    fn qkv(&self, h: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let x = rms_norm(h);
+        (
+            matmul(&x, &self.wq, D, Q_HEADS * HD),
+            matmul(&x, &self.wk, D, KV_HEADS * HD),
+            matmul(&x, &self.wv, D, KV_HEADS * HD),
+        )
+    }
+}
+
 struct Model {
     embed: Vec<f32>,
     layers: Vec<Layer>,
@@ -121,12 +133,7 @@ impl Model {
     fn recompute(&self, tokens: &[u32]) -> Vec<f32> {
         let mut h = self.embed(tokens, 0);
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = rms_norm(&h);
-            let (q, k, v) = (
-                matmul(&x, &layer.wq, D, Q_HEADS * HD),
-                matmul(&x, &layer.wk, D, KV_HEADS * HD),
-                matmul(&x, &layer.wv, D, KV_HEADS * HD),
-            );
+            let (q, k, v) = layer.qkv(&h);
             let attn: Vec<f32> = reference_attention(
                 &k,
                 &v,
@@ -155,12 +162,7 @@ impl Model {
             .collect();
         let runs: Vec<(Seq, u32)> = batch.iter().map(|(s, t, _)| (*s, t.len() as u32)).collect();
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = rms_norm(&h);
-            let (q, k, v) = (
-                matmul(&x, &layer.wq, D, Q_HEADS * HD),
-                matmul(&x, &layer.wk, D, KV_HEADS * HD),
-                matmul(&x, &layer.wv, D, KV_HEADS * HD),
-            );
+            let (q, k, v) = layer.qkv(&h);
             let mut row = 0;
             for (seq, tokens, first) in batch {
                 let r = KV_HEADS * HD;
@@ -235,12 +237,7 @@ impl Model {
             })
             .collect();
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = rms_norm(&h);
-            let (q, k, v) = (
-                matmul(&x, &layer.wq, D, Q_HEADS * HD),
-                matmul(&x, &layer.wk, D, KV_HEADS * HD),
-                matmul(&x, &layer.wv, D, KV_HEADS * HD),
-            );
+            let (q, k, v) = layer.qkv(&h);
             engine.write_kv(l as u32, &k, &v).unwrap();
             let mut attn = vec![0.0f32; q.len()];
             engine
