@@ -267,6 +267,16 @@ impl<'a> BlockManager<'a> {
         self.total_refs += 1;
     }
 
+    /// Drops one reference to each of the blocks `from..to` of the row starting at `row`,
+    /// deepest (last) first. Blocks whose count reaches zero enter the LRU list in that
+    /// order, so eviction takes a chain's tail before its head: a lookup walks from the
+    /// first block, and evicting a head would strand its still-cached descendants.
+    fn release_row_blocks(&mut self, row: usize, from: usize, to: usize) {
+        for k in (from..to).rev() {
+            self.release_block(self.table[row + k]);
+        }
+    }
+
     /// Drops a reference; at zero the block becomes cached (if registered) or free.
     fn release_block(&mut self, b: u32) {
         let i = b as usize;
@@ -739,10 +749,7 @@ impl<'a> BlockManager<'a> {
         let keep = self.blocks_for(new_len) as usize;
         let old = self.blocks_for(len) as usize;
         let row = self.row(i);
-        for k in keep..old {
-            let b = self.table[row + k];
-            self.release_block(b);
-        }
+        self.release_row_blocks(row, keep, old);
         let (full, offset) = self.split(new_len);
         let full = full as usize;
         if offset != 0 {
@@ -819,11 +826,7 @@ impl<'a> BlockManager<'a> {
     pub fn release(&mut self, seq: SeqId) -> Result<(), SeqError> {
         let i = self.check(seq)?;
         let blocks = self.blocks_for(self.seq_len[i]) as usize;
-        let row = self.row(i);
-        for k in 0..blocks {
-            let b = self.table[row + k];
-            self.release_block(b);
-        }
+        self.release_row_blocks(self.row(i), 0, blocks);
         self.logical_tokens -= u64::from(self.seq_len[i]);
         self.close_seq(i);
         Ok(())
@@ -874,12 +877,12 @@ impl<'a> BlockManager<'a> {
             });
         }
         let row = self.row(i);
+        self.release_row_blocks(row, 0, blocks as usize);
         for (k, m) in moves[..blocks as usize].iter_mut().enumerate() {
             let b = self.table[row + k];
             let h = host.take();
             *m = BlockMove { from: b, to: h };
             self.table[row + k] = h;
-            self.release_block(b);
         }
         self.seq_swapped_len[i] = len;
         self.seq_len[i] = 0;

@@ -2,7 +2,8 @@
 //! copy-on-write, prefix reuse, namespaces, eviction order.
 
 use kvpage_core::{
-    BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, Stats,
+    BlockCopy, BlockManager, BlockMove, Config, DType, Geometry, GeometryError, HostPool,
+    InitError, SeqError, Stats,
 };
 
 const CONFIG: Config = Config {
@@ -245,6 +246,87 @@ fn prefix_reuse_namespaces_and_lru_eviction() {
         let h = kv.create_with_prompt(6, &p[..9], &mut slots).unwrap();
         assert_eq!(h.reused_tokens, 8);
     });
+}
+
+/// Six blocks of four tokens, room for sequences of eight blocks: two cached 3-block
+/// prompts fill the pool.
+const TIGHT: Config = Config {
+    num_blocks: 6,
+    max_blocks_per_seq: 8,
+    ..CONFIG
+};
+
+/// Two 12-token prompts (3 full blocks each) and, for each, the same prompt plus one
+/// token: the query whose whole 3 blocks `cached_prefix_tokens` may report.
+fn two_prompts() -> ([Vec<u32>; 2], [Vec<u32>; 2]) {
+    let a: Vec<u32> = (0..12).map(|i| 10 + i).collect();
+    let b: Vec<u32> = (0..12).map(|i| 100 + i).collect();
+    let query = |p: &Vec<u32>| [&p[..], &[0]].concat();
+    ([query(&a), query(&b)], [a, b])
+}
+
+/// Caches `prompt` (creates, commits every block) and returns the sequence's blocks.
+fn cache_prompt(kv: &mut BlockManager<'_>, prompt: &[u32]) -> (kvpage_core::SeqId, Vec<u32>) {
+    let mut slots = [0u32; 16];
+    let seq = kv.create_with_prompt(0, prompt, &mut slots).unwrap().seq;
+    assert_eq!(kv.commit(seq, prompt.len() as u32), Ok(3));
+    (seq, kv.blocks(seq).unwrap().to_vec())
+}
+
+#[test]
+fn eviction_under_pressure_takes_chain_tails_first() {
+    let mut storage = vec![0u64; TIGHT.storage_words()];
+    let mut kv = BlockManager::new(TIGHT, &mut storage).unwrap();
+    let (queries, [pa, pb]) = two_prompts();
+    let (a, blocks_a) = cache_prompt(&mut kv, &pa);
+    kv.release(a).unwrap();
+    let (b, blocks_b) = cache_prompt(&mut kv, &pb);
+    kv.release(b).unwrap();
+    assert_eq!((blocks_a, blocks_b), (vec![0, 1, 2], vec![3, 4, 5]));
+    assert_eq!(kv.stats().cached_blocks, 6);
+    // A sequence growing one block at a time evicts A's chain from its tail (2, 1, 0),
+    // then B's (5, 4, 3): each prompt keeps a shorter, still reachable prefix.
+    let c = kv.create(1).unwrap();
+    let mut slots = [0u32; 4];
+    let expected = [
+        (2, [8, 12]),
+        (1, [4, 12]),
+        (0, [0, 12]),
+        (5, [0, 8]),
+        (4, [0, 4]),
+        (3, [0, 0]),
+    ];
+    for (evicted, [cached_a, cached_b]) in expected {
+        kv.append(c, 4, &mut slots).unwrap();
+        assert_eq!(kv.blocks(c).unwrap().last(), Some(&evicted));
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[0]), cached_a);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[1]), cached_b);
+        // Every cached block is still reachable: none is held by the pool in vain.
+        let reachable = (cached_a + cached_b) / TIGHT.block_size;
+        assert_eq!(kv.stats().cached_blocks, reachable);
+    }
+}
+
+#[test]
+fn truncate_and_swap_out_also_cache_tails_first() {
+    let mut storage = vec![0u64; TIGHT.storage_words()];
+    let mut kv = BlockManager::new(TIGHT, &mut storage).unwrap();
+    let mut host_storage = vec![0u32; HostPool::storage_words(4)];
+    let mut host = HostPool::new(4, TIGHT.instance, &mut host_storage).unwrap();
+    let (queries, [pa, pb]) = two_prompts();
+    let (a, _) = cache_prompt(&mut kv, &pa);
+    kv.truncate(a, 0).unwrap();
+    let (b, _) = cache_prompt(&mut kv, &pb);
+    let mut moves = [BlockMove { from: 0, to: 0 }; 3];
+    assert_eq!(kv.swap_out(b, &mut host, &mut moves), Ok(3));
+    // Host blocks are still assigned in logical order.
+    let to: Vec<u32> = moves.iter().map(|m| m.to).collect();
+    assert_eq!(to, [0, 1, 2]);
+    for [cached_a, cached_b] in [[8, 12], [4, 12], [0, 12], [0, 8], [0, 4], [0, 0]] {
+        assert_eq!(kv.evict_cached(1), 1);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[0]), cached_a);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[1]), cached_b);
+    }
 }
 
 #[test]
