@@ -19,6 +19,12 @@ pub struct Config {
     /// Tag written into every handle this manager makes; a handle with another tag is
     /// refused with [`crate::SeqError::ForeignHandle`]. Give each manager its own.
     pub instance: u32,
+    /// Key of the prefix cache's block hash. Every block hash depends on it, so prompts
+    /// crafted without knowing it cannot pile up on one probe run of the hash table: a
+    /// multi-tenant service should pick a secret random key. The same key gives the same
+    /// hashes on every run and machine, which KV events for routers and persisted caches
+    /// rely on; a fixed key (0 is fine) suits single-tenant and firmware use.
+    pub hash_key: u64,
 }
 
 /// Number of `u32` arrays with one entry per block (see `BlockManager::new`).

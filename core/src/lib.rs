@@ -7,8 +7,14 @@
 //!
 //! ```
 //! use kvpage_core::{BlockManager, Config};
-//! const CONFIG: Config =
-//!     Config { num_blocks: 64, block_size: 16, max_seqs: 8, max_blocks_per_seq: 16, instance: 1 };
+//! const CONFIG: Config = Config {
+//!     num_blocks: 64,
+//!     block_size: 16,
+//!     max_seqs: 8,
+//!     max_blocks_per_seq: 16,
+//!     instance: 1,
+//!     hash_key: 0,
+//! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
 //! let seq = kv.create(0).unwrap();

@@ -24,7 +24,7 @@ use crate::error::{InitError, SeqError};
 use crate::host_tier::{BlockMove, HostPool};
 use crate::index_set::{words_for, IndexSet};
 use crate::log::{debug, trace};
-use crate::prefix::{chain_hash, root_hash, Link, PrefixCache, PrefixStorage};
+use crate::prefix::{Link, PrefixCache, PrefixStorage};
 use crate::stats::Stats;
 use crate::storage::Carver;
 
@@ -175,6 +175,7 @@ impl<'a> BlockManager<'a> {
         let fill = carve.u32s(n);
         let prefix = PrefixCache::new(
             config.block_size,
+            config.hash_key,
             PrefixStorage {
                 hash: carve.words(n),
                 namespace: carve.words(n),
@@ -404,7 +405,7 @@ impl<'a> BlockManager<'a> {
         self.seq_known[i] = 0;
         self.seq_committed[i] = 0;
         self.seq_namespace[i] = namespace;
-        self.seq_chain_hash[i] = root_hash(namespace);
+        self.seq_chain_hash[i] = self.prefix.hasher.root(namespace);
         self.seq_chain_block[i] = Link::ROOT.block;
         self.seq_chain_gen[i] = Link::ROOT.gen;
         self.live_seqs += 1;
@@ -680,7 +681,10 @@ impl<'a> BlockManager<'a> {
             gen: self.seq_chain_gen[i],
         };
         let tokens = self.prefix.tokens(b);
-        let hash = chain_hash(self.seq_chain_hash[i], namespace, tokens);
+        let hash = self
+            .prefix
+            .hasher
+            .chain(self.seq_chain_hash[i], namespace, tokens);
         let link = if self.prefix.is_registered(b) {
             // Committed already by a sequence sharing it (a fork): it represents itself.
             self.prefix.link_of(b)
@@ -778,7 +782,11 @@ impl<'a> BlockManager<'a> {
         // (committing again finds the registered blocks, so nothing is lost).
         let (blocks, hash, link) = match chain {
             Some((hash, link)) => (blocks, hash, link),
-            None => (0, root_hash(self.seq_namespace[i]), Link::ROOT),
+            None => (
+                0,
+                self.prefix.hasher.root(self.seq_namespace[i]),
+                Link::ROOT,
+            ),
         };
         self.seq_committed[i] = blocks as u32;
         self.seq_chain_hash[i] = hash;

@@ -12,6 +12,7 @@ const CONFIG: Config = Config {
     max_seqs: 4,
     max_blocks_per_seq: 4,
     instance: 9,
+    hash_key: 0,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -326,6 +327,28 @@ fn truncate_and_swap_out_also_cache_tails_first() {
         assert_eq!(kv.evict_cached(1), 1);
         assert_eq!(kv.cached_prefix_tokens(0, &queries[0]), cached_a);
         assert_eq!(kv.cached_prefix_tokens(0, &queries[1]), cached_b);
+    }
+}
+
+#[test]
+fn prefix_hits_under_any_hash_key() {
+    for hash_key in [0, 1, 0x9e37_79b9_7f4a_7c15, u64::MAX] {
+        let config = Config { hash_key, ..CONFIG };
+        let mut storage = vec![0u64; config.storage_words()];
+        let mut kv = BlockManager::new(config, &mut storage).unwrap();
+        let mut slots = [0u32; 16];
+        let p = prompt(13);
+        let a = kv.create_with_prompt(2, &p, &mut slots).unwrap().seq;
+        assert_eq!(kv.commit(a, 13), Ok(3));
+        assert_eq!(kv.cached_prefix_tokens(2, &p), 12);
+        let b = kv.create_with_prompt(2, &p, &mut slots).unwrap();
+        assert_eq!(b.reused_tokens, 12);
+        assert_eq!(&kv.blocks(b.seq).unwrap()[..3], &kv.blocks(a).unwrap()[..3]);
+        assert_eq!(
+            kv.cached_prefix_tokens(3, &p),
+            0,
+            "namespaces still never share"
+        );
     }
 }
 

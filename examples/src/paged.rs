@@ -50,6 +50,7 @@ impl PagedConfig {
             max_seqs: self.max_seqs,
             max_blocks_per_seq: self.max_seq_len.div_ceil(bs),
             instance: 1,
+            hash_key: 0,
         }
     }
 

@@ -34,6 +34,13 @@ use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery};
 /// Instance tags handed to caches; 0 is never used.
 static NEXT_INSTANCE: AtomicU32 = AtomicU32::new(1);
 
+/// A secret key for the prefix cache's block hash of the cache tagged `instance`: std's
+/// randomly seeded SipHash of the tag, so crafted prompts cannot aim at the hash table.
+fn random_hash_key(instance: u32) -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(instance)
+}
+
 /// The core manager together with the storage it borrows.
 ///
 /// `BlockManager<'a>` borrows `&'a mut [u64]`; to keep both in one owned value the
@@ -338,12 +345,14 @@ impl KvCache {
             return Err(CacheError::BadConfig);
         }
         let layout = KvLayout::new(g, num_blocks)?;
+        let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
         let core_config = Config {
             num_blocks,
             block_size: g.block_size(),
             max_seqs: config.max_seqs,
             max_blocks_per_seq: config.max_seq_len.div_ceil(g.block_size()),
-            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1),
+            instance,
+            hash_key: random_hash_key(instance),
         };
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config)?;
@@ -692,6 +701,11 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_cache_gets_its_own_hash_key() {
+        assert_ne!(random_hash_key(1), random_hash_key(1));
+    }
+
+    #[test]
     fn impossible_table_sizes_are_typed_errors() {
         // Not validated (`KvCache::new` validates first): more words than a `usize` holds.
         let config = Config {
@@ -700,6 +714,7 @@ mod tests {
             max_seqs: u32::MAX,
             max_blocks_per_seq: u32::MAX,
             instance: 1,
+            hash_key: 0,
         };
         assert_eq!(config.storage_words(), usize::MAX);
         assert!(matches!(

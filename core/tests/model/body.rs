@@ -9,6 +9,7 @@ const CONFIG: Config = Config {
     max_seqs: 6,
     max_blocks_per_seq: 32 / BLOCK_SIZE,
     instance: 3,
+    hash_key: 0x5eed,
 };
 const BS: u32 = CONFIG.block_size;
 
