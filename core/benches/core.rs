@@ -64,6 +64,7 @@ fn append(c: &mut Criterion) {
         max_blocks_per_seq: 8,
         instance: 0,
         hash_key: 0,
+        prefix_cache: true,
     };
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
@@ -114,6 +115,7 @@ const LONG_SEQS: Config = Config {
     max_blocks_per_seq: 256,
     instance: 0,
     hash_key: 0,
+    prefix_cache: true,
 };
 
 /// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it

@@ -1,7 +1,6 @@
 //! Sizes of a [`crate::BlockManager`] and the storage they need.
 
 use crate::error::InitError;
-use crate::index_set::words_for;
 
 /// What a [`crate::BlockManager`] is sized for. Everything it stores is derived from
 /// these numbers once, at construction.
@@ -25,16 +24,14 @@ pub struct Config {
     /// hashes on every run and machine, which KV events for routers and persisted caches
     /// rely on; a fixed key (0 is fine) suits single-tenant and firmware use.
     pub hash_key: u64,
+    /// Whether the manager keeps a prefix cache (sharing of identical prompt prefixes
+    /// between sequences). Off, [`Config::storage_words`] leaves out all of its storage
+    /// (per block: hash, namespace, flags, parent, generations, links, LRU list, token
+    /// ids; and the hash table), [`crate::BlockManager::create_with_prompt`] never hits,
+    /// [`crate::BlockManager::commit`] returns 0 and appends store no token ids. Forks
+    /// still share blocks. Off suits firmware and single-sequence apps.
+    pub prefix_cache: bool,
 }
-
-/// Number of `u32` arrays with one entry per block (see `BlockManager::new`).
-pub(crate) const U32_PER_BLOCK: u128 = 10;
-/// Number of `u64` arrays with one entry per block.
-pub(crate) const U64_PER_BLOCK: u128 = 2;
-/// Number of `u32` arrays with one entry per sequence (besides the block table).
-pub(crate) const U32_PER_SEQ: u128 = 8;
-/// Number of `u64` arrays with one entry per sequence.
-pub(crate) const U64_PER_SEQ: u128 = 2;
 
 impl Config {
     /// Checks that every size is non-zero and addressable. O(1).
@@ -73,8 +70,8 @@ impl Config {
         self.max_blocks_per_seq as u64 * self.block_size as u64
     }
 
-    /// Entries of the prefix-cache hash table: the next power of two at least twice the
-    /// number of blocks, so linear probing stays short.
+    /// Entries of the prefix-cache hash table (when there is one): the next power of two
+    /// at least twice the number of blocks, so linear probing stays short.
     pub(crate) const fn hash_capacity(&self) -> u32 {
         let want = (self.num_blocks as u64 * 2).next_power_of_two();
         if want > u32::MAX as u64 {
@@ -85,27 +82,19 @@ impl Config {
     }
 
     const fn storage_words_u128(&self) -> u128 {
-        let n = self.num_blocks as u128;
-        let s = self.max_seqs as u128;
-        let u32s = words_for(self.num_blocks) as u128
-            + words_for(self.max_seqs) as u128
-            + U32_PER_BLOCK * n
-            + n * self.block_size as u128
-            + self.hash_capacity() as u128
-            + U32_PER_SEQ * s
-            + s * self.max_blocks_per_seq as u128;
-        // Every u32 array is carved from whole words: add one word per array for rounding.
-        let u32_arrays = 2 + U32_PER_BLOCK + 1 + 1 + U32_PER_SEQ + 1;
-        let u64s = U64_PER_BLOCK * n + U64_PER_SEQ * s;
-        u32s.div_ceil(2) + u32_arrays + u64s
+        crate::manager::BlockManager::storage_words(self)
     }
 
     /// `u64` words of storage [`crate::BlockManager::new`] needs for this configuration;
     /// `usize::MAX` when the configuration is too large to address (which `new` then
     /// rejects). O(1), usable in `const` contexts to size a `static` array.
     ///
-    /// About `num_blocks * (8 + block_size / 2) + max_seqs * (5 + max_blocks_per_seq / 2)`
-    /// words: 1M blocks of 16 tokens take 128 MiB, small next to their KV bytes.
+    /// With the prefix cache, about `num_blocks * (7 + block_size / 2) + max_seqs *
+    /// (6 + max_blocks_per_seq / 2)` words plus a hash table of one `u32` per two to four
+    /// blocks: 1M blocks of 16 tokens take about 122 MiB, small next to their KV bytes.
+    /// Without it ([`Config::prefix_cache`] off), about `num_blocks * 1.03 + max_seqs *
+    /// (6 + max_blocks_per_seq / 2)` words: a block costs 8 bytes of metadata instead of
+    /// 60 plus its token ids.
     pub const fn storage_words(&self) -> usize {
         let w = self.storage_words_u128();
         if w > usize::MAX as u128 {

@@ -14,6 +14,7 @@
 //!     max_blocks_per_seq: 16,
 //!     instance: 1,
 //!     hash_key: 0,
+//!     prefix_cache: true,
 //! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();

@@ -13,6 +13,7 @@ const CONFIG: Config = Config {
     max_blocks_per_seq: 4,
     instance: 9,
     hash_key: 0,
+    prefix_cache: true,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -73,6 +74,76 @@ fn config_rejections() {
             got: short
         })
     );
+}
+
+#[test]
+fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
+    let with = Config {
+        num_blocks: 1024,
+        block_size: 16,
+        max_seqs: 64,
+        max_blocks_per_seq: 256,
+        instance: 1,
+        hash_key: 0,
+        prefix_cache: true,
+    };
+    let without = Config {
+        prefix_cache: false,
+        ..with
+    };
+    // Pool: free bitset (32 + 1 u32 = 17 words), refcount and fill (2 × 512 words).
+    let pool = 17 + 2 * 512;
+    // Sequences: free bitset (3 u32 = 2 words), table 64 × 256 u32, 8 u32 + 2 u64 a row.
+    let seqs = 2 + 64 * 256 / 2 + 8 * 32 + 2 * 64;
+    // Prefix cache: hash and namespace (2 × 1024 words), 8 u32 a block (4096 words),
+    // 16 token ids a block (8192 words), hash table of 2048 u32 (1024 words).
+    let prefix = 2 * 1024 + 8 * 512 + 1024 * 16 / 2 + 2048 / 2;
+    assert_eq!((pool, seqs, prefix), (1041, 8578, 15360));
+    assert_eq!(with.storage_words(), pool + seqs + prefix);
+    assert_eq!(without.storage_words(), pool + seqs);
+    // Per block: 128 bytes of metadata with the cache, 8 without.
+    assert_eq!((pool + prefix) * 8 / 1024, 128);
+    assert_eq!(pool * 8 / 1024, 8);
+    // Exactly that much storage builds either manager.
+    for config in [with, without] {
+        let mut storage = vec![0u64; config.storage_words()];
+        assert!(BlockManager::new(config, &mut storage).is_ok());
+    }
+}
+
+#[test]
+fn without_prefix_cache_prompts_work_and_never_hit() {
+    let config = Config {
+        prefix_cache: false,
+        ..CONFIG
+    };
+    let mut storage = vec![0u64; config.storage_words()];
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let mut slots = [0u32; 16];
+    let p = prompt(10);
+    let a = kv.create_with_prompt(0, &p, &mut slots).unwrap();
+    assert_eq!((a.reused_tokens, a.appended.new_blocks), (0, 3));
+    assert_eq!(&slots[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(kv.commit(a.seq, 10), Ok(0));
+    assert!(kv.commit(a.seq, 11).is_err(), "arguments are checked");
+    assert!(!kv.is_registered(0));
+    assert_eq!(kv.cached_prefix_tokens(0, &p), 0);
+    let b = kv.create_with_prompt(0, &p, &mut slots).unwrap();
+    assert_eq!(b.reused_tokens, 0);
+    assert_eq!(kv.blocks(b.seq).unwrap(), &[3, 4, 5]);
+    // Forks still share, with copy-on-write of the partial block.
+    let c = kv.fork(a.seq).unwrap();
+    let step = kv.append_tokens(c, &[1], &mut slots).unwrap();
+    assert_eq!(step.copy, Some(BlockCopy { src: 2, dst: 6 }));
+    for s in [a.seq, b.seq, c] {
+        kv.release(s).unwrap();
+    }
+    let s = kv.stats();
+    assert_eq!(
+        (s.free_blocks, s.cached_blocks, s.prefix_hit_tokens),
+        (8, 0, 0)
+    );
+    assert_eq!(kv.evict_cached(8), 0);
 }
 
 #[test]

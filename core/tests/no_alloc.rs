@@ -64,6 +64,7 @@ fn random_operations_allocate_nothing() {
         max_blocks_per_seq: 32,
         instance: 0,
         hash_key: 0,
+        prefix_cache: true,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();

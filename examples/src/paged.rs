@@ -51,6 +51,7 @@ impl PagedConfig {
             max_blocks_per_seq: self.max_seq_len.div_ceil(bs),
             instance: 1,
             hash_key: 0,
+            prefix_cache: self.prefix,
         }
     }
 

@@ -353,6 +353,7 @@ impl KvCache {
             max_blocks_per_seq: config.max_seq_len.div_ceil(g.block_size()),
             instance,
             hash_key: random_hash_key(instance),
+            prefix_cache: true,
         };
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config)?;
@@ -715,6 +716,7 @@ mod tests {
             max_blocks_per_seq: u32::MAX,
             instance: 1,
             hash_key: 0,
+            prefix_cache: true,
         };
         assert_eq!(config.storage_words(), usize::MAX);
         assert!(matches!(
