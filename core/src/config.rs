@@ -1,6 +1,7 @@
 //! Sizes of a [`crate::BlockManager`] and the storage they need.
 
 use crate::error::InitError;
+use crate::geometry::Geometry;
 
 /// What a [`crate::BlockManager`] is sized for. Everything it stores is derived from
 /// these numbers once, at construction.
@@ -34,12 +35,56 @@ pub struct Config {
 }
 
 impl Config {
+    /// The configuration for a model of `geometry`: its block size, `num_blocks` blocks,
+    /// `max_seqs` sequences of up to `max_seq_len` tokens (`max_blocks_per_seq =
+    /// ceil(max_seq_len / block_size)`), the prefix cache on, instance 0 and hash key 0.
+    /// Set the rest with [`Config::with_instance`], [`Config::with_hash_key`] and
+    /// [`Config::without_prefix_cache`] (or struct update syntax). O(1). Checks nothing:
+    /// [`Config::validate`] (and [`crate::BlockManager::new`]) does.
+    pub const fn for_geometry(
+        geometry: &Geometry,
+        num_blocks: u32,
+        max_seqs: u32,
+        max_seq_len: u32,
+    ) -> Config {
+        let block_size = geometry.block_size();
+        Config {
+            num_blocks,
+            block_size,
+            max_seqs,
+            max_blocks_per_seq: max_seq_len.div_ceil(block_size),
+            instance: 0,
+            hash_key: 0,
+            prefix_cache: true,
+        }
+    }
+
+    /// This configuration with [`Config::instance`] set to `instance`. O(1).
+    pub const fn with_instance(self, instance: u32) -> Config {
+        Config { instance, ..self }
+    }
+
+    /// This configuration with [`Config::hash_key`] set to `hash_key`. O(1).
+    pub const fn with_hash_key(self, hash_key: u64) -> Config {
+        Config { hash_key, ..self }
+    }
+
+    /// This configuration with the prefix cache off ([`Config::prefix_cache`]). O(1).
+    pub const fn without_prefix_cache(self) -> Config {
+        Config {
+            prefix_cache: false,
+            ..self
+        }
+    }
+
     /// Checks that every size is non-zero and addressable. O(1).
     ///
     /// # Errors
-    /// [`InitError::ZeroSize`] for a zero field; [`InitError::TooLarge`] when a token slot
-    /// `num_blocks * block_size`, the block table `max_seqs * max_blocks_per_seq`, or the
-    /// tokens of one sequence do not fit in a `u32`.
+    /// [`InitError::ZeroSize`] for a zero size field; [`InitError::TooLarge`] when a
+    /// token slot `num_blocks * block_size`, the block table `max_seqs *
+    /// max_blocks_per_seq`, or the tokens of one sequence do not fit in a `u32`, when
+    /// `num_blocks` exceeds 2^30 (the prefix cache's hash table would not fit a `u32`),
+    /// or when the storage would exceed `isize::MAX` bytes.
     pub const fn validate(&self) -> Result<(), InitError> {
         if self.num_blocks == 0
             || self.block_size == 0

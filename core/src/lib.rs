@@ -58,7 +58,7 @@ mod storage;
 pub use config::Config;
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
-pub use host_tier::{BlockMove, HostPool};
+pub use host_tier::HostPool;
 pub use index_set::IndexSet;
 pub use manager::{Appended, BlockCopy, BlockManager, PromptStart, SeqId};
 pub use scheduler::{

@@ -2,8 +2,8 @@
 //! copy-on-write, prefix reuse, namespaces, eviction order.
 
 use kvpage_core::{
-    BlockCopy, BlockManager, BlockMove, Config, DType, Geometry, GeometryError, HostPool,
-    InitError, SeqError, Stats,
+    BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, HostPool, InitError, SeqError,
+    Stats,
 };
 
 const CONFIG: Config = Config {
@@ -44,6 +44,35 @@ fn geometry_sizes_and_rejections() {
         Geometry::new(u32::MAX, u32::MAX, u32::MAX, 2, DType::F32),
         Err(GeometryError::Overflow)
     );
+}
+
+#[test]
+fn config_for_a_geometry() {
+    let g = Geometry::new(2, 2, 8, 16, DType::F16).unwrap();
+    let config = Config::for_geometry(&g, 64, 4, 250);
+    assert_eq!(
+        config,
+        Config {
+            num_blocks: 64,
+            block_size: 16,
+            max_seqs: 4,
+            max_blocks_per_seq: 16,
+            instance: 0,
+            hash_key: 0,
+            prefix_cache: true,
+        }
+    );
+    assert_eq!(Config::for_geometry(&g, 64, 4, 256).max_blocks_per_seq, 16);
+    assert_eq!(Config::for_geometry(&g, 64, 4, 257).max_blocks_per_seq, 17);
+    let set = config
+        .with_instance(7)
+        .with_hash_key(99)
+        .without_prefix_cache();
+    assert_eq!(
+        (set.instance, set.hash_key, set.prefix_cache),
+        (7, 99, false)
+    );
+    assert_eq!(Config { ..set }, set.with_instance(7));
 }
 
 #[test]
@@ -389,10 +418,10 @@ fn truncate_and_swap_out_also_cache_tails_first() {
     let (a, _) = cache_prompt(&mut kv, &pa);
     kv.truncate(a, 0).unwrap();
     let (b, _) = cache_prompt(&mut kv, &pb);
-    let mut moves = [BlockMove { from: 0, to: 0 }; 3];
+    let mut moves = [BlockCopy { src: 0, dst: 0 }; 3];
     assert_eq!(kv.swap_out(b, &mut host, &mut moves), Ok(3));
     // Host blocks are still assigned in logical order.
-    let to: Vec<u32> = moves.iter().map(|m| m.to).collect();
+    let to: Vec<u32> = moves.iter().map(|m| m.dst).collect();
     assert_eq!(to, [0, 1, 2]);
     for [cached_a, cached_b] in [[8, 12], [4, 12], [0, 12], [0, 8], [0, 4], [0, 0]] {
         assert_eq!(kv.evict_cached(1), 1);

@@ -346,15 +346,9 @@ impl KvCache {
         }
         let layout = KvLayout::new(g, num_blocks)?;
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
-        let core_config = Config {
-            num_blocks,
-            block_size: g.block_size(),
-            max_seqs: config.max_seqs,
-            max_blocks_per_seq: config.max_seq_len.div_ceil(g.block_size()),
-            instance,
-            hash_key: random_hash_key(instance),
-            prefix_cache: true,
-        };
+        let core_config = Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
+            .with_instance(instance)
+            .with_hash_key(random_hash_key(instance));
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config)?;
         let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
@@ -497,9 +491,8 @@ impl KvCache {
     /// range and distinct, so this cannot fail.
     fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
         if let Some(c) = copy {
-            let pairs = [(c.src, c.dst)];
             let done = for_dtype!(self.layout.geometry().dtype(), T => {
-                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &pairs)
+                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &[c])
             });
             debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
         }

@@ -61,4 +61,4 @@ pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq};
 pub use dtype::Element;
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
-pub use kvpage_core::{DType, Geometry, GeometryError, SeqError, Stats};
+pub use kvpage_core::{BlockCopy, DType, Geometry, GeometryError, SeqError, Stats};

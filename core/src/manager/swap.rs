@@ -1,12 +1,13 @@
 //! Swaps: moving a sequence's blocks to the host tier and back.
 
-use super::{BlockManager, SeqId};
+use super::{BlockCopy, BlockManager, SeqId};
 use crate::error::SeqError;
-use crate::host_tier::{BlockMove, HostPool};
+use crate::host_tier::HostPool;
 
 impl BlockManager<'_> {
-    /// Moves `seq` to the host tier: each of its blocks gets a host block, the pairs
-    /// `(device, host)` are written to `moves[..blocks]` for the backend to copy, and the
+    /// Moves `seq` to the host tier: each of its blocks gets a host block, the copies
+    /// (`src` = device block, `dst` = host block) are written to `moves[..blocks]` in
+    /// logical order for the backend to execute, and the
     /// device references are dropped, deepest block first (registered blocks stay cached
     /// on the device). The handle stays valid; until [`BlockManager::swap_in`] every other
     /// operation on it returns [`SeqError::Swapped`] and its row of the block table reads
@@ -20,7 +21,7 @@ impl BlockManager<'_> {
         &mut self,
         seq: SeqId,
         host: &mut HostPool<'_>,
-        moves: &mut [BlockMove],
+        moves: &mut [BlockCopy],
     ) -> Result<u32, SeqError> {
         let i = self.seqs.check(seq)?;
         self.seqs.check_host(host)?;
@@ -37,9 +38,9 @@ impl BlockManager<'_> {
         let row = self.seqs.row(i);
         for (m, entry) in moves.iter_mut().zip(&mut self.seqs.table[row..]) {
             let h = host.take();
-            *m = BlockMove {
-                from: *entry,
-                to: h,
+            *m = BlockCopy {
+                src: *entry,
+                dst: h,
             };
             *entry = h;
         }
@@ -54,8 +55,8 @@ impl BlockManager<'_> {
     }
 
     /// Brings swapped-out `seq` back: allocates a device block per host block, writes the
-    /// pairs `(host, device)` to `moves[..blocks]` for the backend to copy, and frees the
-    /// host blocks. The blocks come back unshared and unregistered, and the sequence's
+    /// copies (`src` = host block, `dst` = device block) to `moves[..blocks]` in logical
+    /// order for the backend to execute, and frees the host blocks. The blocks come back unshared and unregistered, and the sequence's
     /// later blocks are not registered in the prefix cache. Returns the number of blocks
     /// moved. O(blocks of `seq`).
     ///
@@ -67,7 +68,7 @@ impl BlockManager<'_> {
         &mut self,
         seq: SeqId,
         host: &mut HostPool<'_>,
-        moves: &mut [BlockMove],
+        moves: &mut [BlockCopy],
     ) -> Result<u32, SeqError> {
         let i = self.seqs.check_swapped(seq, host)?;
         let len = self.seqs.swapped_len[i];
@@ -85,7 +86,7 @@ impl BlockManager<'_> {
         for (k, m) in moves.iter_mut().enumerate() {
             let h = self.seqs.table[row + k];
             let b = self.pool.alloc(&mut self.prefix);
-            *m = BlockMove { from: h, to: b };
+            *m = BlockCopy { src: h, dst: b };
             self.seqs.table[row + k] = b;
             host.give_back(h);
             self.pool.set_fill(b, (len - k as u32 * bs).min(bs));
@@ -126,7 +127,7 @@ impl BlockManager<'_> {
 ///
 /// # Errors
 /// [`SeqError::MoveBufferTooSmall`] when `moves` is shorter.
-fn moves_for(moves: &mut [BlockMove], blocks: u32) -> Result<&mut [BlockMove], SeqError> {
+fn moves_for(moves: &mut [BlockCopy], blocks: u32) -> Result<&mut [BlockCopy], SeqError> {
     let got = moves.len();
     moves
         .get_mut(..blocks as usize)

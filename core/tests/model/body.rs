@@ -1,6 +1,6 @@
 // Shared body of the model tests; the including file defines `BLOCK_SIZE` and
 // `PREFIX_CACHE`.
-use kvpage_core::{BlockManager, BlockMove, Config, HostPool, SeqError, SeqId, Stats};
+use kvpage_core::{BlockCopy, BlockManager, Config, HostPool, SeqError, SeqId, Stats};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -206,7 +206,7 @@ fn run(ops: &[Op]) {
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
     let mut host_storage = vec![0u32; HostPool::storage_words(HOST_BLOCKS)];
     let mut host = HostPool::new(HOST_BLOCKS, CONFIG.instance, &mut host_storage).unwrap();
-    let mut moves = [BlockMove { from: 0, to: 0 }; 16];
+    let mut moves = [BlockCopy { src: 0, dst: 0 }; 16];
     let mut model = Model {
         seqs: BTreeMap::new(),
         origin: HashMap::new(),
@@ -361,7 +361,7 @@ fn run(ops: &[Op]) {
                         assert_eq!(n as usize, cells.len().div_ceil(BS as usize));
                         for m in &moves[..n as usize] {
                             for k in 0..BS {
-                                model.host[(m.to * BS + k) as usize] = model.arena[(m.from * BS + k) as usize];
+                                model.host[(m.dst * BS + k) as usize] = model.arena[(m.src * BS + k) as usize];
                             }
                         }
                         assert_eq!(kv.is_swapped(s), Ok(true));
@@ -387,9 +387,9 @@ fn run(ops: &[Op]) {
                         Ok(n) => {
                             for m in &moves[..n as usize] {
                                 for k in 0..BS {
-                                    model.arena[(m.to * BS + k) as usize] = model.host[(m.from * BS + k) as usize];
+                                    model.arena[(m.dst * BS + k) as usize] = model.host[(m.src * BS + k) as usize];
                                 }
-                                assert_eq!(kv.refcount(m.to), Some(1));
+                                assert_eq!(kv.refcount(m.dst), Some(1));
                             }
                             let cells = model.swapped.remove(&s).unwrap();
                             model.seqs.insert(s, cells);
