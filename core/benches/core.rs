@@ -63,6 +63,8 @@ fn append(c: &mut Criterion) {
         max_seqs: 1024,
         max_blocks_per_seq: 8,
         instance: 0,
+        hash_key: 0,
+        prefix_cache: true,
     };
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
@@ -112,6 +114,8 @@ const LONG_SEQS: Config = Config {
     max_seqs: 4,
     max_blocks_per_seq: 256,
     instance: 0,
+    hash_key: 0,
+    prefix_cache: true,
 };
 
 /// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it

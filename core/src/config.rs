@@ -1,7 +1,7 @@
 //! Sizes of a [`crate::BlockManager`] and the storage they need.
 
 use crate::error::InitError;
-use crate::index_set::words_for;
+use crate::geometry::Geometry;
 
 /// What a [`crate::BlockManager`] is sized for. Everything it stores is derived from
 /// these numbers once, at construction.
@@ -19,24 +19,72 @@ pub struct Config {
     /// Tag written into every handle this manager makes; a handle with another tag is
     /// refused with [`crate::SeqError::ForeignHandle`]. Give each manager its own.
     pub instance: u32,
+    /// Key of the prefix cache's block hash. Every block hash depends on it, so prompts
+    /// crafted without knowing it cannot pile up on one probe run of the hash table: a
+    /// multi-tenant service should pick a secret random key. The same key gives the same
+    /// hashes on every run and machine, which KV events for routers and persisted caches
+    /// rely on; a fixed key (0 is fine) suits single-tenant and firmware use.
+    pub hash_key: u64,
+    /// Whether the manager keeps a prefix cache (sharing of identical prompt prefixes
+    /// between sequences). Off, [`Config::storage_words`] leaves out all of its storage
+    /// (per block: hash, namespace, flags, parent, generations, links, LRU list, token
+    /// ids; and the hash table), [`crate::BlockManager::create_with_prompt`] never hits,
+    /// [`crate::BlockManager::commit`] returns 0 and appends store no token ids. Forks
+    /// still share blocks. Off suits firmware and single-sequence apps.
+    pub prefix_cache: bool,
 }
 
-/// Number of `u32` arrays with one entry per block (see `BlockManager::new`).
-pub(crate) const U32_PER_BLOCK: u128 = 10;
-/// Number of `u64` arrays with one entry per block.
-pub(crate) const U64_PER_BLOCK: u128 = 2;
-/// Number of `u32` arrays with one entry per sequence (besides the block table).
-pub(crate) const U32_PER_SEQ: u128 = 8;
-/// Number of `u64` arrays with one entry per sequence.
-pub(crate) const U64_PER_SEQ: u128 = 2;
-
 impl Config {
+    /// The configuration for a model of `geometry`: its block size, `num_blocks` blocks,
+    /// `max_seqs` sequences of up to `max_seq_len` tokens (`max_blocks_per_seq =
+    /// ceil(max_seq_len / block_size)`), the prefix cache on, instance 0 and hash key 0.
+    /// Set the rest with [`Config::with_instance`], [`Config::with_hash_key`] and
+    /// [`Config::without_prefix_cache`] (or struct update syntax). O(1). Checks nothing:
+    /// [`Config::validate`] (and [`crate::BlockManager::new`]) does.
+    pub const fn for_geometry(
+        geometry: &Geometry,
+        num_blocks: u32,
+        max_seqs: u32,
+        max_seq_len: u32,
+    ) -> Config {
+        let block_size = geometry.block_size();
+        Config {
+            num_blocks,
+            block_size,
+            max_seqs,
+            max_blocks_per_seq: max_seq_len.div_ceil(block_size),
+            instance: 0,
+            hash_key: 0,
+            prefix_cache: true,
+        }
+    }
+
+    /// This configuration with [`Config::instance`] set to `instance`. O(1).
+    pub const fn with_instance(self, instance: u32) -> Config {
+        Config { instance, ..self }
+    }
+
+    /// This configuration with [`Config::hash_key`] set to `hash_key`. O(1).
+    pub const fn with_hash_key(self, hash_key: u64) -> Config {
+        Config { hash_key, ..self }
+    }
+
+    /// This configuration with the prefix cache off ([`Config::prefix_cache`]). O(1).
+    pub const fn without_prefix_cache(self) -> Config {
+        Config {
+            prefix_cache: false,
+            ..self
+        }
+    }
+
     /// Checks that every size is non-zero and addressable. O(1).
     ///
     /// # Errors
-    /// [`InitError::ZeroSize`] for a zero field; [`InitError::TooLarge`] when a token slot
-    /// `num_blocks * block_size`, the block table `max_seqs * max_blocks_per_seq`, or the
-    /// tokens of one sequence do not fit in a `u32`.
+    /// [`InitError::ZeroSize`] for a zero size field; [`InitError::TooLarge`] when a
+    /// token slot `num_blocks * block_size`, the block table `max_seqs *
+    /// max_blocks_per_seq`, or the tokens of one sequence do not fit in a `u32`, when
+    /// `num_blocks` exceeds 2^30 (the prefix cache's hash table would not fit a `u32`),
+    /// or when the storage would exceed `isize::MAX` bytes.
     pub const fn validate(&self) -> Result<(), InitError> {
         if self.num_blocks == 0
             || self.block_size == 0
@@ -67,8 +115,8 @@ impl Config {
         self.max_blocks_per_seq as u64 * self.block_size as u64
     }
 
-    /// Entries of the prefix-cache hash table: the next power of two at least twice the
-    /// number of blocks, so linear probing stays short.
+    /// Entries of the prefix-cache hash table (when there is one): the next power of two
+    /// at least twice the number of blocks, so linear probing stays short.
     pub(crate) const fn hash_capacity(&self) -> u32 {
         let want = (self.num_blocks as u64 * 2).next_power_of_two();
         if want > u32::MAX as u64 {
@@ -79,27 +127,19 @@ impl Config {
     }
 
     const fn storage_words_u128(&self) -> u128 {
-        let n = self.num_blocks as u128;
-        let s = self.max_seqs as u128;
-        let u32s = words_for(self.num_blocks) as u128
-            + words_for(self.max_seqs) as u128
-            + U32_PER_BLOCK * n
-            + n * self.block_size as u128
-            + self.hash_capacity() as u128
-            + U32_PER_SEQ * s
-            + s * self.max_blocks_per_seq as u128;
-        // Every u32 array is carved from whole words: add one word per array for rounding.
-        let u32_arrays = 2 + U32_PER_BLOCK + 1 + 1 + U32_PER_SEQ + 1;
-        let u64s = U64_PER_BLOCK * n + U64_PER_SEQ * s;
-        u32s.div_ceil(2) + u32_arrays + u64s
+        crate::manager::BlockManager::storage_words(self)
     }
 
     /// `u64` words of storage [`crate::BlockManager::new`] needs for this configuration;
     /// `usize::MAX` when the configuration is too large to address (which `new` then
     /// rejects). O(1), usable in `const` contexts to size a `static` array.
     ///
-    /// About `num_blocks * (8 + block_size / 2) + max_seqs * (5 + max_blocks_per_seq / 2)`
-    /// words: 1M blocks of 16 tokens take 128 MiB, small next to their KV bytes.
+    /// With the prefix cache, about `num_blocks * (7 + block_size / 2) + max_seqs *
+    /// (6 + max_blocks_per_seq / 2)` words plus a hash table of one `u32` per two to four
+    /// blocks: 1M blocks of 16 tokens take about 122 MiB, small next to their KV bytes.
+    /// Without it ([`Config::prefix_cache`] off), about `num_blocks * 1.03 + max_seqs *
+    /// (6 + max_blocks_per_seq / 2)` words: a block costs 8 bytes of metadata instead of
+    /// 60 plus its token ids.
     pub const fn storage_words(&self) -> usize {
         let w = self.storage_words_u128();
         if w > usize::MAX as u128 {

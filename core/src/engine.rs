@@ -41,7 +41,7 @@ use core::fmt;
 
 use crate::config::Config;
 use crate::error::{InitError, SeqError};
-use crate::host_tier::{BlockMove, HostPool};
+use crate::host_tier::HostPool;
 use crate::manager::{BlockCopy, BlockManager, SeqId};
 use crate::scheduler::{
     schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput,
@@ -531,7 +531,6 @@ impl EngineConfig {
             + words_for_pods::<BlockCopy>(r) as u128
             + words_for_pods::<BlockCopy>(h) as u128
             + words_for_pods::<BlockCopy>(if h < n { h } else { n }) as u128
-            + words_for_pods::<BlockMove>(kv.max_blocks_per_seq as usize) as u128
             + words_for_pods::<PreemptRecord>(r) as u128
             + words_for_pods::<FinishedRecord>(r) as u128
     }
@@ -596,7 +595,6 @@ pub struct Engine<'a> {
     copies: &'a mut [BlockCopy],
     swap_out: &'a mut [BlockCopy],
     swap_in: &'a mut [BlockCopy],
-    moves: &'a mut [BlockMove],
     preempted: &'a mut [PreemptRecord],
     finished: &'a mut [FinishedRecord],
     counts: StepCounts,
@@ -672,7 +670,6 @@ impl<'a> Engine<'a> {
             copies: carve.pods::<BlockCopy>(r),
             swap_out: carve.pods::<BlockCopy>(config.host_blocks as usize),
             swap_in: carve.pods::<BlockCopy>(n.min(config.host_blocks as usize)),
-            moves: carve.pods::<BlockMove>(kv.max_blocks_per_seq as usize),
             preempted: carve.pods::<PreemptRecord>(r),
             finished: carve.pods::<FinishedRecord>(r),
             counts: StepCounts::default(),
@@ -1039,14 +1036,8 @@ impl<'a> Engine<'a> {
         let seq = self.seq_of(i);
         match (swap, host) {
             (true, Some(host)) => {
-                let n = kv.swap_out(seq, host, self.moves)? as usize;
-                for m in &self.moves[..n] {
-                    self.swap_out[self.counts.swap_out] = BlockCopy {
-                        src: m.from,
-                        dst: m.to,
-                    };
-                    self.counts.swap_out += 1;
-                }
+                let at = self.counts.swap_out;
+                self.counts.swap_out += kv.swap_out(seq, host, &mut self.swap_out[at..])? as usize;
                 self.slots[i].state = SWAPPED;
                 self.running.remove(i as u32);
                 self.swapped.push_front(i as u32);
@@ -1124,14 +1115,8 @@ impl<'a> Engine<'a> {
         i: usize,
     ) -> Result<(), SeqError> {
         let host = host.ok_or(SeqError::NotSwapped)?;
-        let n = kv.swap_in(self.seq_of(i), host, self.moves)? as usize;
-        for m in &self.moves[..n] {
-            self.swap_in[self.counts.swap_in] = BlockCopy {
-                src: m.from,
-                dst: m.to,
-            };
-            self.counts.swap_in += 1;
-        }
+        let at = self.counts.swap_in;
+        self.counts.swap_in += kv.swap_in(self.seq_of(i), host, &mut self.swap_in[at..])? as usize;
         self.slots[i].state = RUNNING;
         self.swapped.remove(i as u32);
         self.stats.swap_ins += 1;

@@ -102,9 +102,9 @@ pub enum SeqError {
         /// Free host blocks.
         available: u32,
     },
-    /// The move output buffer is shorter than the blocks of the sequence.
+    /// The copy output buffer of a swap is shorter than the blocks of the sequence.
     MoveBufferTooSmall {
-        /// Moves the operation writes.
+        /// Copies the operation writes.
         needed: usize,
         /// Length of the buffer passed.
         got: usize,

@@ -3,23 +3,13 @@
 //! Swapping a sequence out moves each of its blocks to a host block and frees the device
 //! block; swapping in does the reverse. The manager plans the moves
 //! ([`crate::BlockManager::swap_out`], [`crate::BlockManager::swap_in`]) as
-//! [`BlockMove`] pairs; a backend copies the bytes (one block-sized range each, all
+//! [`crate::BlockCopy`] pairs (`src` = device block and `dst` = host block on swap-out,
+//! the reverse on swap-in); a backend copies the bytes (one block-sized range each, all
 //! layers at once in the block-major layout). Host blocks belong to exactly one swapped
 //! sequence, so they need no reference counts.
 
 use crate::error::InitError;
 use crate::index_set::{words_for, IndexSet};
-
-/// One block copy of a swap: block `from` of the source tier to block `to` of the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
-#[cfg_attr(feature = "defmt", derive(defmt::Format))]
-#[repr(C)]
-pub struct BlockMove {
-    /// Block to read (device block on swap-out, host block on swap-in).
-    pub from: u32,
-    /// Block to write.
-    pub to: u32,
-}
 
 /// Free set of host-tier blocks, lowest index first.
 #[derive(Debug)]

@@ -7,8 +7,15 @@
 //!
 //! ```
 //! use kvpage_core::{BlockManager, Config};
-//! const CONFIG: Config =
-//!     Config { num_blocks: 64, block_size: 16, max_seqs: 8, max_blocks_per_seq: 16, instance: 1 };
+//! const CONFIG: Config = Config {
+//!     num_blocks: 64,
+//!     block_size: 16,
+//!     max_seqs: 8,
+//!     max_blocks_per_seq: 16,
+//!     instance: 1,
+//!     hash_key: 0,
+//!     prefix_cache: true,
+//! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
 //! let seq = kv.create(0).unwrap();
@@ -56,7 +63,7 @@ pub use engine::{
 };
 pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
-pub use host_tier::{BlockMove, HostPool};
+pub use host_tier::HostPool;
 pub use index_set::IndexSet;
 pub use manager::{Appended, BlockCopy, BlockManager, PrefixHit, PromptStart, SeqId};
 pub use scheduler::{

@@ -2,7 +2,8 @@
 //! copy-on-write, prefix reuse, namespaces, eviction order.
 
 use kvpage_core::{
-    BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, InitError, SeqError, Stats,
+    BlockCopy, BlockManager, Config, DType, Geometry, GeometryError, HostPool, InitError, SeqError,
+    Stats,
 };
 
 const CONFIG: Config = Config {
@@ -11,6 +12,8 @@ const CONFIG: Config = Config {
     max_seqs: 4,
     max_blocks_per_seq: 4,
     instance: 9,
+    hash_key: 0,
+    prefix_cache: true,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -44,6 +47,35 @@ fn geometry_sizes_and_rejections() {
 }
 
 #[test]
+fn config_for_a_geometry() {
+    let g = Geometry::new(2, 2, 8, 16, DType::F16).unwrap();
+    let config = Config::for_geometry(&g, 64, 4, 250);
+    assert_eq!(
+        config,
+        Config {
+            num_blocks: 64,
+            block_size: 16,
+            max_seqs: 4,
+            max_blocks_per_seq: 16,
+            instance: 0,
+            hash_key: 0,
+            prefix_cache: true,
+        }
+    );
+    assert_eq!(Config::for_geometry(&g, 64, 4, 256).max_blocks_per_seq, 16);
+    assert_eq!(Config::for_geometry(&g, 64, 4, 257).max_blocks_per_seq, 17);
+    let set = config
+        .with_instance(7)
+        .with_hash_key(99)
+        .without_prefix_cache();
+    assert_eq!(
+        (set.instance, set.hash_key, set.prefix_cache),
+        (7, 99, false)
+    );
+    assert_eq!(Config { ..set }, set.with_instance(7));
+}
+
+#[test]
 fn config_rejections() {
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let zero = Config {
@@ -71,6 +103,76 @@ fn config_rejections() {
             got: short
         })
     );
+}
+
+#[test]
+fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
+    let with = Config {
+        num_blocks: 1024,
+        block_size: 16,
+        max_seqs: 64,
+        max_blocks_per_seq: 256,
+        instance: 1,
+        hash_key: 0,
+        prefix_cache: true,
+    };
+    let without = Config {
+        prefix_cache: false,
+        ..with
+    };
+    // Pool: free bitset (32 + 1 u32 = 17 words), refcount and fill (2 × 512 words).
+    let pool = 17 + 2 * 512;
+    // Sequences: free bitset (3 u32 = 2 words), table 64 × 256 u32, 8 u32 + 2 u64 a row.
+    let seqs = 2 + 64 * 256 / 2 + 8 * 32 + 2 * 64;
+    // Prefix cache: hash and namespace (2 × 1024 words), 8 u32 a block (4096 words),
+    // 16 token ids a block (8192 words), hash table of 2048 u32 (1024 words).
+    let prefix = 2 * 1024 + 8 * 512 + 1024 * 16 / 2 + 2048 / 2;
+    assert_eq!((pool, seqs, prefix), (1041, 8578, 15360));
+    assert_eq!(with.storage_words(), pool + seqs + prefix);
+    assert_eq!(without.storage_words(), pool + seqs);
+    // Per block: 128 bytes of metadata with the cache, 8 without.
+    assert_eq!((pool + prefix) * 8 / 1024, 128);
+    assert_eq!(pool * 8 / 1024, 8);
+    // Exactly that much storage builds either manager.
+    for config in [with, without] {
+        let mut storage = vec![0u64; config.storage_words()];
+        assert!(BlockManager::new(config, &mut storage).is_ok());
+    }
+}
+
+#[test]
+fn without_prefix_cache_prompts_work_and_never_hit() {
+    let config = Config {
+        prefix_cache: false,
+        ..CONFIG
+    };
+    let mut storage = vec![0u64; config.storage_words()];
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let mut slots = [0u32; 16];
+    let p = prompt(10);
+    let a = kv.create_with_prompt(0, &p, &mut slots).unwrap();
+    assert_eq!((a.reused_tokens, a.appended.new_blocks), (0, 3));
+    assert_eq!(&slots[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(kv.commit(a.seq, 10), Ok(0));
+    assert!(kv.commit(a.seq, 11).is_err(), "arguments are checked");
+    assert!(!kv.is_registered(0));
+    assert_eq!(kv.cached_prefix_tokens(0, &p), 0);
+    let b = kv.create_with_prompt(0, &p, &mut slots).unwrap();
+    assert_eq!(b.reused_tokens, 0);
+    assert_eq!(kv.blocks(b.seq).unwrap(), &[3, 4, 5]);
+    // Forks still share, with copy-on-write of the partial block.
+    let c = kv.fork(a.seq).unwrap();
+    let step = kv.append_tokens(c, &[1], &mut slots).unwrap();
+    assert_eq!(step.copy, Some(BlockCopy { src: 2, dst: 6 }));
+    for s in [a.seq, b.seq, c] {
+        kv.release(s).unwrap();
+    }
+    let s = kv.stats();
+    assert_eq!(
+        (s.free_blocks, s.cached_blocks, s.prefix_hit_tokens),
+        (8, 0, 0)
+    );
+    assert_eq!(kv.evict_cached(8), 0);
 }
 
 #[test]
@@ -245,6 +347,109 @@ fn prefix_reuse_namespaces_and_lru_eviction() {
         let h = kv.create_with_prompt(6, &p[..9], &mut slots).unwrap();
         assert_eq!(h.reused_tokens, 8);
     });
+}
+
+/// Six blocks of four tokens, room for sequences of eight blocks: two cached 3-block
+/// prompts fill the pool.
+const TIGHT: Config = Config {
+    num_blocks: 6,
+    max_blocks_per_seq: 8,
+    ..CONFIG
+};
+
+/// Two 12-token prompts (3 full blocks each) and, for each, the same prompt plus one
+/// token: the query whose whole 3 blocks `cached_prefix_tokens` may report.
+fn two_prompts() -> ([Vec<u32>; 2], [Vec<u32>; 2]) {
+    let a: Vec<u32> = (0..12).map(|i| 10 + i).collect();
+    let b: Vec<u32> = (0..12).map(|i| 100 + i).collect();
+    let query = |p: &Vec<u32>| [&p[..], &[0]].concat();
+    ([query(&a), query(&b)], [a, b])
+}
+
+/// Caches `prompt` (creates, commits every block) and returns the sequence's blocks.
+fn cache_prompt(kv: &mut BlockManager<'_>, prompt: &[u32]) -> (kvpage_core::SeqId, Vec<u32>) {
+    let mut slots = [0u32; 16];
+    let seq = kv.create_with_prompt(0, prompt, &mut slots).unwrap().seq;
+    assert_eq!(kv.commit(seq, prompt.len() as u32), Ok(3));
+    (seq, kv.blocks(seq).unwrap().to_vec())
+}
+
+#[test]
+fn eviction_under_pressure_takes_chain_tails_first() {
+    let mut storage = vec![0u64; TIGHT.storage_words()];
+    let mut kv = BlockManager::new(TIGHT, &mut storage).unwrap();
+    let (queries, [pa, pb]) = two_prompts();
+    let (a, blocks_a) = cache_prompt(&mut kv, &pa);
+    kv.release(a).unwrap();
+    let (b, blocks_b) = cache_prompt(&mut kv, &pb);
+    kv.release(b).unwrap();
+    assert_eq!((blocks_a, blocks_b), (vec![0, 1, 2], vec![3, 4, 5]));
+    assert_eq!(kv.stats().cached_blocks, 6);
+    // A sequence growing one block at a time evicts A's chain from its tail (2, 1, 0),
+    // then B's (5, 4, 3): each prompt keeps a shorter, still reachable prefix.
+    let c = kv.create(1).unwrap();
+    let mut slots = [0u32; 4];
+    let expected = [
+        (2, [8, 12]),
+        (1, [4, 12]),
+        (0, [0, 12]),
+        (5, [0, 8]),
+        (4, [0, 4]),
+        (3, [0, 0]),
+    ];
+    for (evicted, [cached_a, cached_b]) in expected {
+        kv.append(c, 4, &mut slots).unwrap();
+        assert_eq!(kv.blocks(c).unwrap().last(), Some(&evicted));
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[0]), cached_a);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[1]), cached_b);
+        // Every cached block is still reachable: none is held by the pool in vain.
+        let reachable = (cached_a + cached_b) / TIGHT.block_size;
+        assert_eq!(kv.stats().cached_blocks, reachable);
+    }
+}
+
+#[test]
+fn truncate_and_swap_out_also_cache_tails_first() {
+    let mut storage = vec![0u64; TIGHT.storage_words()];
+    let mut kv = BlockManager::new(TIGHT, &mut storage).unwrap();
+    let mut host_storage = vec![0u32; HostPool::storage_words(4)];
+    let mut host = HostPool::new(4, TIGHT.instance, &mut host_storage).unwrap();
+    let (queries, [pa, pb]) = two_prompts();
+    let (a, _) = cache_prompt(&mut kv, &pa);
+    kv.truncate(a, 0).unwrap();
+    let (b, _) = cache_prompt(&mut kv, &pb);
+    let mut moves = [BlockCopy { src: 0, dst: 0 }; 3];
+    assert_eq!(kv.swap_out(b, &mut host, &mut moves), Ok(3));
+    // Host blocks are still assigned in logical order.
+    let to: Vec<u32> = moves.iter().map(|m| m.dst).collect();
+    assert_eq!(to, [0, 1, 2]);
+    for [cached_a, cached_b] in [[8, 12], [4, 12], [0, 12], [0, 8], [0, 4], [0, 0]] {
+        assert_eq!(kv.evict_cached(1), 1);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[0]), cached_a);
+        assert_eq!(kv.cached_prefix_tokens(0, &queries[1]), cached_b);
+    }
+}
+
+#[test]
+fn prefix_hits_under_any_hash_key() {
+    for hash_key in [0, 1, 0x9e37_79b9_7f4a_7c15, u64::MAX] {
+        let config = Config { hash_key, ..CONFIG };
+        let mut storage = vec![0u64; config.storage_words()];
+        let mut kv = BlockManager::new(config, &mut storage).unwrap();
+        let mut slots = [0u32; 16];
+        let p = prompt(13);
+        let a = kv.create_with_prompt(2, &p, &mut slots).unwrap().seq;
+        assert_eq!(kv.commit(a, 13), Ok(3));
+        assert_eq!(kv.cached_prefix_tokens(2, &p), 12);
+        let b = kv.create_with_prompt(2, &p, &mut slots).unwrap();
+        assert_eq!(b.reused_tokens, 12);
+        assert_eq!(&kv.blocks(b.seq).unwrap()[..3], &kv.blocks(a).unwrap()[..3]);
+        assert_eq!(
+            kv.cached_prefix_tokens(3, &p),
+            0,
+            "namespaces still never share"
+        );
+    }
 }
 
 #[test]

@@ -8,4 +8,5 @@
 //! that. Failed operations must leave every observable part of the state unchanged.
 
 const BLOCK_SIZE: u32 = 4;
+const PREFIX_CACHE: bool = true;
 include!("model/body.rs");

@@ -63,6 +63,8 @@ fn random_operations_allocate_nothing() {
         max_seqs: 32,
         max_blocks_per_seq: 32,
         instance: 0,
+        hash_key: 0,
+        prefix_cache: true,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -148,6 +150,8 @@ fn engine_steps_allocate_nothing() {
         max_seqs: 12,
         max_blocks_per_seq: 16,
         instance: 5,
+        hash_key: 0,
+        prefix_cache: true,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

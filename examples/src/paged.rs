@@ -10,12 +10,12 @@
 //!   later prompts with the same leading blocks share them.
 //! - With a host tier, preemption by swap moves a sequence's blocks to the host pool
 //!   ([`BlockManager::swap_out`]) and back ([`BlockManager::swap_in`]); the core plans
-//!   the `(from, to)` block moves, and the replay charges `blocks × bytes_per_block`
+//!   the block copies, and the replay charges `blocks × bytes_per_block`
 //!   over the host link for each direction.
 
 use std::collections::HashMap;
 
-use kvpage_core::{BlockManager, BlockMove, Config, Geometry, HostPool, SeqError, SeqId};
+use kvpage_core::{BlockCopy, BlockManager, Config, Geometry, HostPool, SeqError, SeqId};
 
 use crate::sim::{KvPolicy, PolicyError, Usage};
 
@@ -42,14 +42,12 @@ pub struct PagedConfig {
 impl PagedConfig {
     /// The core configuration: the device blocks that fit the budget.
     pub fn core_config(&self) -> Config {
-        let bs = self.geometry.block_size();
-        Config {
-            num_blocks: u32::try_from(self.geometry.blocks_in(self.budget_bytes))
-                .unwrap_or(u32::MAX),
-            block_size: bs,
-            max_seqs: self.max_seqs,
-            max_blocks_per_seq: self.max_seq_len.div_ceil(bs),
-            instance: 1,
+        let blocks = u32::try_from(self.geometry.blocks_in(self.budget_bytes)).unwrap_or(u32::MAX);
+        let config = Config::for_geometry(&self.geometry, blocks, self.max_seqs, self.max_seq_len)
+            .with_instance(1);
+        match self.prefix {
+            true => config,
+            false => config.without_prefix_cache(),
         }
     }
 
@@ -84,7 +82,7 @@ pub struct Paged<'s> {
     cfg: PagedConfig,
     seqs: HashMap<u32, SeqId>,
     slots: Vec<u32>,
-    moves: Vec<BlockMove>,
+    moves: Vec<BlockCopy>,
 }
 
 fn internal(what: &str, id: u32, e: SeqError) -> PolicyError {
@@ -113,7 +111,7 @@ impl<'s> Paged<'s> {
             cfg,
             seqs: HashMap::new(),
             slots: vec![0; cfg.max_seq_len as usize + 1],
-            moves: vec![BlockMove { from: 0, to: 0 }; core.max_blocks_per_seq as usize],
+            moves: vec![BlockCopy { src: 0, dst: 0 }; core.max_blocks_per_seq as usize],
         })
     }
 

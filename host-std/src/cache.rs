@@ -34,6 +34,13 @@ use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 /// Instance tags handed to caches; 0 is never used.
 static NEXT_INSTANCE: AtomicU32 = AtomicU32::new(1);
 
+/// A secret key for the prefix cache's block hash of the cache tagged `instance`: std's
+/// randomly seeded SipHash of the tag, so crafted prompts cannot aim at the hash table.
+fn random_hash_key(instance: u32) -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(instance)
+}
+
 /// How large the arena is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Capacity {
@@ -253,13 +260,10 @@ impl KvCache {
             return Err(CacheError::BadConfig);
         }
         let layout = KvLayout::new(g, num_blocks)?;
-        let core_config = Config {
-            num_blocks,
-            block_size: g.block_size(),
-            max_seqs: config.max_seqs,
-            max_blocks_per_seq: config.max_seq_len.div_ceil(g.block_size()),
-            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1),
-        };
+        let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
+        let core_config = Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
+            .with_instance(instance)
+            .with_hash_key(random_hash_key(instance));
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config, engine)?;
         let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
@@ -411,9 +415,8 @@ impl KvCache {
     /// range and distinct, so this cannot fail.
     fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
         if let Some(c) = copy {
-            let pairs = [(c.src, c.dst)];
             let done = for_dtype!(self.layout.geometry().dtype(), T => {
-                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &pairs)
+                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &[c])
             });
             debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
         }
@@ -608,5 +611,15 @@ impl KvCache {
             kernels::paged_attention(&self.layout, arena, layer, table, &self.batch, q, out, params)
         })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cache_gets_its_own_hash_key() {
+        assert_ne!(random_hash_key(1), random_hash_key(1));
     }
 }

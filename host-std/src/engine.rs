@@ -158,9 +158,7 @@ impl Engine {
                 kernels::copy_blocks_between(layout, arena, host_layout, host_arena, step.swap_out())?;
                 kernels::copy_blocks_between(host_layout, host_arena, layout, arena, step.swap_in())?;
             }
-            for c in step.copies() {
-                kernels::copy_blocks(layout, arena, &[(c.src, c.dst)])?;
-            }
+            kernels::copy_blocks(layout, arena, step.copies())?;
         });
         Ok(step)
     }

@@ -181,6 +181,8 @@ mod tests {
             max_seqs: u32::MAX,
             max_blocks_per_seq: u32::MAX,
             instance: 1,
+            hash_key: 0,
+            prefix_cache: true,
         };
         assert_eq!(config.storage_words(), usize::MAX);
         assert!(matches!(

@@ -11,9 +11,15 @@ use kvpage::kernels::{
     ContiguousKv, SeqQuery,
 };
 use kvpage::{
-    bf16, f16, Arena, Buffer, DType, Element, Geometry, GeometryError, KernelError, KvLayout,
+    bf16, f16, Arena, BlockCopy, Buffer, DType, Element, Geometry, GeometryError, KernelError,
+    KvLayout,
 };
 use rand::seq::SliceRandom;
+
+/// The copy of block `src` onto block `dst`.
+fn cp(src: u32, dst: u32) -> BlockCopy {
+    BlockCopy { src, dst }
+}
 
 /// The layout of `num_blocks` blocks of a geometry whose dtype is `T`'s.
 fn layout_of<T: Element>(
@@ -312,7 +318,7 @@ fn shared_prefix_blocks_and_copy_on_write() {
         .collect();
     write_kv(&layout, arena.as_mut_slice::<f32>(), 0, &slots, &k, &v).unwrap();
     // Copy-on-write of the partial block 13 -> 5 for the child, then each appends.
-    copy_blocks(&layout, arena.as_mut_slice::<f32>(), &[(13, 5)]).unwrap();
+    copy_blocks(&layout, arena.as_mut_slice::<f32>(), &[cp(13, 5)]).unwrap();
     let child = [9u32, 2, 5];
     let (kp, vp) = (random_vec(&mut rng, hd), random_vec(&mut rng, hd));
     let (kc, vc) = (random_vec(&mut rng, hd), random_vec(&mut rng, hd));
@@ -630,14 +636,14 @@ fn write_and_copy_errors_write_nothing() {
         })
     );
     assert_eq!(
-        copy_blocks(&layout, a, &[(0, 1), (6, 1)]),
+        copy_blocks(&layout, a, &[cp(0, 1), cp(6, 1)]),
         Err(KernelError::BlockOutOfRange {
             block: 6,
             blocks: 6
         })
     );
     assert_eq!(
-        copy_blocks(&layout, a, &[(0, 1), (2, 2)]),
+        copy_blocks(&layout, a, &[cp(0, 1), cp(2, 2)]),
         Err(KernelError::CopyOntoItself { block: 2 })
     );
     assert_eq!(s.arena.as_slice::<f16>(), &before[..], "arena was written");
@@ -668,7 +674,7 @@ fn kernels_refuse_an_element_type_other_than_the_layouts() {
         Err(mismatch(DType::F32))
     );
     assert_eq!(
-        copy_blocks(&layout, s.arena.as_mut_slice::<bf16>(), &[(0, 1)]),
+        copy_blocks(&layout, s.arena.as_mut_slice::<bf16>(), &[cp(0, 1)]),
         Err(mismatch(DType::Bf16))
     );
     let mut out = vec![7.0f32; 32];
@@ -736,7 +742,7 @@ fn copy_blocks_copies_every_layer() {
     let vals = random_vec(&mut rng, layout.arena_elems());
     bf16::narrow(&vals, arena.as_mut_slice::<bf16>());
     let before = arena.as_slice::<bf16>().to_vec();
-    copy_blocks(&layout, arena.as_mut_slice::<bf16>(), &[(1, 3), (3, 0)]).unwrap();
+    copy_blocks(&layout, arena.as_mut_slice::<bf16>(), &[cp(1, 3), cp(3, 0)]).unwrap();
     let after = arena.as_slice::<bf16>();
     assert_eq!(&after[3 * n..4 * n], &before[n..2 * n]);
     assert_eq!(&after[..n], &before[n..2 * n]);

@@ -121,6 +121,8 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         max_seqs: w.max_seqs,
         max_blocks_per_seq: w.max_blocks_per_seq,
         instance: 9,
+        hash_key: 0,
+        prefix_cache: true,
     };
     let max_tokens = kv_config.max_tokens_per_seq() as usize;
     let mut kv_words = vec![0u64; kv_config.storage_words()];

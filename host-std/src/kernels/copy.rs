@@ -6,9 +6,9 @@ use crate::dtype::Element;
 use crate::error::{Buffer, KernelError};
 use kvpage_core::BlockCopy;
 
-/// Copies block `src` onto block `dst` for every `(src, dst)` pair, in order — one
-/// range copy of `elems_per_block` elements each, all layers at once. Run the copies the
-/// core reports (`BlockCopy { src, dst }`) before writing the new tokens.
+/// Copies block `src` onto block `dst` for every [`BlockCopy`], in order — one range
+/// copy of `elems_per_block` elements each, all layers at once. Run the copies the core
+/// reports (a copy-on-write) before writing the new tokens.
 /// O(copies × elems_per_block).
 ///
 /// # Errors
@@ -18,12 +18,12 @@ use kvpage_core::BlockCopy;
 pub fn copy_blocks<T: Element>(
     layout: &KvLayout,
     arena: &mut [T],
-    copies: &[(u32, u32)],
+    copies: &[BlockCopy],
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
     let blocks = layout.num_blocks();
-    for &(src, dst) in copies {
+    for &BlockCopy { src, dst } in copies {
         if let Some(block) = [src, dst].into_iter().find(|&b| b >= blocks) {
             return Err(KernelError::BlockOutOfRange { block, blocks });
         }
@@ -32,7 +32,7 @@ pub fn copy_blocks<T: Element>(
         }
     }
     let n = layout.elems_per_block();
-    for &(src, dst) in copies {
+    for &BlockCopy { src, dst } in copies {
         let s = src as usize * n;
         arena.copy_within(s..s + n, dst as usize * n);
     }

@@ -1,0 +1,183 @@
+//! Appends: the general path (checks everything, then copy-on-write, allocation and the
+//! slot mapping) and the one-token fast path of decoding.
+
+use super::{Appended, BlockCopy, BlockManager, SeqId};
+use crate::error::SeqError;
+
+impl BlockManager<'_> {
+    /// Appends `n` tokens whose ids are not known: allocates blocks as needed and writes
+    /// the physical slot (`block * block_size + offset`) of each new token into
+    /// `slots[..n]`. Blocks holding such tokens never enter the prefix cache, nor do later
+    /// ones of this sequence (until it is truncated back before them). If the last block
+    /// is partly filled and shared, it is copied first and the copy is returned, as for
+    /// [`BlockManager::append_tokens`]. O(n) plus O(1) per new block.
+    ///
+    /// # Errors
+    /// As [`BlockManager::append_tokens`].
+    pub fn append(&mut self, seq: SeqId, n: u32, slots: &mut [u32]) -> Result<Appended, SeqError> {
+        let i = self.seqs.check(seq)?;
+        if n == 1 && self.append_one_in_place(i, None, slots) {
+            return Ok(Appended::default());
+        }
+        self.append_checked(i, n, None, slots)
+    }
+
+    /// Appends `tokens`: like [`BlockManager::append`], and the ids are kept so that full
+    /// blocks can enter the prefix cache once [`BlockManager::commit`] says their K/V is
+    /// written (with [`crate::Config::prefix_cache`] off the ids are not stored). If the
+    /// last block is partly filled and shared (after a fork or a prefix hit), it is copied
+    /// first and the copy is returned: the backend must execute it before writing. O(n).
+    ///
+    /// # Errors
+    /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
+    /// [`SeqError::TooLong`] past `max_blocks_per_seq`, [`SeqError::OutOfBlocks`],
+    /// [`SeqError::SlotBufferTooSmall`]. Nothing changes on error.
+    pub fn append_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        slots: &mut [u32],
+    ) -> Result<Appended, SeqError> {
+        let i = self.seqs.check(seq)?;
+        let max_tokens = self.config.max_tokens_per_seq();
+        let n = u32::try_from(tokens.len()).map_err(|_| SeqError::TooLong {
+            tokens: tokens.len() as u64,
+            max_tokens,
+        })?;
+        if let [id] = *tokens {
+            if self.append_one_in_place(i, Some(id), slots) {
+                return Ok(Appended::default());
+            }
+        }
+        self.append_checked(i, n, Some(tokens), slots)
+    }
+
+    /// Appends to live sequence `i`. Checks everything, then commits.
+    pub(super) fn append_checked(
+        &mut self,
+        i: usize,
+        n: u32,
+        ids: Option<&[u32]>,
+        slots: &mut [u32],
+    ) -> Result<Appended, SeqError> {
+        let bs = self.config.block_size;
+        let len = self.seqs.len[i];
+        let new_len = u64::from(len) + u64::from(n);
+        let max_tokens = self.config.max_tokens_per_seq();
+        if new_len > max_tokens {
+            return Err(SeqError::TooLong {
+                tokens: new_len,
+                max_tokens,
+            });
+        }
+        if slots.len() < n as usize {
+            return Err(SeqError::SlotBufferTooSmall {
+                needed: n as usize,
+                got: slots.len(),
+            });
+        }
+        let (full_blocks, offset) = self.split(len);
+        let old_blocks = (full_blocks + u32::from(offset != 0)) as usize;
+        let grow = self.blocks_for(new_len as u32) - old_blocks as u32;
+        let row = self.seqs.row(i);
+        let partial = if offset != 0 && n > 0 {
+            Some(self.seqs.table[row + old_blocks - 1])
+        } else {
+            None
+        };
+        let cow = partial.is_some_and(|b| !self.pool.is_exclusive(b));
+        let needed = grow + u32::from(cow);
+        let available = self.available_blocks();
+        if needed > available {
+            return Err(SeqError::OutOfBlocks { needed, available });
+        }
+
+        // Commit: nothing below can fail.
+        let mut copy = None;
+        if let Some(last) = partial {
+            if cow {
+                let dst = self.pool.alloc(&mut self.prefix);
+                self.prefix.copy_tokens(last, dst, offset);
+                self.pool.set_fill(dst, offset);
+                self.pool.release(last, &mut self.prefix);
+                self.seqs.table[row + old_blocks - 1] = dst;
+                copy = Some(BlockCopy { src: last, dst });
+            } else if self.prefix.is_tracked(last) || self.pool.fill(last) != offset {
+                self.claim_partial(last, offset);
+            }
+        }
+        let mut block_index = full_blocks as usize;
+        let mut off = offset;
+        for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
+            if off == 0 {
+                let b = self.pool.alloc(&mut self.prefix);
+                self.seqs.table[row + block_index] = b;
+            }
+            let b = self.seqs.table[row + block_index];
+            *slot = b * bs + off;
+            if let Some(ids) = ids {
+                self.prefix.set_token(b, off, ids[k]);
+            }
+            if off + 1 > self.pool.fill(b) {
+                self.pool.set_fill(b, off + 1);
+            }
+            off += 1;
+            if off == bs {
+                off = 0;
+                block_index += 1;
+            }
+        }
+        if ids.is_some() && self.seqs.known[i] == len {
+            self.seqs.known[i] = new_len as u32;
+        }
+        self.seqs.len[i] = new_len as u32;
+        self.seqs.logical_tokens += u64::from(n);
+        Ok(Appended {
+            copy,
+            new_blocks: grow,
+        })
+    }
+
+    /// The decode fast path: appends one token to sequence `i` when it lands inside the
+    /// sequence's partly filled last block, which it holds alone and which the prefix
+    /// cache does not track. Returns `false` (having changed nothing) in every other case,
+    /// for the general path. Cannot exceed `max_blocks_per_seq`: the token goes into a
+    /// block the sequence already has. (Filling the block needs nothing more: blocks
+    /// enter the prefix cache on [`BlockManager::commit`].)
+    #[inline]
+    fn append_one_in_place(&mut self, i: usize, id: Option<u32>, slots: &mut [u32]) -> bool {
+        let Some(slot) = slots.first_mut() else {
+            return false;
+        };
+        let len = self.seqs.len[i];
+        let (full, offset) = self.split(len);
+        if offset == 0 {
+            return false;
+        }
+        let b = self.seqs.table[self.seqs.row(i) + full as usize];
+        if !self.pool.is_exclusive(b) || self.pool.fill(b) != offset || self.prefix.is_tracked(b) {
+            return false;
+        }
+        *slot = b * self.config.block_size + offset;
+        if let Some(id) = id {
+            self.prefix.set_token(b, offset, id);
+            if self.seqs.known[i] == len {
+                self.seqs.known[i] = len + 1;
+            }
+        }
+        self.pool.set_fill(b, offset + 1);
+        self.seqs.len[i] = len + 1;
+        self.seqs.logical_tokens += 1;
+        true
+    }
+
+    /// Makes exclusively held block `b` writable from token `offset` on: it leaves the
+    /// prefix cache (its content is about to change) and stores `offset` tokens.
+    pub(super) fn claim_partial(&mut self, b: u32, offset: u32) {
+        if self.prefix.is_registered(b) {
+            self.prefix.unregister(b);
+        }
+        self.prefix.clear(b);
+        self.pool.set_fill(b, offset);
+    }
+}
