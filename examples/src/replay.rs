@@ -29,20 +29,22 @@ SIMULATED TIME (the step model)
   kernel efficiency and communication: absolute times are optimistic; the policies differ
   only in which sequences their memory lets run, and that is what the comparison shows.
 
-SCHEDULER
-  kvpage's scheduler policy (kvpage_core::schedule) plans every step, for every policy:
-  running sequences take the token budget (--max-batched-tokens) in admission order
-  (chunked prefill, one decode token each); when the blocks a sequence needs are not
-  free, the most recently admitted one is preempted (by swap for `-swap` policies when
-  the host tier of --swap-space-gb has room, else by recompute); swapped-out sequences
-  come back when their blocks, a spare and --watermark fit (they run from the next
-  step); then waiting requests are admitted first come, first served while their whole
-  prompt fits above the watermark and --max-num-seqs allows. The contiguous baseline
-  takes part with one --max-seq-len region as its block and the regions its holes can
-  still hold as its free blocks.
+ENGINE
+  Every policy runs on kvpage's engine (kvpage_core::Engine), the step embedders use:
+  requests enter as they arrive; each step the core scheduler plans and the engine
+  executes on the block manager: running sequences take the token budget
+  (--max-batched-tokens) in admission order (chunked prefill, one decode token each);
+  when the blocks a sequence needs are not available, the most recently admitted one is
+  preempted (by swap for `-swap` policies when the host tier of --swap-space-gb has
+  room, else by recompute); swapped-out sequences come back when their blocks, a spare
+  and --watermark fit (they run from the next step); then waiting requests are admitted
+  first come, first served while their whole prompt fits above the watermark and
+  --max-num-seqs allows. The contiguous baseline is a block manager whose block is one
+  --max-seq-len region, so the policies differ only in memory.
 
 POLICIES
-  contiguous     reserve --max-seq-len tokens per request in a first-fit byte allocator
+  contiguous     reserve --max-seq-len tokens per request, first fit (one region per
+                 request: equal regions never fragment beyond the budget's tail)
   paged          kvpage blocks of --block-size tokens, on demand; recompute preemption
   paged-swap     paged, preemption by swap to the host tier
   paged-prefix   paged plus the prefix cache: requests share one of --prefix-groups system
