@@ -883,16 +883,22 @@ impl<'a> Engine<'a> {
         let bs = self.kv.block_size;
         let sched = self.config.scheduler;
 
-        // Describe the state to the scheduler.
+        // Describe the state to the scheduler. With no block shared anywhere (O(1) to
+        // know), every sequence's blocks are its own and need no walk.
+        let shared = kv.stats().blocks_saved_by_sharing > 0;
         for (k, &r) in self.running.as_slice().iter().enumerate() {
             let s = self.slots[r as usize];
             let seq = SeqId::from_parts(s.seq_index, s.seq_generation, self.kv.instance);
+            let blocks = s.held.div_ceil(bs);
             self.in_running[k] = RunningSeq {
                 id: r,
                 held_tokens: s.held,
                 pending_tokens: s.total - s.held,
-                exclusive_blocks: kv.exclusive_blocks(seq).map_err(EngineError::PlanFailed)?,
-                blocks: s.held.div_ceil(bs),
+                exclusive_blocks: match shared {
+                    true => kv.exclusive_blocks(seq).map_err(EngineError::PlanFailed)?,
+                    false => blocks,
+                },
+                blocks,
                 cow_blocks: u32::from(kv.append_copies(seq).map_err(EngineError::PlanFailed)?),
             };
         }

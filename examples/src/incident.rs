@@ -1,24 +1,20 @@
-//! The incident of the design document, replayed with the real allocators.
+//! The incident of the design document, replayed on kvpage's engine.
 //!
 //! A 13B-class model at 2 × 40 layers × 32 KV heads × 128 dims × 2 B = 655,360 B
 //! (0.66 MB) of KV per token, 54 GB for the cache, 120 requests arriving together with
 //! 80–120 prompt tokens and 50–1000 output tokens (seeded), `max_seq_len` 4096. The
-//! contiguous side reserves 4096 tokens (2.68 GB) per request in a [`FirstFit`] byte
-//! allocator; the paged side is kvpage's block manager with 16-token blocks. Both run in
-//! the same engine, one token per step.
-//!
-//! [`FirstFit`]: crate::first_fit::FirstFit
+//! contiguous side reserves 4096 tokens (2.68 GB) per request: a block manager whose
+//! block is one whole region, allocated first fit ([`MemoryConfig::contiguous`]); the
+//! paged side is kvpage's block manager with 16-token blocks. Both run on the same
+//! engine, one token per step.
 
 use std::fmt::Write as _;
 
 use kvpage_core::{DType, Geometry};
 
-use crate::contiguous::Contiguous;
-use crate::paged::{Paged, PagedConfig, PagedStorage};
+use crate::memory::MemoryConfig;
 use crate::rng::SplitMix64;
-use crate::sim::{
-    run, EngineConfig, Hooks, KvPolicy, Outcome, Preemption, RunOutput, StepView, TokenSource,
-};
+use crate::sim::{run, Hooks, Outcome, Preemption, RunOutput, SimConfig, StepView, TokenSource};
 use crate::step_model::UnitSteps;
 use crate::trace::Request;
 
@@ -67,18 +63,17 @@ pub struct Side {
 pub struct Incident {
     /// The requests.
     pub requests: Vec<Request>,
-    /// Contiguous reservations in a first-fit allocator.
+    /// Contiguous `max_seq_len` reservations, first fit.
     pub contiguous: Side,
     /// kvpage blocks.
     pub paged: Side,
 }
 
-fn side(requests: &[Request], policy: &mut dyn KvPolicy, name: &str) -> Result<Side, String> {
-    let cfg = EngineConfig {
+fn side(requests: &[Request], memory: &MemoryConfig, name: &str) -> Result<Side, String> {
+    let cfg = SimConfig {
         max_num_seqs: REQUESTS as u32,
         max_batched_tokens: 1 << 20,
         preemption: Preemption::Recompute,
-        kv_bytes_per_token: geometry().bytes_per_token(),
         record_series: false,
     };
     let mut views = Vec::new();
@@ -86,7 +81,7 @@ fn side(requests: &[Request], policy: &mut dyn KvPolicy, name: &str) -> Result<S
     let out = run(
         name,
         requests,
-        policy,
+        memory,
         &UnitSteps,
         &cfg,
         &TokenSource::new(requests.len(), 0, 0, 0),
@@ -106,9 +101,9 @@ fn side(requests: &[Request], policy: &mut dyn KvPolicy, name: &str) -> Result<S
 pub fn run_incident(seed: u64) -> Result<Incident, String> {
     let g = geometry();
     let reqs = requests(seed);
-    let mut c = Contiguous::new(BUDGET_BYTES, g.bytes_per_token(), MAX_SEQ_LEN);
-    let contiguous = side(&reqs, &mut c, "contiguous")?;
-    let pc = PagedConfig {
+    let c = MemoryConfig::contiguous(g, BUDGET_BYTES, REQUESTS as u32, MAX_SEQ_LEN)?;
+    let contiguous = side(&reqs, &c, "contiguous")?;
+    let pc = MemoryConfig {
         geometry: g,
         budget_bytes: BUDGET_BYTES,
         max_seqs: REQUESTS as u32,
@@ -117,9 +112,7 @@ pub fn run_incident(seed: u64) -> Result<Incident, String> {
         prefix: false,
         host_bytes: 0,
     };
-    let mut storage = PagedStorage::for_config(&pc);
-    let mut p = Paged::new(pc, &mut storage)?;
-    let paged = side(&reqs, &mut p, "paged")?;
+    let paged = side(&reqs, &pc, "paged")?;
     Ok(Incident {
         requests: reqs,
         contiguous,

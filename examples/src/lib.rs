@@ -1,12 +1,10 @@
 //! Shared pieces of the kvpage examples: trace parsing, model and device presets, the
-//! roofline step model, a first-fit byte allocator (the contiguous baseline), the
-//! continuous-batching replay engine and its reports.
+//! roofline step model, the KV memory of each policy, the continuous-batching replay on
+//! kvpage's engine and its reports.
 
-pub mod contiguous;
-pub mod first_fit;
 pub mod incident;
+pub mod memory;
 pub mod metrics;
-pub mod paged;
 pub mod presets;
 pub mod replay;
 pub mod rng;

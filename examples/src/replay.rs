@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvpage_core::{DType, Geometry};
 
-use crate::contiguous::Contiguous;
+use crate::memory::MemoryConfig;
 use crate::metrics::Report;
-use crate::paged::{Paged, PagedConfig, PagedStorage};
 use crate::presets::{self, DeviceSpec, ModelSpec};
-use crate::sim::{run, EngineConfig, Hooks, KvPolicy, Preemption, RunOutput, TokenSource};
+use crate::sim::{run, Hooks, Preemption, RunOutput, SimConfig, TokenSource};
 use crate::step_model::Roofline;
 use crate::svg;
 use crate::trace::{self, Request};
@@ -30,20 +29,22 @@ SIMULATED TIME (the step model)
   kernel efficiency and communication: absolute times are optimistic; the policies differ
   only in which sequences their memory lets run, and that is what the comparison shows.
 
-SCHEDULER
-  kvpage's scheduler policy (kvpage_core::schedule) plans every step, for every policy:
-  running sequences take the token budget (--max-batched-tokens) in admission order
-  (chunked prefill, one decode token each); when the blocks a sequence needs are not
-  free, the most recently admitted one is preempted (by swap for `-swap` policies when
-  the host tier of --swap-space-gb has room, else by recompute); swapped-out sequences
-  come back when their blocks, a spare and --watermark fit (they run from the next
-  step); then waiting requests are admitted first come, first served while their whole
-  prompt fits above the watermark and --max-num-seqs allows. The contiguous baseline
-  takes part with one --max-seq-len region as its block and the regions its holes can
-  still hold as its free blocks.
+ENGINE
+  Every policy runs on kvpage's engine (kvpage_core::Engine), the step embedders use:
+  requests enter as they arrive; each step the core scheduler plans and the engine
+  executes on the block manager: running sequences take the token budget
+  (--max-batched-tokens) in admission order (chunked prefill, one decode token each);
+  when the blocks a sequence needs are not available, the most recently admitted one is
+  preempted (by swap for `-swap` policies when the host tier of --swap-space-gb has
+  room, else by recompute); swapped-out sequences come back when their blocks, a spare
+  and --watermark fit (they run from the next step); then waiting requests are admitted
+  first come, first served while their whole prompt fits above the watermark and
+  --max-num-seqs allows. The contiguous baseline is a block manager whose block is one
+  --max-seq-len region, so the policies differ only in memory.
 
 POLICIES
-  contiguous     reserve --max-seq-len tokens per request in a first-fit byte allocator
+  contiguous     reserve --max-seq-len tokens per request, first fit (one region per
+                 request: equal regions never fragment beyond the budget's tail)
   paged          kvpage blocks of --block-size tokens, on demand; recompute preemption
   paged-swap     paged, preemption by swap to the host tier
   paged-prefix   paged plus the prefix cache: requests share one of --prefix-groups system
@@ -463,7 +464,7 @@ pub fn run_policy(
     progress: Option<&AtomicU64>,
     record_series: bool,
 ) -> Result<RunOutput, String> {
-    let cfg = EngineConfig {
+    let cfg = SimConfig {
         max_num_seqs: a.max_num_seqs,
         max_batched_tokens: a.max_batched_tokens,
         preemption: if p.swap {
@@ -471,16 +472,10 @@ pub fn run_policy(
         } else {
             Preemption::Recompute
         },
-        kv_bytes_per_token: s.geometry.bytes_per_token(),
         record_series,
     };
-    let hooks = Hooks {
-        progress,
-        observer: None,
-    };
-    let started = Instant::now();
-    let mut out = if p.paged {
-        let pc = PagedConfig {
+    let memory = if p.paged {
+        let m = MemoryConfig {
             geometry: s.geometry,
             budget_bytes: s.budget_bytes,
             max_seqs: a.max_num_seqs,
@@ -493,38 +488,36 @@ pub fn run_policy(
                 0
             },
         };
-        let core = pc.core_config();
-        core.validate()
-            .map_err(|e| format!("{}: block manager configuration {core:?}: {e}", p.name))?;
-        let blocks_needed = u64::from(core.max_blocks_per_seq) + u64::from(pc.watermark_blocks);
+        let core = m.core_config();
+        let blocks_needed = u64::from(core.max_blocks_per_seq) + u64::from(m.watermark_blocks);
         if blocks_needed > u64::from(core.num_blocks) {
             return Err(format!(
                 "--watermark {}: one --max-seq-len sequence ({} blocks) plus the watermark ({} blocks) exceed the {} blocks of the budget",
-                a.watermark, core.max_blocks_per_seq, pc.watermark_blocks, core.num_blocks
+                a.watermark, core.max_blocks_per_seq, m.watermark_blocks, core.num_blocks
             ));
         }
-        let mut storage = PagedStorage::for_config(&pc);
-        let mut policy = Paged::new(pc, &mut storage).map_err(|e| format!("{}: {e}", p.name))?;
-        run_one(&p.name, s, &mut policy, &cfg, tokens, hooks)?
+        m
     } else {
-        let mut policy =
-            Contiguous::new(s.budget_bytes, s.geometry.bytes_per_token(), a.max_seq_len);
-        run_one(&p.name, s, &mut policy, &cfg, tokens, hooks)?
+        MemoryConfig::contiguous(s.geometry, s.budget_bytes, a.max_num_seqs, a.max_seq_len)
+            .map_err(|e| format!("{}: {e}", p.name))?
     };
+    let hooks = Hooks {
+        progress,
+        observer: None,
+    };
+    let started = Instant::now();
+    let mut out = run(
+        &p.name,
+        &s.requests,
+        &memory,
+        &s.roofline,
+        &cfg,
+        tokens,
+        hooks,
+    )
+    .map_err(|e| format!("{}: {e}", p.name))?;
     out.report.extra.wall_s = started.elapsed().as_secs_f64();
     Ok(out)
-}
-
-fn run_one(
-    name: &str,
-    s: &Setup,
-    policy: &mut dyn KvPolicy,
-    cfg: &EngineConfig,
-    tokens: &TokenSource,
-    hooks: Hooks<'_>,
-) -> Result<RunOutput, String> {
-    run(name, &s.requests, policy, &s.roofline, cfg, tokens, hooks)
-        .map_err(|e| format!("{name}: {e}"))
 }
 
 /// Runs every policy of `setup`, in parallel threads, with a progress bar on stderr when

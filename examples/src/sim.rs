@@ -1,33 +1,36 @@
-//! The replay engine: continuous batching over simulated time, with kvpage's scheduler
-//! policy ([`kvpage_core::schedule`]) deciding every step, generic over the KV memory
-//! policy.
+//! The replay: continuous batching over simulated time on kvpage's [`Engine`] — the
+//! engine step embedders use — for every policy; this module keeps only the time model
+//! and the accounting.
 //!
 //! # The model
-//! A request has `P` prompt tokens and `G` output tokens. Admitted, it computes its prompt
-//! in chunks that fit the per-step token budget, each chunk taking KV memory from the
-//! [`KvPolicy`] as it is computed; the step that completes the prefill emits the first
+//! A request has `P` prompt tokens and `G` output tokens. It is added to the engine when
+//! it arrives (prompt token ids from a [`TokenSource`], at most `G` new tokens). Admitted,
+//! it computes its prompt in chunks that fit the per-step token budget, each chunk taking
+//! KV blocks as it is computed; the step that completes the prefill emits the first
 //! output token. Each later step decodes: the last output token's K/V is computed (one
 //! more token of memory) and the next token is emitted. A request is done, and releases
 //! its memory, when it has emitted `G` tokens; it then holds `P + G − 1` tokens of KV.
+//! Every sampled token is the [`TokenSource`] id of its position, so a recomputed
+//! sequence and the prefix cache see the same ids as before.
 //!
-//! # The scheduler
-//! Every step the engine describes its running, swapped-out and waiting sequences to
-//! [`kvpage_core::schedule`] — with the policy's free blocks, watermark and block size —
-//! and executes the actions it returns, in order: preemptions (of the most recently
-//! admitted, by swap when configured and the host tier has room, else by recompute:
-//! memory freed, the sequence back at the front of the waiting queue to prefill prompt
-//! and output so far again), runs (prefill chunks and decode tokens within the token
-//! budget), swap-ins (they run from the next step) and first-come-first-served
-//! admissions. The same scheduler drives every memory policy: the contiguous baseline
-//! presents one `max_seq_len` region as its "block" and the regions its holes can still
-//! hold as its free blocks, so it differs from the paged policies only in memory.
+//! # The engine
+//! Every step [`Engine::step`] asks kvpage's scheduler policy for a plan and executes it
+//! on the [`BlockManager`] (and the [`HostPool`] of swap policies): preemptions of the
+//! most recently admitted (by swap when configured and the host tier has room, else by
+//! recompute: blocks freed, the request back at the front of the waiting queue to
+//! prefill prompt and output so far again), runs (prefill chunks and decode tokens within
+//! the token budget), swap-ins (they run from the next step) and first-come-first-served
+//! admissions through the prefix cache. The same engine drives every policy; only the
+//! memory differs ([`MemoryConfig`]): the contiguous baseline is a manager whose block is
+//! one whole `max_seq_len` region.
 //!
-//! Step time comes from a [`StepCost`]; memory and counts are sampled after the step's
-//! actions (when its memory is allocated) and integrated over the step's duration. When
-//! nothing runs, time jumps to the next arrival.
+//! Step time comes from a [`StepCost`] over the scheduled sequences' query positions and
+//! the blocks the step swaps; memory and counts are sampled after the step's actions
+//! (when its memory is allocated) and integrated over the step's duration. When nothing
+//! is in flight, time jumps to the next arrival.
 //!
-//! Errors: a policy bug or a request that can never be admitted is a [`SimError`], not a
-//! panic and not an endless loop.
+//! Errors: an engine failure or a request that can never be admitted is a [`SimError`],
+//! not a panic and not an endless loop.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -35,112 +38,38 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use kvpage_core::Preemption;
 use kvpage_core::{
-    schedule, Action, RunningSeq, SchedulerConfig, StepInput, SwappedSeq, WaitingSeq,
+    BlockManager, Engine, EngineConfig, EngineError, FinishReason, HostPool, Sampled,
+    SchedulerConfig,
 };
 
+use crate::memory::{MemoryConfig, Usage};
 use crate::metrics::{percentile, Extra, Report};
 use crate::rng::{mix, SplitMix64};
 use crate::step_model::{BatchShape, StepCost};
 use crate::trace::Request;
 
-/// Why a policy could not do what was asked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PolicyError {
-    /// Not enough memory now; the engine waits or preempts.
-    NoRoom,
-    /// A bug or an impossible request: the replay stops with this message.
-    Internal(String),
-}
-
-/// A policy's memory, sampled once per step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// KV bytes reserved by running sequences.
-    pub reserved_bytes: u64,
-    /// Tokens stored in reserved memory (a shared block's tokens counted once).
-    pub stored_tokens: u64,
-    /// Token slots in reserved memory.
-    pub slot_tokens: u64,
-    /// Free bytes no sequence can use (holes too small for a region, the budget's tail
-    /// below one block).
-    pub unusable_free_bytes: u64,
-    /// The largest amount one new sequence could get right now (largest hole, or all
-    /// free and cached blocks).
-    pub largest_free_bytes: u64,
-    /// Bytes held in the host tier.
-    pub host_bytes: u64,
-}
-
-/// A KV memory policy: how sequences get, grow, give back and swap their cache memory.
-/// Sequence ids are the request ids of the replay (`0..n`). Memory is counted in blocks
-/// of [`KvPolicy::block_tokens`] tokens for the scheduler.
-pub trait KvPolicy {
-    /// Whether token ids must be passed (prefix caching). Default: no.
-    fn needs_tokens(&self) -> bool {
-        false
-    }
-    /// Bytes of KV memory the policy manages.
-    fn budget_bytes(&self) -> u64;
-    /// Tokens per block, as the scheduler counts them.
-    fn block_tokens(&self) -> u32;
-    /// Blocks a new allocation could take now (free plus evictable).
-    fn available_blocks(&self) -> u32;
-    /// Blocks admissions and swap-ins must leave free. Default: 0.
-    fn watermark_blocks(&self) -> u32 {
-        0
-    }
-    /// Free blocks of the host tier. Default: 0 (no host tier).
-    fn host_free_blocks(&self) -> u32 {
-        0
-    }
-    /// Leading tokens of `tokens` an admission would find cached. Default: 0.
-    fn cached_prefix_tokens(&self, _tokens: &[u32]) -> u32 {
-        0
-    }
-    /// Blocks only sequence `id` references (what preempting it frees), given that it
-    /// holds `blocks`. Default: `blocks`.
-    fn exclusive_blocks(&self, _id: u32, blocks: u32) -> u32 {
-        blocks
-    }
-    /// Creates sequence `id` holding `len` tokens (their ids in `tokens` if
-    /// [`KvPolicy::needs_tokens`], else `tokens` is empty); returns how many leading ones
-    /// came from a prefix cache and need no computing.
-    fn admit(&mut self, id: u32, len: u32, tokens: &[u32]) -> Result<u32, PolicyError>;
-    /// Grows sequence `id` by `n` tokens (their ids in `tokens` if asked for).
-    fn grow(&mut self, id: u32, n: u32, tokens: &[u32]) -> Result<(), PolicyError>;
-    /// Frees all memory of sequence `id`.
-    fn release(&mut self, id: u32) -> Result<(), PolicyError>;
-    /// Moves sequence `id` to the host tier and frees its device memory; returns the
-    /// bytes to copy. [`PolicyError::NoRoom`] if there is no host tier or it is full.
-    fn swap_out(&mut self, id: u32) -> Result<u64, PolicyError>;
-    /// Brings sequence `id` back from the host tier; returns the bytes to copy.
-    fn swap_in(&mut self, id: u32) -> Result<u64, PolicyError>;
-    /// The memory now. Called every step: should be O(1) or close.
-    fn usage(&self) -> Usage;
-    /// The step ran: the K/V of the first `tokens` tokens of sequence `id` is computed, so
-    /// a prefix cache may share its full blocks from now on. Default: nothing to do.
-    fn computed(&mut self, _id: u32, _tokens: u32) -> Result<(), PolicyError> {
-        Ok(())
-    }
-    /// Prompt tokens served from a prefix cache so far.
-    fn prefix_hit_tokens(&self) -> u64 {
-        0
-    }
-}
-
-/// Engine limits.
+/// Limits of a replay's engine.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct EngineConfig {
+pub struct SimConfig {
     /// Most sequences running at once.
     pub max_num_seqs: u32,
     /// Per-step token budget (prefill chunk tokens plus decode tokens), at least 1.
     pub max_batched_tokens: u32,
     /// How to preempt.
     pub preemption: Preemption,
-    /// KV bytes per token (for waste and the memory series).
-    pub kv_bytes_per_token: u64,
     /// Record the per-step series for plotting.
     pub record_series: bool,
+}
+
+impl SimConfig {
+    /// Requests in the engine at once ([`EngineConfig::max_requests`]); later arrivals
+    /// wait outside it. The scheduler looks at the running limit's worth of waiting
+    /// requests plus one, and running, swapped-out and preempted requests never exceed
+    /// the running limit together, so twice the limit plus one lets the engine see what
+    /// an unbounded queue would; four times leaves room. O(1).
+    pub fn max_requests(&self) -> u32 {
+        self.max_num_seqs.max(1).saturating_mul(4)
+    }
 }
 
 /// Synthetic token ids: the trace has lengths, not text. A request's first
@@ -249,11 +178,11 @@ pub struct RunOutput {
 /// Why a run stopped.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SimError {
-    /// The policy failed.
-    Policy(String),
+    /// The engine or the memory configuration failed.
+    Engine(String),
     /// A request can never be admitted (nothing runs and it still does not fit).
     Stuck {
-        /// Trace line of the request at the head of the queue.
+        /// Trace line of the request.
         line: usize,
         /// Its prompt plus output tokens.
         tokens: u64,
@@ -265,7 +194,7 @@ pub enum SimError {
 impl fmt::Display for SimError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SimError::Policy(m) => write!(f, "memory policy failed: {m}"),
+            SimError::Engine(m) => write!(f, "engine failed: {m}"),
             SimError::Stuck { line, tokens } => write!(
                 f,
                 "the request of trace line {line} ({tokens} tokens) cannot be admitted even into an empty cache"
@@ -277,34 +206,9 @@ impl fmt::Display for SimError {
 
 impl std::error::Error for SimError {}
 
-impl From<PolicyError> for SimError {
-    fn from(e: PolicyError) -> Self {
-        match e {
-            PolicyError::NoRoom => SimError::Policy("out of memory where none was needed".into()),
-            PolicyError::Internal(m) => SimError::Policy(m),
-        }
-    }
-}
-
-/// Per-sequence state.
-#[derive(Clone, Copy, Debug, Default)]
-struct Seq {
-    /// Tokens to prefill on this admission (prompt plus output so far).
-    target: u32,
-    /// KV tokens held (computed or served by the prefix cache).
-    held: u32,
-    /// Output tokens emitted.
-    generated: u32,
-    admitted_once: bool,
-}
-
-impl Seq {
-    fn pending(&self) -> u32 {
-        if self.held < self.target {
-            self.target - self.held
-        } else {
-            1
-        }
+impl From<EngineError> for SimError {
+    fn from(e: EngineError) -> Self {
+        SimError::Engine(e.to_string())
     }
 }
 
@@ -317,25 +221,42 @@ pub struct Hooks<'a> {
     pub observer: Option<&'a mut dyn FnMut(&StepView)>,
 }
 
-/// Fills `buf` with the token ids of positions `from..to` of `req`.
-fn fill_tokens(buf: &mut Vec<u32>, tokens: &TokenSource, req: &Request, from: u32, to: u32) {
-    buf.clear();
-    buf.extend((from..to).map(|p| tokens.token(req, p)));
+fn stuck(r: &Request) -> SimError {
+    SimError::Stuck {
+        line: r.line,
+        tokens: r.total_tokens(),
+    }
 }
 
-/// Replays `requests` (ids `0..n`, sorted by arrival) through `policy`, scheduled by
-/// [`kvpage_core::schedule`]. O(steps × (running + admitted candidates)) plus the
-/// policy's own costs.
+/// Zeroed storage of `words` words, or an error naming `what` when it cannot be sized.
+fn storage<T: Clone + Default>(words: usize, what: &str) -> Result<Vec<T>, SimError> {
+    if words == usize::MAX {
+        return Err(SimError::Engine(format!("{what}: too large to address")));
+    }
+    Ok(vec![T::default(); words])
+}
+
+/// Time-integrated sums of a run.
+#[derive(Default)]
+struct Integrals {
+    running: f64,
+    stored: f64,
+    slots: f64,
+    waste: f64,
+}
+
+/// Replays `requests` (ids `0..n`, sorted by arrival) on a kvpage [`Engine`] over the
+/// memory of `memory`. O(steps × engine step) plus O(requests).
 ///
 /// # Errors
-/// [`SimError`] if the policy or the scheduler fails, a request can never be admitted, or
-/// the ids are not `0..n` in arrival order.
+/// [`SimError`] if the memory cannot be built, the engine fails, a request can never be
+/// admitted, or the ids are not `0..n` in arrival order.
 pub fn run(
     name: &str,
     requests: &[Request],
-    policy: &mut dyn KvPolicy,
+    memory: &MemoryConfig,
     cost: &dyn StepCost,
-    cfg: &EngineConfig,
+    cfg: &SimConfig,
     tokens: &TokenSource,
     mut hooks: Hooks<'_>,
 ) -> Result<RunOutput, SimError> {
@@ -345,341 +266,203 @@ pub fn run(
     {
         return Err(SimError::BadRequests);
     }
-    let bt = policy.block_tokens();
-    let sched = SchedulerConfig {
-        token_budget: cfg.max_batched_tokens.max(1),
-        max_running: cfg.max_num_seqs.max(1),
-        watermark_blocks: policy.watermark_blocks(),
-        preemption: cfg.preemption,
+    let core = memory.core_config();
+    core.validate()
+        .map_err(|e| SimError::Engine(format!("block manager configuration {core:?}: {e}")))?;
+    let mut kv_words = storage::<u64>(core.storage_words(), "block manager")?;
+    let mut kv = BlockManager::new(core, &mut kv_words)
+        .map_err(|e| SimError::Engine(format!("block manager: {e}")))?;
+    let host_blocks = memory.host_blocks();
+    let mut host_words = storage::<u32>(HostPool::storage_words(host_blocks), "host pool")?;
+    let mut host = match host_blocks {
+        0 => None,
+        b => Some(
+            HostPool::new(b, core.instance, &mut host_words)
+                .map_err(|e| SimError::Engine(format!("host pool: {e}")))?,
+        ),
     };
-    let needs_tokens = policy.needs_tokens();
-    let mut seqs = vec![Seq::default(); n];
+    let engine_cfg = EngineConfig {
+        max_requests: cfg.max_requests(),
+        scheduler: SchedulerConfig {
+            token_budget: cfg.max_batched_tokens.max(1),
+            max_running: cfg.max_num_seqs.max(1),
+            watermark_blocks: memory.watermark_blocks,
+            preemption: cfg.preemption,
+        },
+        host_blocks,
+    };
+    let mut engine_words = storage::<u64>(engine_cfg.storage_words(&core), "engine")?;
+    let mut engine = Engine::new(engine_cfg, &core, &mut engine_words)?;
+    let max_requests = engine_cfg.max_requests as usize;
+    let bpb = memory.geometry.bytes_per_block();
+    let bpt = memory.geometry.bytes_per_token() as f64;
+
     let mut outcomes = vec![Outcome::default(); n];
-    let mut waiting: VecDeque<u32> = VecDeque::new();
-    let mut swapped: VecDeque<u32> = VecDeque::new();
-    let mut running: Vec<u32> = Vec::new();
-    let mut in_running: Vec<RunningSeq> = Vec::new();
-    let mut in_swapped: Vec<SwappedSeq> = Vec::new();
-    let mut in_waiting: Vec<WaitingSeq> = Vec::new();
-    let mut actions: Vec<Action> = Vec::new();
-    let mut emit: Vec<u32> = Vec::new(); // sequences that emit a token this step
-    let mut preempted_ids: Vec<u32> = Vec::new();
-    let mut joined: Vec<u32> = Vec::new();
-    // (sequence, tokens it holds) for every sequence that computed tokens this step.
-    let mut computed: Vec<(u32, u32)> = Vec::new();
-    let mut tok_buf: Vec<u32> = Vec::new();
+    let mut generated = vec![0u32; n];
+    // Trace request of each engine request slot (`RequestId::index`).
+    let mut by_slot = vec![0u32; max_requests];
+    let mut arrived: VecDeque<u32> = VecDeque::new();
+    let mut prompt: Vec<u32> = Vec::new();
+    let mut samples: Vec<Sampled> = Vec::new();
     let mut series = Vec::new();
     let mut next = 0usize;
     let mut now = 0.0f64;
     let mut finished = 0u64;
-    let mut admitted = 0u64;
     let mut stalls = 0u32;
     let mut ex = Extra {
-        budget_bytes: policy.budget_bytes(),
+        budget_bytes: memory.budget_bytes,
         ..Extra::default()
     };
-    let (mut preemptions, mut peak_running) = (0u64, 0u64);
-    let (mut i_running, mut i_stored, mut i_slots, mut i_waste) = (0.0, 0.0, 0.0, 0.0);
-    let bpt = cfg.kv_bytes_per_token as f64;
-    let policy_err = |e: PolicyError| SimError::from(e);
+    let mut peak_running = 0u64;
+    let mut sums = Integrals::default();
 
     while finished < n as u64 {
         while next < n && requests[next].arrival_s <= now {
-            waiting.push_back(next as u32);
+            arrived.push_back(next as u32);
             next += 1;
         }
-
-        // Describe the state to the scheduler.
-        in_running.clear();
-        for &id in &running {
-            let s = &seqs[id as usize];
-            let blocks = s.held.div_ceil(bt);
-            in_running.push(RunningSeq {
-                id,
-                held_tokens: s.held,
-                pending_tokens: s.pending(),
-                exclusive_blocks: policy.exclusive_blocks(id, blocks),
-                blocks,
-                cow_blocks: 0,
-            });
-        }
-        in_swapped.clear();
-        in_swapped.extend(swapped.iter().map(|&id| SwappedSeq {
-            id,
-            blocks: seqs[id as usize].held.div_ceil(bt),
-        }));
-        // Only the head of the queue can be admitted this step: pass the requests that
-        // could fit under optimistic bounds (all free blocks, the whole token budget), and
-        // the first that could not, so the scheduler sees where admission stops.
-        in_waiting.clear();
-        let mut avail = u64::from(policy.available_blocks());
-        let mut budget = u64::from(sched.token_budget);
-        let room = (sched.max_running as usize).saturating_sub(running.len());
-        for &id in waiting.iter().take(room.saturating_add(1)) {
+        while engine.in_flight() < max_requests {
+            let Some(&id) = arrived.front() else { break };
             let req = &requests[id as usize];
-            let s = &seqs[id as usize];
-            let target = if s.admitted_once {
-                s.target
-            } else {
-                req.prompt_tokens
-            };
-            let cached = if needs_tokens {
-                fill_tokens(&mut tok_buf, tokens, req, 0, target);
-                policy.cached_prefix_tokens(&tok_buf)
-            } else {
-                0
-            };
-            in_waiting.push(WaitingSeq {
-                id,
-                prompt_tokens: target,
-                cached_tokens: cached,
-                cached_idle_blocks: 0,
-            });
-            let cached = cached.min(target.saturating_sub(1));
-            let whole = u64::from(target.div_ceil(bt) - cached / bt);
-            let chunk = u64::from(target - cached).min(budget);
-            if chunk == 0 || whole + u64::from(sched.watermark_blocks) > avail {
-                break;
+            prompt.clear();
+            prompt.extend((0..req.prompt_tokens).map(|p| tokens.token(req, p)));
+            // Without a prefix cache (`Config::prefix_cache` off) nothing is shared,
+            // whatever the token ids.
+            match engine.add_request(&prompt, 0, Some(req.output_tokens)) {
+                Ok(r) => by_slot[r.index() as usize] = id,
+                Err(EngineError::TooLong { .. } | EngineError::Unschedulable { .. }) => {
+                    return Err(stuck(req))
+                }
+                Err(e) => return Err(e.into()),
             }
-            avail -= u64::from((cached + chunk as u32).div_ceil(bt) - cached / bt);
-            budget -= chunk;
+            arrived.pop_front();
         }
-        actions.resize(
-            in_running.len() + in_swapped.len() + in_waiting.len(),
-            Action::SwapIn { id: u32::MAX },
-        );
-        let plan = schedule(
-            &sched,
-            &StepInput {
-                running: &in_running,
-                swapped: &in_swapped,
-                waiting: &in_waiting,
-                block_size: bt,
-                available_blocks: policy.available_blocks(),
-                host_free_blocks: policy.host_free_blocks(),
-                free_seqs: u32::MAX,
-            },
-            &mut actions,
-        )
-        .map_err(|e| SimError::Policy(format!("scheduler: {e}")))?;
 
-        // Execute the plan.
+        let step = match engine.step(&mut kv, host.as_mut()) {
+            Ok(s) => s,
+            Err(EngineError::Unschedulable { request, .. }) => {
+                return Err(stuck(&requests[by_slot[request.index() as usize] as usize]))
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut shape = BatchShape::default();
-        emit.clear();
-        preempted_ids.clear();
-        joined.clear();
-        computed.clear();
-        for &a in &actions[..plan.actions] {
-            match a {
-                Action::Preempt { id, mode } => {
-                    preemptions += 1;
-                    outcomes[id as usize].preempted += 1;
-                    preempted_ids.push(id);
-                    let mut done = false;
-                    if mode == Preemption::Swap {
-                        match policy.swap_out(id) {
-                            Ok(bytes) => {
-                                shape.swap_bytes += bytes;
-                                ex.swap_bytes += bytes;
-                                ex.swaps += 1;
-                                swapped.push_front(id);
-                                done = true;
-                            }
-                            Err(PolicyError::NoRoom) => {}
-                            Err(e) => return Err(policy_err(e)),
-                        }
-                    }
-                    if !done {
-                        policy.release(id).map_err(policy_err)?;
-                        let s = &mut seqs[id as usize];
-                        s.target = requests[id as usize].prompt_tokens + s.generated;
-                        s.held = 0;
-                        waiting.push_front(id);
-                    }
-                }
-                Action::Run { id, tokens: t } => {
-                    let req = &requests[id as usize];
-                    let s = seqs[id as usize];
-                    tok_buf.clear();
-                    if needs_tokens {
-                        fill_tokens(&mut tok_buf, tokens, req, s.held, s.held + t);
-                    }
-                    match policy.grow(id, t, &tok_buf) {
-                        Ok(()) => {}
-                        // The plan counted on blocks a prefix hit or an eviction changed:
-                        // the sequence skips this step.
-                        Err(PolicyError::NoRoom) => continue,
-                        Err(e) => return Err(policy_err(e)),
-                    }
-                    shape.add_run(u64::from(s.held), u64::from(t));
-                    let s = &mut seqs[id as usize];
-                    let was_prefill = s.held < s.target;
-                    s.held += t;
-                    computed.push((id, s.held));
-                    if !was_prefill || s.held >= s.target {
-                        emit.push(id);
-                    }
-                }
-                Action::SwapIn { id } => {
-                    let bytes = policy.swap_in(id).map_err(policy_err)?;
-                    shape.swap_bytes += bytes;
-                    ex.swap_bytes += bytes;
-                    if let Some(pos) = swapped.iter().position(|&x| x == id) {
-                        swapped.remove(pos);
-                    }
-                    joined.push(id);
-                }
-                Action::Admit { id, tokens: t } => {
-                    let req = &requests[id as usize];
-                    let s = seqs[id as usize];
-                    let target = if s.admitted_once {
-                        s.target
-                    } else {
-                        req.prompt_tokens
-                    };
-                    let predicted = in_waiting
-                        .iter()
-                        .find(|w| w.id == id)
-                        .map_or(0, |w| w.cached_tokens.min(target.saturating_sub(1)));
-                    let len = (predicted + t).min(target);
-                    tok_buf.clear();
-                    if needs_tokens {
-                        fill_tokens(&mut tok_buf, tokens, req, 0, len);
-                    }
-                    let hit = match policy.admit(id, len, &tok_buf) {
-                        Ok(h) => h.min(len),
-                        // The plan's view of the cache went stale this step: wait.
-                        Err(PolicyError::NoRoom) => break,
-                        Err(e) => return Err(policy_err(e)),
-                    };
-                    if waiting.front() == Some(&id) {
-                        waiting.pop_front();
-                    } else if let Some(pos) = waiting.iter().position(|&x| x == id) {
-                        waiting.remove(pos);
-                    }
-                    if s.admitted_once {
-                        ex.recomputed_tokens += u64::from(len - hit);
-                    } else {
-                        admitted += 1;
-                    }
-                    seqs[id as usize] = Seq {
-                        target,
-                        held: len,
-                        generated: s.generated,
-                        admitted_once: true,
-                    };
-                    shape.add_run(u64::from(hit), u64::from(len - hit));
-                    computed.push((id, len));
-                    if len >= target {
-                        emit.push(id);
-                    }
-                    joined.push(id);
-                }
+        samples.clear();
+        for s in step.seqs() {
+            shape.add_run(u64::from(s.first_pos), u64::from(s.tokens));
+            if s.emits {
+                let id = by_slot[s.request.index() as usize] as usize;
+                let req = &requests[id];
+                samples.push(Sampled {
+                    request: s.request,
+                    token: tokens.token(req, req.prompt_tokens + generated[id]),
+                    stop: false,
+                });
             }
         }
-        if !preempted_ids.is_empty() {
-            running.retain(|id| !preempted_ids.contains(id));
-        }
-        running.extend_from_slice(&joined);
-        // The step's K/V is computed once the step has run: only now may other prompts
-        // share it (a prefix hit within the same step would read K/V not yet written).
-        for &(id, held) in &computed {
-            if !preempted_ids.contains(&id) {
-                policy.computed(id, held).map_err(policy_err)?;
-            }
+        shape.swap_bytes = (step.swap_out().len() + step.swap_in().len()) as u64 * bpb;
+        for (r, _) in step.preempted() {
+            outcomes[by_slot[r.index() as usize] as usize].preempted += 1;
         }
 
-        let usage = policy.usage();
+        let usage = memory.usage(&kv, host.as_ref());
+        let waiting = engine.waiting_len() + arrived.len();
         if shape.tokens == 0 && shape.swap_bytes == 0 {
-            if running.is_empty() && swapped.is_empty() && waiting.is_empty() && next < n {
+            engine.commit_step(&mut kv, &[])?;
+            if engine.in_flight() == 0 && arrived.is_empty() && next < n {
                 // Idle: jump to the next arrival.
                 let t = requests[next].arrival_s;
-                i_waste += (t - now) * (usage.unusable_free_bytes as f64);
+                sums.waste += (t - now) * (usage.unusable_free_bytes as f64);
                 now = t;
                 stalls = 0;
                 continue;
             }
             stalls += 1;
             if stalls > 2 {
-                let id = waiting.front().or(swapped.front()).copied().unwrap_or(0);
-                let r = &requests[id as usize];
-                return Err(SimError::Stuck {
-                    line: r.line,
-                    tokens: r.total_tokens(),
-                });
+                let head = outcomes
+                    .iter()
+                    .position(|o| o.completions == 0)
+                    .unwrap_or(0);
+                return Err(stuck(&requests[head]));
             }
             continue;
         }
         stalls = 0;
 
         let dt = cost.step_seconds(&shape);
+        let running = engine.running_len();
         ex.steps += 1;
-        peak_running = peak_running.max(running.len() as u64);
+        ex.swap_bytes += shape.swap_bytes;
+        peak_running = peak_running.max(running as u64);
         ex.peak_reserved_bytes = ex.peak_reserved_bytes.max(usage.reserved_bytes);
-        i_running += dt * running.len() as f64;
-        i_stored += dt * usage.stored_tokens as f64;
-        i_slots += dt * usage.slot_tokens as f64;
+        sums.running += dt * running as f64;
+        sums.stored += dt * usage.stored_tokens as f64;
+        sums.slots += dt * usage.slot_tokens as f64;
         let waste = (usage.slot_tokens.saturating_sub(usage.stored_tokens)) as f64 * bpt
             + usage.unusable_free_bytes as f64;
-        i_waste += dt * waste;
+        sums.waste += dt * waste;
         if let Some(obs) = hooks.observer.as_mut() {
             obs(&StepView {
                 step: ex.steps,
                 start_s: now,
                 dt_s: dt,
-                running: running.len(),
-                waiting: waiting.len(),
-                swapped: swapped.len(),
+                running,
+                waiting,
+                swapped: engine.swapped_len(),
                 usage,
                 finished,
-                admitted,
+                admitted: engine.stats().admitted,
             });
         }
         if cfg.record_series {
             series.push(SeriesPoint {
                 t_s: now,
                 reserved_bytes: usage.reserved_bytes,
-                stored_bytes: usage.stored_tokens * cfg.kv_bytes_per_token,
-                running: running.len() as u32,
+                stored_bytes: usage.stored_tokens * memory.geometry.bytes_per_token(),
+                running: running as u32,
             });
         }
         now += dt;
 
         // Emitted tokens and completions.
-        let mut any_done = false;
-        for &id in &emit {
-            let s = &mut seqs[id as usize];
-            s.generated += 1;
+        for s in &samples {
+            let id = by_slot[s.request.index() as usize] as usize;
+            generated[id] += 1;
             ex.generated_tokens += 1;
-            let o = &mut outcomes[id as usize];
-            if s.generated == 1 {
-                o.first_token_s = now;
-            }
-            if s.generated >= requests[id as usize].output_tokens {
-                policy.release(id).map_err(policy_err)?;
-                o.completions += 1;
-                o.finish_s = now;
-                finished += 1;
-                any_done = true;
-                if let Some(p) = hooks.progress {
-                    p.fetch_add(1, Ordering::Relaxed);
-                }
+            if generated[id] == 1 {
+                outcomes[id].first_token_s = now;
             }
         }
-        if any_done {
-            running.retain(|&id| seqs[id as usize].generated < requests[id as usize].output_tokens);
+        let done = engine.commit_step(&mut kv, &samples)?;
+        for f in done.iter() {
+            let id = by_slot[f.request.index() as usize] as usize;
+            if f.reason != FinishReason::MaxTokens {
+                return Err(SimError::Engine(format!(
+                    "the request of trace line {} ended early ({:?}) after {} tokens",
+                    requests[id].line, f.reason, f.generated
+                )));
+            }
+            let o = &mut outcomes[id];
+            o.completions += 1;
+            o.finish_s = now;
+            finished += 1;
+            if let Some(p) = hooks.progress {
+                p.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
     if cfg.record_series {
-        let u = policy.usage();
+        let u = memory.usage(&kv, host.as_ref());
         series.push(SeriesPoint {
             t_s: now,
             reserved_bytes: u.reserved_bytes,
-            stored_bytes: u.stored_tokens * cfg.kv_bytes_per_token,
+            stored_bytes: u.stored_tokens * memory.geometry.bytes_per_token(),
             running: 0,
         });
     }
+    let stats = engine.stats();
+    ex.swaps = stats.swap_outs;
+    ex.recomputed_tokens = stats.recomputed_tokens;
     let mut ttft: Vec<f64> = Vec::with_capacity(n);
     let mut lat: Vec<f64> = Vec::with_capacity(n);
     for (r, o) in requests.iter().zip(&outcomes) {
@@ -695,19 +478,19 @@ pub fn run(
         completed: finished,
         tokens_per_s: ex.generated_tokens as f64 / span,
         peak_running,
-        mean_running: i_running / span,
-        kv_utilization: if i_slots > 0.0 {
-            i_stored / i_slots
+        mean_running: sums.running / span,
+        kv_utilization: if sums.slots > 0.0 {
+            sums.stored / sums.slots
         } else {
             f64::NAN
         },
-        waste_fraction: i_waste / (span * ex.budget_bytes.max(1) as f64),
+        waste_fraction: sums.waste / (span * ex.budget_bytes.max(1) as f64),
         ttft_p50_s: percentile(&ttft, 50.0),
         ttft_p99_s: percentile(&ttft, 99.0),
         latency_p50_s: percentile(&lat, 50.0),
         latency_p99_s: percentile(&lat, 99.0),
-        preemptions,
-        prefix_hit_tokens: policy.prefix_hit_tokens(),
+        preemptions: stats.recomputes + stats.swap_outs,
+        prefix_hit_tokens: kv.stats().prefix_hit_tokens,
         extra: ex,
     };
     Ok(RunOutput {

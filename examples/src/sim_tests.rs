@@ -3,12 +3,10 @@
 
 use kvpage_core::{DType, Geometry};
 
-use crate::contiguous::Contiguous;
-use crate::paged::{Paged, PagedConfig, PagedStorage};
+use crate::memory::MemoryConfig;
 use crate::rng::SplitMix64;
 use crate::sim::{
-    run, EngineConfig, Hooks, KvPolicy, Outcome, Preemption, RunOutput, SimError, StepView,
-    TokenSource,
+    run, Hooks, Outcome, Preemption, RunOutput, SimConfig, SimError, StepView, TokenSource,
 };
 use crate::step_model::UnitSteps;
 use crate::trace::Request;
@@ -26,20 +24,19 @@ fn reqs(rows: &[(f64, u32, u32)]) -> Vec<Request> {
         .collect()
 }
 
-fn engine(bpt: u64, preemption: Preemption, max_batched_tokens: u32) -> EngineConfig {
-    EngineConfig {
+fn engine(preemption: Preemption, max_batched_tokens: u32) -> SimConfig {
+    SimConfig {
         max_num_seqs: 64,
         max_batched_tokens,
         preemption,
-        kv_bytes_per_token: bpt,
         record_series: true,
     }
 }
 
 fn go(
     r: &[Request],
-    policy: &mut dyn KvPolicy,
-    cfg: &EngineConfig,
+    memory: &MemoryConfig,
+    cfg: &SimConfig,
     tokens: &TokenSource,
     views: &mut Vec<StepView>,
 ) -> Result<RunOutput, SimError> {
@@ -47,7 +44,7 @@ fn go(
     run(
         "t",
         r,
-        policy,
+        memory,
         &UnitSteps,
         cfg,
         tokens,
@@ -58,18 +55,15 @@ fn go(
     )
 }
 
-/// Replays `r` through a fresh paged policy built from `cfg`: the run and its per-step
-/// views.
+/// Replays `r` over the memory of `cfg`: the run and its per-step views.
 fn go_paged(
     r: &[Request],
-    cfg: PagedConfig,
-    engine: &EngineConfig,
+    cfg: MemoryConfig,
+    engine: &SimConfig,
     tokens: &TokenSource,
 ) -> (RunOutput, Vec<StepView>) {
-    let mut storage = PagedStorage::for_config(&cfg);
-    let mut p = Paged::new(cfg, &mut storage).unwrap();
     let mut views = Vec::new();
-    let out = go(r, &mut p, engine, tokens, &mut views).unwrap();
+    let out = go(r, &cfg, engine, tokens, &mut views).unwrap();
     (out, views)
 }
 
@@ -87,9 +81,14 @@ fn tiny(block_size: u32) -> Geometry {
     Geometry::new(1, 1, 1, block_size, DType::F16).unwrap()
 }
 
-fn paged_cfg(block_size: u32, blocks: u64, prefix: bool, host_blocks: u64) -> PagedConfig {
+/// The contiguous baseline over `budget_bytes` of [`tiny`] memory (4 B per token).
+fn contiguous(budget_bytes: u64, max_seq_len: u32) -> MemoryConfig {
+    MemoryConfig::contiguous(tiny(1), budget_bytes, 64, max_seq_len).unwrap()
+}
+
+fn paged_cfg(block_size: u32, blocks: u64, prefix: bool, host_blocks: u64) -> MemoryConfig {
     let g = tiny(block_size);
-    PagedConfig {
+    MemoryConfig {
         geometry: g,
         budget_bytes: blocks * g.bytes_per_block(),
         max_seqs: 64,
@@ -102,19 +101,18 @@ fn paged_cfg(block_size: u32, blocks: u64, prefix: bool, host_blocks: u64) -> Pa
 
 #[test]
 fn contiguous_hand_computed() {
-    // 1 B per token, max_seq_len 10, 25 B: two regions fit, 5 B are a useless tail.
+    // 4 B per token, max_seq_len 10, 100 B: two 40-B regions fit, 20 B are a useless tail.
     // A(P3,G2) B(P2,G4) C(P1,G1), all at t=0.
     // step 1: A and B admitted and prefilled (first tokens at t=1); C finds no hole.
     // step 2: A decodes its 2nd token and finishes at t=2; B 2nd token.
     // step 3: C gets A's region, prefills, finishes at t=3 (G=1); B 3rd token.
     // step 4: B 4th token, finishes at t=4.
     let r = reqs(&[(0.0, 3, 2), (0.0, 2, 4), (0.0, 1, 1)]);
-    let mut p = Contiguous::new(25, 1, 10);
     let mut views = Vec::new();
     let out = go(
         &r,
-        &mut p,
-        &engine(1, Preemption::Recompute, 1000),
+        &contiguous(100, 10),
+        &engine(Preemption::Recompute, 1000),
         &TokenSource::new(3, 0, 0, 0),
         &mut views,
     )
@@ -142,15 +140,19 @@ fn contiguous_hand_computed() {
     assert_eq!(rep.mean_running, (2.0 + 2.0 + 2.0 + 1.0) / 4.0);
     // stored/slots per step: 5/20, 7/20, 5/20, 5/10.
     assert_eq!(rep.kv_utilization, 22.0 / 70.0);
-    // waste = empty slots + the 5 B tail (and at step 4 the free 10 B hole is usable):
-    // 15+5, 13+5, 15+5, 5+5 = 68 B·steps over 25 B × 4 steps.
-    assert_eq!(rep.waste_fraction, 68.0 / 100.0);
+    // waste = empty slots × 4 B + the 20 B tail (and at step 4 the free 40 B hole is
+    // usable): 60+20, 52+20, 60+20, 20+20 = 272 B·steps over 100 B × 4 steps.
+    assert_eq!(rep.waste_fraction, 272.0 / 400.0);
     assert_eq!((rep.ttft_p50_s, rep.ttft_p99_s), (1.0, 3.0));
     assert_eq!((rep.latency_p50_s, rep.latency_p99_s), (3.0, 4.0));
     let running: Vec<usize> = views.iter().map(|v| v.running).collect();
     assert_eq!(running, vec![2, 2, 2, 1]);
     assert_eq!(views[0].waiting, 1);
-    assert_eq!(views[0].usage.largest_free_bytes, 5);
+    // Both regions taken: the largest hole is the tail. At step 4 A's region (block 0)
+    // is free, B's (block 1) separates it from the tail.
+    assert_eq!(views[0].usage.largest_free_bytes, 20);
+    assert_eq!(views[3].usage.largest_free_bytes, 40);
+    assert!(views.iter().all(|v| v.usage.unusable_free_bytes == 20));
 }
 
 #[test]
@@ -168,7 +170,7 @@ fn paged_recompute_preemption_hand_computed() {
     let (out, views) = go_paged(
         &r,
         cfg,
-        &engine(4, Preemption::Recompute, 1000),
+        &engine(Preemption::Recompute, 1000),
         &TokenSource::new(2, 0, 0, 0),
     );
     assert_eq!(
@@ -200,7 +202,7 @@ fn paged_swap_preemption_hand_computed() {
     let (out, views) = go_paged(
         &r,
         cfg,
-        &engine(4, Preemption::Swap, 1000),
+        &engine(Preemption::Swap, 1000),
         &TokenSource::new(2, 0, 0, 0),
     );
     assert_eq!(
@@ -228,7 +230,7 @@ fn swap_falls_back_to_recompute_when_the_host_tier_is_full() {
     let (out, _) = go_paged(
         &r,
         cfg,
-        &engine(4, Preemption::Swap, 1000),
+        &engine(Preemption::Swap, 1000),
         &TokenSource::new(2, 0, 0, 0),
     );
     assert_eq!(
@@ -246,11 +248,10 @@ fn chunked_prefill_respects_the_token_budget() {
     //         tokens left, prefills 1: first token at t=3.
     // step 4: B decodes its 2nd token, done at t=4.
     let r = reqs(&[(0.0, 10, 1), (0.0, 1, 2)]);
-    let mut p = Contiguous::new(100, 1, 16);
     let out = go(
         &r,
-        &mut p,
-        &engine(1, Preemption::Recompute, 4),
+        &contiguous(400, 16),
+        &engine(Preemption::Recompute, 4),
         &TokenSource::new(2, 0, 0, 0),
         &mut Vec::new(),
     )
@@ -272,7 +273,7 @@ fn prefix_cache_shares_the_system_prompt_and_idle_time_is_skipped() {
     let ts = TokenSource::new(2, 4, 1, 9);
     assert_eq!(ts.token(&r[0], 3), ts.token(&r[1], 3));
     assert_ne!(ts.token(&r[0], 4), ts.token(&r[1], 4));
-    let (out, _) = go_paged(&r, cfg, &engine(4, Preemption::Recompute, 1000), &ts);
+    let (out, _) = go_paged(&r, cfg, &engine(Preemption::Recompute, 1000), &ts);
     assert_eq!(
         out.outcomes,
         vec![outcome(1.0, 1.0, 0), outcome(11.0, 11.0, 0)]
@@ -285,18 +286,31 @@ fn prefix_cache_shares_the_system_prompt_and_idle_time_is_skipped() {
 
 #[test]
 fn a_request_that_never_fits_is_an_error_not_a_hang() {
-    let r = reqs(&[(0.0, 3, 2)]);
-    let mut p = Contiguous::new(5, 1, 10); // a region is 10 B, the budget 5 B
-    let e = go(
-        &r,
-        &mut p,
-        &engine(1, Preemption::Recompute, 100),
-        &TokenSource::new(1, 0, 0, 0),
-        &mut Vec::new(),
-    )
-    .unwrap_err();
+    let never = |r: &[Request], cfg: MemoryConfig| {
+        go(
+            r,
+            &cfg,
+            &engine(Preemption::Recompute, 100),
+            &TokenSource::new(r.len(), 0, 0, 0),
+            &mut Vec::new(),
+        )
+        .unwrap_err()
+    };
+    // The prompt alone (2 blocks of 2 tokens) exceeds the pool of 1 block: refused when
+    // it is added.
+    let e = never(&reqs(&[(0.0, 3, 2)]), paged_cfg(2, 1, false, 0));
     assert_eq!(e, SimError::Stuck { line: 2, tokens: 5 });
     assert!(e.to_string().contains("trace line 2"));
+    // The prompt fits the 2 blocks, but its 5th token needs a 3rd: it preempts itself and
+    // can never come back. A second request waits behind it.
+    let e = never(
+        &reqs(&[(0.0, 3, 4), (0.0, 1, 1)]),
+        paged_cfg(2, 2, false, 0),
+    );
+    assert_eq!(e, SimError::Stuck { line: 2, tokens: 7 });
+    // A budget below one region is a configuration error.
+    let e = never(&reqs(&[(0.0, 3, 2)]), contiguous(20, 10));
+    assert!(matches!(e, SimError::Engine(_)), "{e:?}");
 }
 
 fn random_trace(seed: u64, n: usize) -> Vec<Request> {
@@ -326,7 +340,7 @@ fn random_traces_keep_the_invariants() {
             ("paged-prefix-swap", true, 40, Preemption::Swap),
         ] {
             let g = tiny(bs);
-            let cfg = PagedConfig {
+            let cfg = MemoryConfig {
                 geometry: g,
                 budget_bytes: 40 * g.bytes_per_block() + 3, // 40 blocks and a 3 B tail
                 max_seqs: 64,
@@ -335,7 +349,7 @@ fn random_traces_keep_the_invariants() {
                 prefix,
                 host_bytes: host * g.bytes_per_block(),
             };
-            let (out, views) = go_paged(&r, cfg, &engine(4, pre, 32), &ts);
+            let (out, views) = go_paged(&r, cfg, &engine(pre, 32), &ts);
             check(&r, &out, &views, cfg.budget_bytes, name);
             assert!(
                 out.report.preemptions > 0,
@@ -354,14 +368,16 @@ fn random_traces_keep_the_invariants() {
             }
             if prefix {
                 assert!(out.report.prefix_hit_tokens > 0);
+            } else {
+                // The same shared prompts, but every request is its own namespace.
+                assert_eq!(out.report.prefix_hit_tokens, 0, "{name}");
             }
         }
-        let mut c = Contiguous::new(400, 4, 64); // 1 region of 256 B
         let mut views = Vec::new();
         let out = go(
             &r,
-            &mut c,
-            &engine(4, Preemption::Recompute, 32),
+            &contiguous(400, 64), // 1 region of 256 B
+            &engine(Preemption::Recompute, 32),
             &ts,
             &mut views,
         )
@@ -396,7 +412,7 @@ fn chunked_prefill_takes_blocks_chunk_by_chunk_and_the_watermark_holds_admission
     // admitted at step 4 (chunk 4 of 6), finishes at step 5.
     let r = reqs(&[(0.0, 10, 1), (0.0, 6, 1)]);
     let g = tiny(4);
-    let cfg = PagedConfig {
+    let cfg = MemoryConfig {
         geometry: g,
         budget_bytes: 5 * g.bytes_per_block(),
         max_seqs: 8,
@@ -408,7 +424,7 @@ fn chunked_prefill_takes_blocks_chunk_by_chunk_and_the_watermark_holds_admission
     let (out, views) = go_paged(
         &r,
         cfg,
-        &engine(4, Preemption::Recompute, 4),
+        &engine(Preemption::Recompute, 4),
         &TokenSource::new(2, 0, 0, 0),
     );
     let blocks: Vec<u64> = views
