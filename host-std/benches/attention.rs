@@ -15,6 +15,14 @@
 //! paged at 59–72% of the streaming read bandwidth. Block sizes 32 and 256 do as well;
 //! 8 costs ~1.2× and 1 about 3× (one softmax step per block). Targets: paged / contiguous
 //! <= 1.05 and paged >= 60% of the streaming read bandwidth.
+//!
+//! A second section, "kernel call overhead at batch 1", times a decode of one sequence
+//! of 512 and of 2048 tokens (same heads, f16 and f32) per call, with the default
+//! threads (one per core) and with the calling thread only, interleaved in one run.
+//! Before persistent workers (threads started per call with `std::thread::scope`), on
+//! the same VM under load from other builds: 1 × 512 ran on the calling thread either
+//! way (below the parallel threshold), 209–244 µs per call at a ratio of 1.00; 1 × 2048
+//! f16 491–505 µs with 2 threads versus 882–900 µs alone (ratio 0.56–0.57; ideal 0.50).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -40,14 +48,14 @@ fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     (v[v.len() / 2], v[0])
 }
 
-/// Fills `dst` with random f16 values in [-1, 1), through an f32 buffer.
-fn fill(rng: &mut StdRng, dst: &mut [f16]) {
+/// Fills `dst` with random values in [-1, 1), through an f32 buffer.
+fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
     let mut buf = vec![0.0f32; 1 << 16];
     for chunk in dst.chunks_mut(1 << 16) {
         for x in buf.iter_mut() {
             *x = rng.random_range(-1.0f32..1.0);
         }
-        f16::narrow(&buf, chunk);
+        T::narrow(&buf, chunk);
     }
 }
 
@@ -177,6 +185,77 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     );
 }
 
+/// Contexts of the call-overhead section: 512 is the batch-1 case of the issue; 2048 is
+/// large enough that the kernel uses its threads (see `PARALLEL_MIN_WORK`).
+const OVERHEAD_CONTEXTS: [u32; 2] = [512, 2048];
+/// Timed calls per configuration in the call-overhead section.
+const OVERHEAD_ITERS: usize = 301;
+
+/// Decode of one sequence of `context` tokens in storage `T`, timed per call with
+/// `threads` threads and with the calling thread only, interleaved in one run. Prints
+/// medians and bests in µs.
+fn call_overhead<T: Element>(context: u32, threads: usize, rng: &mut StdRng) {
+    let block_size = 16;
+    let blocks = context.div_ceil(block_size);
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, T::DTYPE).expect("geometry");
+    let layout = KvLayout::new(geometry, blocks).expect("layout");
+    let mut arena = Arena::for_layout(&layout).expect("arena");
+    fill(rng, arena.as_mut_slice::<T>());
+    let mut physical: Vec<u32> = (0..blocks).collect();
+    physical.shuffle(rng);
+    let table = BlockTable {
+        table: &physical,
+        stride: blocks,
+    };
+    let seqs = [SeqQuery::decode(0, context)];
+    let q: Vec<f32> = (0..Q_HEADS * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let params = |threads| AttentionParams {
+        q_heads: Q_HEADS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        threads,
+    };
+    let (many, one) = (params(threads), params(1));
+    let mut call = |params| {
+        let t = Instant::now();
+        paged_attention(
+            &layout,
+            arena.as_slice::<T>(),
+            0,
+            table,
+            &seqs,
+            &q,
+            &mut out,
+            params,
+        )
+        .expect("paged");
+        let elapsed = t.elapsed();
+        black_box(&out);
+        elapsed
+    };
+    let (mut with_threads, mut alone) = (Vec::new(), Vec::new());
+    for i in 0..OVERHEAD_ITERS + 10 {
+        let (a, b) = (call(many), call(one));
+        if i >= 10 {
+            with_threads.push(a);
+            alone.push(b);
+        }
+    }
+    let ((m, m_min), (o, o_min)) = (stats(with_threads), stats(alone));
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "  {:<4} {context:>5} tokens: {threads} threads {:8.1} µs (best {:8.1})   1 thread {:8.1} µs (best {:8.1})   {threads} threads / 1 thread {:.2}",
+        format!("{:?}", T::DTYPE),
+        us(m),
+        us(m_min),
+        us(o),
+        us(o_min),
+        us(m) / us(o)
+    );
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument picks the block sizes.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -188,5 +267,12 @@ fn main() {
     let sizes = if sizes.is_empty() { vec![16] } else { sizes };
     for bs in sizes {
         run(bs, threads, &mut rng);
+    }
+    println!(
+        "kernel call overhead at batch 1: decode of 1 seq, {Q_HEADS} q heads / {KV_HEADS} kv heads, head dim {HEAD_DIM}, block size 16, median of {OVERHEAD_ITERS} calls"
+    );
+    for context in OVERHEAD_CONTEXTS {
+        call_overhead::<f16>(context, threads, &mut rng);
+        call_overhead::<f32>(context, threads, &mut rng);
     }
 }
