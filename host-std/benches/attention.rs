@@ -25,10 +25,12 @@
 //! f16 491–505 µs with 2 threads versus 882–900 µs alone (ratio 0.56–0.57; ideal 0.50).
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
+    WorkerPool,
 };
 use kvpage::{f16, Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
@@ -59,26 +61,25 @@ fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
     }
 }
 
-/// Plain streaming read: wrapping sum of the buffer's u64 words on `threads` threads.
-fn stream_sum(buf: &[u64], threads: usize) -> u64 {
-    let per = buf.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = buf
-            .chunks(per)
-            .skip(1)
-            .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
-            .collect();
-        let first = buf
-            .chunks(per)
-            .next()
-            .map_or(0, |c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
-        handles
-            .into_iter()
-            .fold(first, |a, h| a.wrapping_add(h.join().unwrap_or(0)))
-    })
+/// Plain streaming read: wrapping sum of the buffer's u64 words, one chunk per thread of
+/// `pool`.
+fn stream_sum(buf: &[u64], pool: &WorkerPool) -> u64 {
+    let per = buf.len().div_ceil(pool.threads());
+    let sum = AtomicU64::new(0);
+    pool.for_each_task(
+        pool.threads(),
+        || (),
+        |_, t| {
+            let chunk = buf.chunks(per).nth(t).unwrap_or(&[]);
+            let s = chunk.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+            sum.fetch_add(s, Ordering::Relaxed);
+        },
+    );
+    sum.into_inner()
 }
 
-fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
+fn run(block_size: u32, pool: &WorkerPool, rng: &mut StdRng) {
+    let threads = pool.threads();
     let blocks_per_seq = CONTEXT.div_ceil(block_size);
     let num_blocks = SEQS * blocks_per_seq;
     let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, f16::DTYPE).expect("geometry");
@@ -119,7 +120,7 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     let params = AttentionParams {
         q_heads: Q_HEADS,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        threads,
+        pool: Some(pool),
     };
 
     let (mut paged, mut contig, mut stream) = (Vec::new(), Vec::new(), Vec::new());
@@ -143,7 +144,7 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
         let tc = t.elapsed();
         black_box(&out);
         let t = Instant::now();
-        black_box(stream_sum(black_box(&words), threads));
+        black_box(stream_sum(black_box(&words), pool));
         let ts = t.elapsed();
         if i >= 2 {
             paged.push(tp);
@@ -185,16 +186,18 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     );
 }
 
-/// Contexts of the call-overhead section: 512 is the batch-1 case of the issue; 2048 is
-/// large enough that the kernel uses its threads (see `PARALLEL_MIN_WORK`).
+/// Contexts of the call-overhead section: 512 is the batch-1 case of the issue; 2048 was
+/// the smaller one to use threads when a thread was spawned per call (the threshold,
+/// `PARALLEL_MIN_WORK`, was then 8× higher).
 const OVERHEAD_CONTEXTS: [u32; 2] = [512, 2048];
 /// Timed calls per configuration in the call-overhead section.
 const OVERHEAD_ITERS: usize = 301;
 
 /// Decode of one sequence of `context` tokens in storage `T`, timed per call with
-/// `threads` threads and with the calling thread only, interleaved in one run. Prints
-/// medians and bests in µs.
-fn call_overhead<T: Element>(context: u32, threads: usize, rng: &mut StdRng) {
+/// the threads of `pool` and with the calling thread only, interleaved in one run.
+/// Prints medians and bests in µs.
+fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
+    let threads = pool.threads();
     let block_size = 16;
     let blocks = context.div_ceil(block_size);
     let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, T::DTYPE).expect("geometry");
@@ -212,12 +215,12 @@ fn call_overhead<T: Element>(context: u32, threads: usize, rng: &mut StdRng) {
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
     let mut out = vec![0.0f32; q.len()];
-    let params = |threads| AttentionParams {
+    let params = |pool| AttentionParams {
         q_heads: Q_HEADS,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        threads,
+        pool,
     };
-    let (many, one) = (params(threads), params(1));
+    let (many, one) = (params(Some(pool)), params(None));
     let mut call = |params| {
         let t = Instant::now();
         paged_attention(
@@ -258,7 +261,8 @@ fn call_overhead<T: Element>(context: u32, threads: usize, rng: &mut StdRng) {
 
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument picks the block sizes.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // One thread per core, started once: every call below wakes them, none starts one.
+    let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(42);
     let sizes: Vec<u32> = std::env::args()
         .skip(1)
@@ -266,13 +270,13 @@ fn main() {
         .collect();
     let sizes = if sizes.is_empty() { vec![16] } else { sizes };
     for bs in sizes {
-        run(bs, threads, &mut rng);
+        run(bs, &pool, &mut rng);
     }
     println!(
         "kernel call overhead at batch 1: decode of 1 seq, {Q_HEADS} q heads / {KV_HEADS} kv heads, head dim {HEAD_DIM}, block size 16, median of {OVERHEAD_ITERS} calls"
     );
     for context in OVERHEAD_CONTEXTS {
-        call_overhead::<f16>(context, threads, &mut rng);
-        call_overhead::<f32>(context, threads, &mut rng);
+        call_overhead::<f16>(context, &pool, &mut rng);
+        call_overhead::<f32>(context, &pool, &mut rng);
     }
 }

@@ -8,7 +8,7 @@ mod common;
 use common::{random_vec, reference_attention, rel_error, rng, tolerance};
 use kvpage::kernels::{
     contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
-    ContiguousKv, SeqQuery,
+    ContiguousKv, SeqQuery, WorkerPool,
 };
 use kvpage::{
     bf16, f16, Arena, Buffer, DType, Element, Geometry, GeometryError, KernelError, KvLayout,
@@ -118,10 +118,11 @@ fn check<T: Element>(case: &Case) {
         })
         .collect();
     let scale = 1.0 / (hd as f32).sqrt();
+    let pool = WorkerPool::new(3);
     let params = AttentionParams {
         q_heads: case.q_heads,
         scale,
-        threads: 2,
+        pool: Some(&pool),
     };
     let mut out = vec![f32::NAN; q.len()];
     let bt = BlockTable {
@@ -273,7 +274,7 @@ fn large_scores_stay_finite_with_the_running_max() {
     let params = AttentionParams {
         q_heads: 1,
         scale: 40.0,
-        threads: 1,
+        pool: None,
     };
     let bt = BlockTable {
         table: &table,
@@ -341,10 +342,11 @@ fn shared_prefix_blocks_and_copy_on_write() {
     table[stride..stride + 3].copy_from_slice(&child);
     let q = random_vec(&mut rng, 2 * hd);
     let mut out = vec![0.0; 2 * hd];
+    let pool = WorkerPool::new(3);
     let params = AttentionParams {
         q_heads: 1,
         scale: 0.3,
-        threads: 2,
+        pool: Some(&pool),
     };
     let seqs = [SeqQuery::decode(0, 11), SeqQuery::decode(1, 11)];
     let bt = BlockTable {
@@ -408,10 +410,11 @@ fn attention_errors_write_nothing() {
         table: &s.table,
         stride: 3,
     };
+    let pool = WorkerPool::new(3);
     let ok = AttentionParams {
         q_heads: 4,
         scale: 0.5,
-        threads: 2,
+        pool: Some(&pool),
     };
     let one = [SeqQuery::decode(0, 9)];
     let cases: Vec<(KernelError, Box<Call>)> = vec![
@@ -679,7 +682,7 @@ fn kernels_refuse_an_element_type_other_than_the_layouts() {
     let params = AttentionParams {
         q_heads: 4,
         scale: 0.5,
-        threads: 1,
+        pool: None,
     };
     let one = [SeqQuery::decode(0, 9)];
     let arena = s.arena.as_slice::<bf16>();
