@@ -18,11 +18,22 @@
 //!
 //! A second section, "kernel call overhead at batch 1", times a decode of one sequence
 //! of 512 and of 2048 tokens (same heads, f16 and f32) per call, with the default
-//! threads (one per core) and with the calling thread only, interleaved in one run.
-//! Before persistent workers (threads started per call with `std::thread::scope`), on
-//! the same VM under load from other builds: 1 × 512 ran on the calling thread either
-//! way (below the parallel threshold), 209–244 µs per call at a ratio of 1.00; 1 × 2048
-//! f16 491–505 µs with 2 threads versus 882–900 µs alone (ratio 0.56–0.57; ideal 0.50).
+//! threads (one per core, a `WorkerPool` made once) and with the calling thread only,
+//! interleaved in one run; the ratio of the two is the figure to compare, since the
+//! VM's load moves absolute times by up to 1.7x. Six rounds alternating with the
+//! previous code (a thread spawned per call, `std::thread::scope`), 2 vCPUs:
+//!
+//! | ratio 2 threads / 1 thread | spawn per call | parked workers |
+//! |---|---|---|
+//! | f16, 1 × 512  | 1.00 (below the old threshold: one thread) | 0.59–0.84 |
+//! | f32, 1 × 512  | 0.99–1.01 (idem) | 0.54–0.70 |
+//! | f16, 1 × 2048 | 0.59–1.80 | 0.51–0.70 |
+//! | f32, 1 × 2048 | 0.62–1.56 | 0.46–1.04 |
+//!
+//! Quietest pair, f16 1 × 512: 226.3 µs with 2 threads vs 226.0 alone before, 168.0 vs
+//! 223.8 after; f16 1 × 2048: 891.7 vs 982.9 before, 576.3 vs 937.1 after. With one core
+//! taken by other jobs, a spawned thread that is not scheduled was still joined (up to
+//! 4.9× one thread at 2048); the workers cost 1.01–1.13× there (512: 1.05–1.08).
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
