@@ -20,21 +20,25 @@
 //! of 512 and of 2048 tokens (same heads, f16 and f32) per call, with the default
 //! threads (one per core, a `WorkerPool` made once) and with the calling thread only,
 //! interleaved in one run; the ratio of the two is the figure to compare, since the
-//! VM's load moves absolute times by up to 1.7x. Six rounds alternating with the
-//! previous code (a thread spawned per call, `std::thread::scope`), 2 vCPUs:
+//! VM's load moves absolute times by up to 1.7x. Nine rounds alternating with the
+//! previous code (a thread spawned per call, `std::thread::scope`), 2 vCPUs, load
+//! average 0.7–2.3:
 //!
 //! | ratio 2 threads / 1 thread | spawn per call | parked workers |
 //! |---|---|---|
-//! | f16, 1 × 512  | 1.00 (below the old threshold: one thread) | 0.59–0.84 |
-//! | f32, 1 × 512  | 0.99–1.01 (idem) | 0.54–0.70 |
-//! | f16, 1 × 2048 | 0.59–1.80 | 0.51–0.70 |
-//! | f32, 1 × 2048 | 0.62–1.56 | 0.46–1.04 |
+//! | f16, 1 × 512  | 1.00 (below the old threshold: one thread) | 0.48–0.84 |
+//! | f32, 1 × 512  | 0.99–1.01 (idem) | 0.49–0.70 |
+//! | f16, 1 × 2048 | 0.53–1.80 | 0.51–0.70 |
+//! | f32, 1 × 2048 | 0.53–1.56 | 0.46–1.04 |
 //!
-//! Quietest pair, f16 1 × 512: 226.3 µs with 2 threads vs 226.0 alone before, 168.0 vs
-//! 223.8 after; f16 1 × 2048: 891.7 vs 982.9 before, 576.3 vs 937.1 after. With one core
-//! taken by other jobs, a spawned thread that is not scheduled was still joined (up to
-//! 4.9× one thread at 2048); the workers cost 1.01–1.13× there (512: 1.05–1.08).
-
+//! Quiet round (load 0.9), per call: f16 1 × 512 211.7 µs with 2 threads vs 211.6 alone
+//! before, 134.5 vs 214.4 after; f16 1 × 2048 510.3 vs 893.8 before, 494.1 vs 868.2
+//! after. So on a quiet machine a large call gains nothing measurable (a spawn is small
+//! beside half a millisecond of work); the gain is that small calls now use every core,
+//! and that a busy machine no longer stalls a call: with one core taken by other jobs a
+//! spawned thread that was not scheduled was still joined (up to 4.9× one thread at
+//! 2048), while the workers cost 1.01–1.13× there (at 512: 1.05–1.08, the one case
+//! where the old code, which stayed on one thread, was cheaper).
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

@@ -62,5 +62,5 @@ pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq};
 pub use dtype::Element;
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
-pub use kernels::WorkerPool;
+pub use kernels::{Executor, WorkerPool};
 pub use kvpage_core::{DType, Geometry, GeometryError, SeqError, Stats};

@@ -8,12 +8,26 @@ mod common;
 use common::{random_vec, reference_attention, rel_error, rng, tolerance};
 use kvpage::kernels::{
     contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
-    ContiguousKv, SeqQuery, WorkerPool,
+    ContiguousKv, Executor, SeqQuery, WorkerPool,
 };
 use kvpage::{
     bf16, f16, Arena, Buffer, DType, Element, Geometry, GeometryError, KernelError, KvLayout,
 };
 use rand::seq::SliceRandom;
+
+/// A host's own threads lent to the kernels (here scoped threads started per call).
+struct HostThreads(usize);
+
+impl Executor for HostThreads {
+    fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
+        std::thread::scope(|s| {
+            for _ in 0..helpers.min(self.0) {
+                s.spawn(job);
+            }
+            job();
+        });
+    }
+}
 
 /// The layout of `num_blocks` blocks of a geometry whose dtype is `T`'s.
 fn layout_of<T: Element>(
@@ -140,6 +154,19 @@ fn check<T: Element>(case: &Case) {
         params,
     )
     .unwrap();
+    // The calling thread alone, and a host's threads, give the same bits: each output
+    // row is one task's, whichever thread runs it.
+    let host = HostThreads(2);
+    for pool in [None, Some(&host as &dyn Executor)] {
+        let mut again = vec![f32::NAN; q.len()];
+        let arena = arena.as_slice::<T>();
+        let params = AttentionParams { pool, ..params };
+        paged_attention(&layout, arena, layer, bt, &seqs, &q, &mut again, params).unwrap();
+        assert_eq!(
+            again.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
 
     let mut want = Vec::new();
     let mut q0 = 0;

@@ -3,7 +3,7 @@
 
 use super::online::{self, KvSource, RowTask, Scratch, MAX_ROWS};
 use super::parallel::DisjointOut;
-use super::pool::{for_each_task, WorkerPool};
+use super::pool::{for_each_task, Executor};
 use super::{AttentionParams, BlockTable, SeqQuery, MAX_HEAD_DIM};
 use crate::arena::KvLayout;
 use crate::dtype::Element;
@@ -134,7 +134,7 @@ pub(super) struct Shape<'p> {
     head_dim: usize,
     scale: f32,
     /// Where the tasks run: `None` for the calling thread only.
-    pool: Option<&'p WorkerPool>,
+    pool: Option<&'p dyn Executor>,
 }
 
 impl<'p> Shape<'p> {

@@ -32,7 +32,7 @@ mod write;
 pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
 pub use copy::copy_blocks;
-pub use pool::{WorkerPool, MAX_THREADS};
+pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use write::write_kv;
 
 /// Largest head dimension the kernels accept (their scratch is sized for it).
@@ -77,15 +77,26 @@ pub struct BlockTable<'a> {
 }
 
 /// Shape, scale and threads of an attention call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct AttentionParams<'p> {
     /// Query heads: a non-zero multiple of the layout's KV heads (equal: MHA; one KV
     /// head: MQA).
     pub q_heads: u32,
     /// Factor applied to `q·k` before the softmax (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
-    /// The workers that share the call's tasks with the calling thread; `None`: the
-    /// calling thread only. A call too small to repay waking a worker runs on the
-    /// calling thread either way, and so does a call that finds the pool busy.
-    pub pool: Option<&'p WorkerPool>,
+    /// The threads that share the call's tasks with the calling thread: a
+    /// [`WorkerPool`] or the host's own [`Executor`]; `None`: the calling thread only.
+    /// A call too small to repay waking a worker runs on the calling thread either way,
+    /// and so does a call that finds a `WorkerPool` busy.
+    pub pool: Option<&'p dyn Executor>,
+}
+
+impl core::fmt::Debug for AttentionParams<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AttentionParams")
+            .field("q_heads", &self.q_heads)
+            .field("scale", &self.scale)
+            .field("pool", &self.pool.map(|_| "dyn Executor"))
+            .finish()
+    }
 }

@@ -1,4 +1,5 @@
-//! [`WorkerPool`]: the kernels' worker threads, started once and parked between calls.
+//! [`WorkerPool`]: the kernels' worker threads, started once and parked between calls;
+//! [`Executor`]: what a kernel call needs of threads, so a host can lend its own.
 //!
 //! A call hands the pool a job borrowed for the call's duration, wakes as many parked
 //! workers as it has tasks for, works on the job itself, and returns only when no worker
@@ -32,6 +33,28 @@ pub const MAX_THREADS: usize = 256;
 /// A job as the workers see it: each participant calls it once; it draws tasks until
 /// none are left.
 type Job<'a> = dyn Fn() + Sync + 'a;
+
+/// Threads that share a kernel call's tasks with the calling thread.
+///
+/// [`WorkerPool`] is kvpage's own. A host that already runs a job system (a game
+/// engine, a service's pool) implements this to lend its threads to the kernel
+/// functions instead ([`AttentionParams::pool`](super::AttentionParams)); a
+/// [`KvCache`](crate::KvCache) runs its `decode` / `prefill` on its own `WorkerPool`
+/// (none started with `threads: 1`), and hands out what the kernel functions need
+/// (`layout`, `arena`, `block_manager().block_table()`).
+///
+/// `job` draws the call's tasks from a shared counter until none are left, so it may be
+/// called any number of times, from any threads, concurrently: each task still runs
+/// exactly once. Whatever `execute` leaves undone (even everything, if it never calls
+/// `job`) the calling thread runs after it returns.
+pub trait Executor: Sync {
+    /// Calls `job` on up to `helpers` threads besides the calling thread (which may call
+    /// it too), and returns only when every call of `job` has returned. The borrow of
+    /// `job` ends when `execute` returns: an implementation that hands it to threads
+    /// outside a scope must itself keep that promise. A panic of `job` is the
+    /// implementation's to handle (re-raise it, as [`WorkerPool`] does, or abort).
+    fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync));
+}
 
 /// What the calling thread and the workers share, behind [`Shared::state`].
 struct State {
@@ -165,7 +188,7 @@ impl WorkerPool {
         I: Fn() -> W + Sync,
         F: Fn(&mut W, usize) + Sync,
     {
-        for_each_task(Some(self), tasks, init, work);
+        for_each_task(Some(self as &dyn Executor), tasks, init, work);
     }
 
     /// Runs `job` on the calling thread and on up to `helpers` workers, returning after
@@ -219,6 +242,17 @@ impl WorkerPool {
     }
 }
 
+impl Executor for WorkerPool {
+    /// Wakes up to `helpers` parked workers, works on `job` too, and waits for the
+    /// workers that started on it (never for one that has not woken up yet). O(helpers).
+    ///
+    /// # Panics
+    /// Re-raises a panic of `job` (see [`WorkerPool::for_each_task`]).
+    fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
+        self.run(helpers, job);
+    }
+}
+
 impl Drop for WorkerPool {
     /// Stops the workers and joins them. No call is in progress (it would borrow the
     /// pool), so each worker is parked or about to park. O(threads).
@@ -267,10 +301,10 @@ fn worker(shared: &Shared) {
     }
 }
 
-/// Runs `work(state, task)` for every `task < tasks` on `pool` (see
-/// [`WorkerPool::for_each_task`]), or on the calling thread alone when `pool` is `None`.
-/// O(tasks) calls of `work`.
-pub(crate) fn for_each_task<W, I, F>(pool: Option<&WorkerPool>, tasks: usize, init: I, work: F)
+/// Runs `work(state, task)` for every `task < tasks` on `pool` and the calling thread
+/// (see [`WorkerPool::for_each_task`]), or on the calling thread alone when `pool` is
+/// `None`. O(tasks) calls of `work`.
+pub(crate) fn for_each_task<W, I, F>(pool: Option<&dyn Executor>, tasks: usize, init: I, work: F)
 where
     I: Fn() -> W + Sync,
     F: Fn(&mut W, usize) + Sync,
@@ -288,9 +322,13 @@ where
             work(&mut state, task);
         }
     };
-    match pool {
-        Some(pool) => pool.run(tasks.saturating_sub(1), &job),
-        None => job(),
+    if let Some(pool) = pool {
+        pool.execute(tasks.saturating_sub(1), &job);
+    }
+    // What the executor left undone (all of it without one). Its threads have returned,
+    // so the counter is final unless tasks remain.
+    if next.load(Ordering::Relaxed) < tasks {
+        job();
     }
 }
 
@@ -456,6 +494,41 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// A host's executor may call the job on any threads, any number of times, or never:
+    /// every task still runs exactly once.
+    #[test]
+    fn host_executors_run_every_task_once_however_they_call_the_job() {
+        struct Never;
+        impl Executor for Never {
+            fn execute(&self, _: usize, _: &(dyn Fn() + Sync)) {}
+        }
+        struct Repeatedly;
+        impl Executor for Repeatedly {
+            fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
+                std::thread::scope(|s| {
+                    for _ in 0..helpers + 3 {
+                        s.spawn(|| {
+                            job();
+                            job();
+                        });
+                    }
+                });
+            }
+        }
+        for executor in [&Never as &dyn Executor, &Repeatedly] {
+            for tasks in [0, 1, 2, 17, 300] {
+                let runs: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                for_each_task(
+                    Some(executor),
+                    tasks,
+                    || (),
+                    |_, t| _ = runs[t].fetch_add(1, Ordering::Relaxed),
+                );
+                assert!(runs.iter().all(|n| n.load(Ordering::Relaxed) == 1));
+            }
+        }
     }
 
     /// A thread the OS refuses to start (its thread limit, a caller asking for
