@@ -15,12 +15,37 @@
 //! paged at 59–72% of the streaming read bandwidth. Block sizes 32 and 256 do as well;
 //! 8 costs ~1.2× and 1 about 3× (one softmax step per block). Targets: paged / contiguous
 //! <= 1.05 and paged >= 60% of the streaming read bandwidth.
-
+//!
+//! A second section, "kernel call overhead at batch 1", times a decode of one sequence
+//! of 512 and of 2048 tokens (same heads, f16 and f32) per call, with the default
+//! threads (one per core, a `WorkerPool` made once) and with the calling thread only,
+//! interleaved in one run; the ratio of the two is the figure to compare, since the
+//! VM's load moves absolute times by up to 1.7x. Nine rounds alternating with the
+//! previous code (a thread spawned per call, `std::thread::scope`), 2 vCPUs, load
+//! average 0.7–2.3:
+//!
+//! | ratio 2 threads / 1 thread | spawn per call | parked workers |
+//! |---|---|---|
+//! | f16, 1 × 512  | 1.00 (below the old threshold: one thread) | 0.48–0.84 |
+//! | f32, 1 × 512  | 0.99–1.01 (idem) | 0.49–0.70 |
+//! | f16, 1 × 2048 | 0.53–1.80 | 0.51–0.70 |
+//! | f32, 1 × 2048 | 0.53–1.56 | 0.46–1.04 |
+//!
+//! Quiet round (load 0.9), per call: f16 1 × 512 211.7 µs with 2 threads vs 211.6 alone
+//! before, 134.5 vs 214.4 after; f16 1 × 2048 510.3 vs 893.8 before, 494.1 vs 868.2
+//! after. So on a quiet machine a large call gains nothing measurable (a spawn is small
+//! beside half a millisecond of work); the gain is that small calls now use every core,
+//! and that a busy machine no longer stalls a call: with one core taken by other jobs a
+//! spawned thread that was not scheduled was still joined (up to 4.9× one thread at
+//! 2048), while the workers cost 1.01–1.13× there (at 512: 1.05–1.08, the one case
+//! where the old code, which stayed on one thread, was cheaper).
 use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
+    WorkerPool,
 };
 use kvpage::{f16, Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
@@ -40,37 +65,36 @@ fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     (v[v.len() / 2], v[0])
 }
 
-/// Fills `dst` with random f16 values in [-1, 1), through an f32 buffer.
-fn fill(rng: &mut StdRng, dst: &mut [f16]) {
+/// Fills `dst` with random values in [-1, 1), through an f32 buffer.
+fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
     let mut buf = vec![0.0f32; 1 << 16];
     for chunk in dst.chunks_mut(1 << 16) {
         for x in buf.iter_mut() {
             *x = rng.random_range(-1.0f32..1.0);
         }
-        f16::narrow(&buf, chunk);
+        T::narrow(&buf, chunk);
     }
 }
 
-/// Plain streaming read: wrapping sum of the buffer's u64 words on `threads` threads.
-fn stream_sum(buf: &[u64], threads: usize) -> u64 {
-    let per = buf.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = buf
-            .chunks(per)
-            .skip(1)
-            .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
-            .collect();
-        let first = buf
-            .chunks(per)
-            .next()
-            .map_or(0, |c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
-        handles
-            .into_iter()
-            .fold(first, |a, h| a.wrapping_add(h.join().unwrap_or(0)))
-    })
+/// Plain streaming read: wrapping sum of the buffer's u64 words, one chunk per thread of
+/// `pool`.
+fn stream_sum(buf: &[u64], pool: &WorkerPool) -> u64 {
+    let per = buf.len().div_ceil(pool.threads());
+    let sum = AtomicU64::new(0);
+    pool.for_each_task(
+        pool.threads(),
+        || (),
+        |_, t| {
+            let chunk = buf.chunks(per).nth(t).unwrap_or(&[]);
+            let s = chunk.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+            sum.fetch_add(s, Ordering::Relaxed);
+        },
+    );
+    sum.into_inner()
 }
 
-fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
+fn run(block_size: u32, pool: &WorkerPool, rng: &mut StdRng) {
+    let threads = pool.threads();
     let blocks_per_seq = CONTEXT.div_ceil(block_size);
     let num_blocks = SEQS * blocks_per_seq;
     let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, f16::DTYPE).expect("geometry");
@@ -111,7 +135,7 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     let params = AttentionParams {
         q_heads: Q_HEADS,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        threads,
+        pool: Some(pool),
     };
 
     let (mut paged, mut contig, mut stream) = (Vec::new(), Vec::new(), Vec::new());
@@ -135,7 +159,7 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
         let tc = t.elapsed();
         black_box(&out);
         let t = Instant::now();
-        black_box(stream_sum(black_box(&words), threads));
+        black_box(stream_sum(black_box(&words), pool));
         let ts = t.elapsed();
         if i >= 2 {
             paged.push(tp);
@@ -177,9 +201,83 @@ fn run(block_size: u32, threads: usize, rng: &mut StdRng) {
     );
 }
 
+/// Contexts of the call-overhead section: 512 is the batch-1 case of the issue; 2048 was
+/// the smaller one to use threads when a thread was spawned per call (the threshold,
+/// `PARALLEL_MIN_WORK`, was then 8× higher).
+const OVERHEAD_CONTEXTS: [u32; 2] = [512, 2048];
+/// Timed calls per configuration in the call-overhead section.
+const OVERHEAD_ITERS: usize = 301;
+
+/// Decode of one sequence of `context` tokens in storage `T`, timed per call with
+/// the threads of `pool` and with the calling thread only, interleaved in one run.
+/// Prints medians and bests in µs.
+fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
+    let threads = pool.threads();
+    let block_size = 16;
+    let blocks = context.div_ceil(block_size);
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, T::DTYPE).expect("geometry");
+    let layout = KvLayout::new(geometry, blocks).expect("layout");
+    let mut arena = Arena::for_layout(&layout).expect("arena");
+    fill(rng, arena.as_mut_slice::<T>());
+    let mut physical: Vec<u32> = (0..blocks).collect();
+    physical.shuffle(rng);
+    let table = BlockTable {
+        table: &physical,
+        stride: blocks,
+    };
+    let seqs = [SeqQuery::decode(0, context)];
+    let q: Vec<f32> = (0..Q_HEADS * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let params = |pool| AttentionParams {
+        q_heads: Q_HEADS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        pool,
+    };
+    let (many, one) = (params(Some(pool)), params(None));
+    let mut call = |params| {
+        let t = Instant::now();
+        paged_attention(
+            &layout,
+            arena.as_slice::<T>(),
+            0,
+            table,
+            &seqs,
+            &q,
+            &mut out,
+            params,
+        )
+        .expect("paged");
+        let elapsed = t.elapsed();
+        black_box(&out);
+        elapsed
+    };
+    let (mut with_threads, mut alone) = (Vec::new(), Vec::new());
+    for i in 0..OVERHEAD_ITERS + 10 {
+        let (a, b) = (call(many), call(one));
+        if i >= 10 {
+            with_threads.push(a);
+            alone.push(b);
+        }
+    }
+    let ((m, m_min), (o, o_min)) = (stats(with_threads), stats(alone));
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "  {:<4} {context:>5} tokens: {threads} threads {:8.1} µs (best {:8.1})   1 thread {:8.1} µs (best {:8.1})   {threads} threads / 1 thread {:.2}",
+        format!("{:?}", T::DTYPE),
+        us(m),
+        us(m_min),
+        us(o),
+        us(o_min),
+        us(m) / us(o)
+    );
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument picks the block sizes.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // One thread per core, started once: every call below wakes them, none starts one.
+    let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(42);
     let sizes: Vec<u32> = std::env::args()
         .skip(1)
@@ -187,6 +285,13 @@ fn main() {
         .collect();
     let sizes = if sizes.is_empty() { vec![16] } else { sizes };
     for bs in sizes {
-        run(bs, threads, &mut rng);
+        run(bs, &pool, &mut rng);
+    }
+    println!(
+        "kernel call overhead at batch 1: decode of 1 seq, {Q_HEADS} q heads / {KV_HEADS} kv heads, head dim {HEAD_DIM}, block size 16, median of {OVERHEAD_ITERS} calls"
+    );
+    for context in OVERHEAD_CONTEXTS {
+        call_overhead::<f16>(context, &pool, &mut rng);
+        call_overhead::<f32>(context, &pool, &mut rng);
     }
 }

@@ -1,11 +1,13 @@
 //! [`KvCache`]: the owned paged KV cache — the core's block manager, its storage, the
 //! arena and the kernels behind one type.
 //!
-//! Everything is allocated once in [`KvCache::new`]: the manager's tables, the arena, and
+//! Everything is allocated once in [`KvCache::new`]: the manager's tables, the arena,
 //! two small buffers (a slot buffer of `max_seq_len` entries, a batch buffer of
-//! `max_seqs` entries). Each allocation is fallible: a size the allocator refuses is a
-//! typed error ([`CacheError::TablesAlloc`], [`CacheError::Alloc`]), never an abort.
-//! No later operation allocates.
+//! `max_seqs` entries), and the kernels' [`WorkerPool`] threads. Each of the first four
+//! is fallible: a size the allocator refuses is a typed error
+//! ([`CacheError::TablesAlloc`], [`CacheError::Alloc`]), never an abort; a worker thread
+//! the OS refuses means fewer workers (the pool's own bookkeeping is a few hundred
+//! bytes). No later operation allocates or starts a thread.
 //!
 //! What the type enforces, beyond the core's own checks:
 //! - A [`Seq`] from another cache is refused: each cache gets its own instance tag from a
@@ -28,7 +30,7 @@ use kvpage_core::{
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
 use crate::dtype::for_dtype;
 use crate::error::KernelError;
-use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery};
+use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
@@ -62,7 +64,8 @@ pub struct CacheConfig {
     /// Tokens one sequence may hold.
     pub max_seq_len: u32,
     /// Threads the attention kernels use (the calling thread included); 0 = one per
-    /// available core.
+    /// available core. [`KvCache::new`] starts `threads - 1` workers once (see
+    /// [`WorkerPool::new`]); they are parked between calls and joined on drop.
     pub threads: usize,
 }
 
@@ -208,7 +211,8 @@ pub struct KvCache {
     pub(crate) layout: KvLayout,
     /// The host tier of an engine with swap space: its layout and arena.
     pub(crate) host: Option<(KvLayout, Arena)>,
-    threads: usize,
+    /// The attention kernels' workers.
+    pool: WorkerPool,
     /// Per block-table row: start of the range K/V may be written to.
     pending: Vec<u32>,
     /// Slot output of the core's appends (`max_seq_len` entries).
@@ -228,7 +232,8 @@ impl core::fmt::Debug for KvCache {
 
 impl KvCache {
     /// Allocates everything: the core's tables, the arena (zeroed, every page touched),
-    /// and the small buffers. O(arena bytes + tables).
+    /// and the small buffers, and starts the kernels' worker threads (a thread the OS
+    /// refuses is no error: fewer workers). O(arena bytes + tables + threads).
     ///
     /// # Errors
     /// [`CacheError::BadConfig`] (zero `max_seq_len`, a capacity of zero blocks or more
@@ -275,21 +280,21 @@ impl KvCache {
                 Some((host_layout, host_arena))
             }
         };
-        let threads = match config.threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
         let max_seqs = config.max_seqs as usize;
         let max_tokens = core_config.max_tokens_per_seq() as usize;
+        let (pending, slots) = (try_filled(max_seqs, 0)?, try_filled(max_tokens, 0)?);
+        let batch = try_with_capacity(max_seqs)?;
+        // Last: no thread is started for a construction that fails.
+        let pool = WorkerPool::new(config.threads);
         Ok(Self {
             tables,
             arena,
             layout,
             host,
-            threads,
-            pending: try_filled(max_seqs, 0)?,
-            slots: try_filled(max_tokens, 0)?,
-            batch: try_with_capacity(max_seqs)?,
+            pool,
+            pending,
+            slots,
+            batch,
         })
     }
 
@@ -314,6 +319,13 @@ impl KvCache {
     /// The arena's element layout. O(1).
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The attention kernels' worker threads, e.g. to run
+    /// [`kernels::contiguous_attention`] or the caller's own
+    /// [`WorkerPool::for_each_task`] on them. O(1).
+    pub fn workers(&self) -> &WorkerPool {
+        &self.pool
     }
 
     /// The arena, read-only (e.g. to swap or upload blocks). O(1).
@@ -604,7 +616,7 @@ impl KvCache {
         let params = AttentionParams {
             q_heads,
             scale,
-            threads: self.threads,
+            pool: Some(&self.pool),
         };
         for_dtype!(self.layout.geometry().dtype(), T => {
             let arena = self.arena.as_slice::<T>();

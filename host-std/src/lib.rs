@@ -7,7 +7,8 @@
 //!   type; handles checked per cache, copy-on-write executed for the caller.
 //! - [`Element`]: storage types `f32`, `f16`, `bf16`; arithmetic is `f32`.
 //! - [`kernels`]: write K/V through the slot mapping, paged decode / chunked-prefill
-//!   attention with GQA, block copies — functions over plain slices.
+//!   attention with GQA, block copies — functions over plain slices; attention runs on
+//!   a [`WorkerPool`] of threads started once (a cache owns one).
 //!
 //! ```
 //! use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache};
@@ -64,6 +65,7 @@ pub use dtype::Element;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
+pub use kernels::{Executor, WorkerPool};
 pub use kvpage_core::{
     BlockCopy, DType, EngineError, EngineStats, FinishReason, Finished, FinishedRequests, Geometry,
     GeometryError, Preemption, RequestId, RequestState, Sampled, ScheduledSeq, SchedulerConfig,

@@ -18,13 +18,18 @@ const HEAD_DIM: u32 = 16;
 const ROW: usize = (KV_HEADS * HEAD_DIM) as usize;
 
 fn cache(dtype: DType, block_size: u32, blocks: u32) -> KvCache {
+    cache_on(dtype, block_size, blocks, 2)
+}
+
+/// [`cache`] with `threads` threads for the kernels.
+fn cache_on(dtype: DType, block_size: u32, blocks: u32, threads: usize) -> KvCache {
     let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, block_size, dtype).unwrap();
     KvCache::new(CacheConfig {
         geometry,
         capacity: Capacity::Blocks(blocks),
         max_seqs: 8,
         max_seq_len: 256,
-        threads: 2,
+        threads,
     })
     .unwrap()
 }
@@ -345,4 +350,60 @@ fn bad_inputs_write_nothing() {
     }
     c.decode(0, &[p.seq], &q, &mut out, Q_HEADS, 1.0).unwrap();
     assert!(out.iter().all(|x| x.is_finite() && *x != 7.0));
+}
+
+/// The cache's workers, started once, give bit-identical results to the calling thread
+/// alone over many consecutive prefill and decode calls (each output row is computed by
+/// one task, whichever thread draws it).
+#[test]
+fn workers_match_the_calling_thread_bit_for_bit_over_many_calls() {
+    let mut caches = [
+        cache_on(DType::F16, 16, 128, 4),
+        cache_on(DType::F16, 16, 128, 1),
+    ];
+    assert_eq!(caches[0].workers().threads(), 4);
+    assert_eq!(caches[1].workers().threads(), 1);
+    let mut r = rng(7);
+    let row_q = (Q_HEADS * HEAD_DIM) as usize;
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|s| (0..150 + 20 * s).map(|t| t * 7 + s).collect())
+        .collect();
+    // Each cache's handles, in prompt order.
+    let seqs: Vec<Vec<Seq>> = caches
+        .iter_mut()
+        .map(|c| {
+            prompts
+                .iter()
+                .map(|p| {
+                    let seq = c.create_with_prompt(0, p).unwrap().seq;
+                    write(c, seq, p, 0);
+                    seq
+                })
+                .collect()
+        })
+        .collect();
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    let q = random_vec(&mut r, total * row_q);
+    for layer in 0..LAYERS {
+        let mut outs = [vec![0.0; q.len()], vec![0.0; q.len()]];
+        for ((c, s), out) in caches.iter_mut().zip(&seqs).zip(&mut outs) {
+            let batch: Vec<(Seq, u32)> = s
+                .iter()
+                .zip(&prompts)
+                .map(|(&s, p)| (s, p.len() as u32))
+                .collect();
+            c.prefill(layer, &batch, &q, out, Q_HEADS, 0.25).unwrap();
+        }
+        assert_eq!(outs[0], outs[1], "prefill, layer {layer}");
+    }
+    for step in 0..20 {
+        let q = random_vec(&mut r, prompts.len() * row_q);
+        for layer in 0..LAYERS {
+            let mut outs = [vec![0.0; q.len()], vec![0.0; q.len()]];
+            for ((c, s), out) in caches.iter_mut().zip(&seqs).zip(&mut outs) {
+                c.decode(layer, s, &q, out, Q_HEADS, 0.25).unwrap();
+            }
+            assert_eq!(outs[0], outs[1], "decode step {step}, layer {layer}");
+        }
+    }
 }

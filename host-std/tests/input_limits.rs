@@ -8,10 +8,10 @@ use kvpage::kernels::{
 };
 use kvpage::{f16, Arena, Buffer, DType, Geometry, KernelError, KvLayout};
 
-const PARAMS: AttentionParams = AttentionParams {
+const PARAMS: AttentionParams<'static> = AttentionParams {
     q_heads: 1,
     scale: 1.0,
-    threads: 1,
+    pool: None,
 };
 
 /// `kv_heads * capacity * head_dim` = 2^64: used to panic (debug) or wrap to 0 and

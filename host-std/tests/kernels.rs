@@ -8,7 +8,7 @@ mod common;
 use common::{random_vec, reference_attention, rel_error, rng, tolerance};
 use kvpage::kernels::{
     contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
-    ContiguousKv, SeqQuery,
+    ContiguousKv, Executor, SeqQuery, WorkerPool,
 };
 use kvpage::{
     bf16, f16, Arena, BlockCopy, Buffer, DType, Element, Geometry, GeometryError, KernelError,
@@ -19,6 +19,20 @@ use rand::seq::SliceRandom;
 /// The copy of block `src` onto block `dst`.
 fn cp(src: u32, dst: u32) -> BlockCopy {
     BlockCopy { src, dst }
+}
+
+/// A host's own threads lent to the kernels (here scoped threads started per call).
+struct HostThreads(usize);
+
+impl Executor for HostThreads {
+    fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
+        std::thread::scope(|s| {
+            for _ in 0..helpers.min(self.0) {
+                s.spawn(job);
+            }
+            job();
+        });
+    }
 }
 
 /// The layout of `num_blocks` blocks of a geometry whose dtype is `T`'s.
@@ -124,10 +138,11 @@ fn check<T: Element>(case: &Case) {
         })
         .collect();
     let scale = 1.0 / (hd as f32).sqrt();
+    let pool = WorkerPool::new(3);
     let params = AttentionParams {
         q_heads: case.q_heads,
         scale,
-        threads: 2,
+        pool: Some(&pool),
     };
     let mut out = vec![f32::NAN; q.len()];
     let bt = BlockTable {
@@ -145,6 +160,19 @@ fn check<T: Element>(case: &Case) {
         params,
     )
     .unwrap();
+    // The calling thread alone, and a host's threads, give the same bits: each output
+    // row is one task's, whichever thread runs it.
+    let host = HostThreads(2);
+    for pool in [None, Some(&host as &dyn Executor)] {
+        let mut again = vec![f32::NAN; q.len()];
+        let arena = arena.as_slice::<T>();
+        let params = AttentionParams { pool, ..params };
+        paged_attention(&layout, arena, layer, bt, &seqs, &q, &mut again, params).unwrap();
+        assert_eq!(
+            again.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
 
     let mut want = Vec::new();
     let mut q0 = 0;
@@ -279,7 +307,7 @@ fn large_scores_stay_finite_with_the_running_max() {
     let params = AttentionParams {
         q_heads: 1,
         scale: 40.0,
-        threads: 1,
+        pool: None,
     };
     let bt = BlockTable {
         table: &table,
@@ -347,10 +375,11 @@ fn shared_prefix_blocks_and_copy_on_write() {
     table[stride..stride + 3].copy_from_slice(&child);
     let q = random_vec(&mut rng, 2 * hd);
     let mut out = vec![0.0; 2 * hd];
+    let pool = WorkerPool::new(3);
     let params = AttentionParams {
         q_heads: 1,
         scale: 0.3,
-        threads: 2,
+        pool: Some(&pool),
     };
     let seqs = [SeqQuery::decode(0, 11), SeqQuery::decode(1, 11)];
     let bt = BlockTable {
@@ -414,10 +443,11 @@ fn attention_errors_write_nothing() {
         table: &s.table,
         stride: 3,
     };
+    let pool = WorkerPool::new(3);
     let ok = AttentionParams {
         q_heads: 4,
         scale: 0.5,
-        threads: 2,
+        pool: Some(&pool),
     };
     let one = [SeqQuery::decode(0, 9)];
     let cases: Vec<(KernelError, Box<Call>)> = vec![
@@ -685,7 +715,7 @@ fn kernels_refuse_an_element_type_other_than_the_layouts() {
     let params = AttentionParams {
         q_heads: 4,
         scale: 0.5,
-        threads: 1,
+        pool: None,
     };
     let one = [SeqQuery::decode(0, 9)];
     let arena = s.arena.as_slice::<bf16>();

@@ -2,22 +2,26 @@
 //! contiguous baseline: validation of the call, task decomposition, threads.
 
 use super::online::{self, KvSource, RowTask, Scratch, MAX_ROWS};
-use super::parallel::{for_each_task, DisjointOut};
+use super::parallel::DisjointOut;
+use super::pool::{for_each_task, Executor};
 use super::{AttentionParams, BlockTable, SeqQuery, MAX_HEAD_DIM};
 use crate::arena::KvLayout;
 use crate::dtype::Element;
 use crate::error::{Buffer, KernelError};
 
-/// Below this many (query row × context token) products a call runs on one thread:
-/// starting threads would cost more than it saves.
-const PARALLEL_MIN_WORK: u64 = 1 << 15;
+/// Below this many (query row × context token) products a call runs on the calling
+/// thread only: waking a worker would cost more than it saves. 4096 products are about
+/// 50 µs of work on one core; a parked worker wakes in about 20 µs (development VM), and
+/// with 2 threads a decode of 1 × 64 tokens (2048 products) already took 0.76× the time
+/// of one thread. (With a thread spawned per call the threshold had to be 8× higher.)
+const PARALLEL_MIN_WORK: u64 = 1 << 12;
 
 /// Attention of new query tokens over a paged KV cache, for one layer.
 ///
 /// `q` and `out` are `[Σ queries][q_heads][head_dim]`, sequences in the order of `seqs`.
 /// Each output row is `softmax(scale · q·Kᵀ) V` over the tokens the query may see
 /// (causal), computed in `f32` with a running-max softmax. Tasks (sequence × KV head ×
-/// tile of up to 16 query rows) run in parallel on `params.threads` threads; all query
+/// tile of up to 16 query rows) run on the calling thread and `params.pool`; all query
 /// heads of a GQA group share each K/V tile, so each stored byte is read once per task.
 ///
 /// Complexity: O(Σ queries × q_heads × context_len × head_dim) arithmetic; reads each
@@ -44,7 +48,7 @@ pub fn paged_attention<T: Element>(
     seqs: &[SeqQuery],
     q: &[f32],
     out: &mut [f32],
-    params: AttentionParams,
+    params: AttentionParams<'_>,
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
@@ -123,16 +127,17 @@ impl<T> KvSource<T> for PagedSource<'_, T> {
 }
 
 /// Checked shape of an attention call.
-pub(super) struct Shape {
+pub(super) struct Shape<'p> {
     kv_heads: usize,
     q_heads: usize,
     group: usize,
     head_dim: usize,
     scale: f32,
-    threads: usize,
+    /// Where the tasks run: `None` for the calling thread only.
+    pool: Option<&'p dyn Executor>,
 }
 
-impl Shape {
+impl<'p> Shape<'p> {
     /// Validates heads, scale and the lengths of `q` and `out` against `seqs`; checks
     /// `queries <= context_len` for every sequence. O(seqs).
     pub(super) fn check(
@@ -141,7 +146,7 @@ impl Shape {
         seqs: &[SeqQuery],
         q: &[f32],
         out: &[f32],
-        params: &AttentionParams,
+        params: &AttentionParams<'p>,
     ) -> Result<Self, KernelError> {
         if params.q_heads == 0 || !params.q_heads.is_multiple_of(kv_heads) {
             return Err(KernelError::HeadsNotDivisible {
@@ -184,11 +189,7 @@ impl Shape {
             group: (params.q_heads / kv_heads) as usize,
             head_dim: head_dim as usize,
             scale: params.scale,
-            threads: if work < PARALLEL_MIN_WORK {
-                1
-            } else {
-                params.threads
-            },
+            pool: params.pool.filter(|_| work >= PARALLEL_MIN_WORK),
         })
     }
 }
@@ -223,7 +224,7 @@ fn tiles(seq: &SeqQuery, group: usize) -> usize {
 /// Runs every (sequence, KV head, row tile) task of a validated call, reading K/V from
 /// the source `source(seq, kv_head)` builds, and writes the output rows.
 pub(super) fn run<'s, T, S, F>(
-    shape: &Shape,
+    shape: &Shape<'_>,
     seqs: &'s [SeqQuery],
     q: &[f32],
     out: &mut [f32],
@@ -245,7 +246,7 @@ pub(super) fn run<'s, T, S, F>(
         task_base: 0,
         q_base: 0,
     };
-    for_each_task(shape.threads, total, init, |c, task| {
+    for_each_task(shape.pool, total, init, |c, task| {
         // Advance to the sequence holding `task`.
         loop {
             let s = &seqs[c.seq];

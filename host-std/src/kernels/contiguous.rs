@@ -1,6 +1,6 @@
 //! The attention kernel over a contiguous (unpaged) K/V layout: the baseline against
 //! which paging is measured, and a convenience for callers with a classic cache. Same
-//! inner routine, same tasks and threads as [`super::paged_attention`]; only the
+//! inner routine, same tasks and pool as [`super::paged_attention`]; only the
 //! addressing differs.
 
 use super::attention::{check_len, run, Shape};
@@ -40,7 +40,7 @@ pub fn contiguous_attention<T: Element>(
     seqs: &[SeqQuery],
     q: &[f32],
     out: &mut [f32],
-    params: AttentionParams,
+    params: AttentionParams<'_>,
 ) -> Result<(), KernelError> {
     if kv.kv_heads == 0 || kv.head_dim == 0 || kv.capacity == 0 {
         return Err(KernelError::BadLayout);

@@ -2,9 +2,9 @@
 //!
 //! Every kernel validates all of its inputs first and returns a [`KernelError`] without
 //! writing anything when one is wrong; after validation nothing can fail or panic. The
-//! kernels allocate no buffers: scratch (about 36 KiB) lives on each worker's stack;
-//! the only allocation is the operating system's, for the worker threads of a call that
-//! uses more than one (see `parallel`).
+//! kernels allocate nothing and start no threads: scratch (about 36 KiB) lives on each
+//! participating thread's stack, and the threads are those of a [`WorkerPool`], started
+//! once when it is made and parked between calls.
 //!
 //! - [`write_kv`]: store the K and V of new tokens of one layer at their slots.
 //! - [`paged_attention`]: chunked-prefill attention (causal, over the cached context
@@ -12,6 +12,7 @@
 //!   ([`SeqQuery::decode`]). Grouped-query attention, any block size, any length.
 //! - [`copy_blocks`]: copy whole blocks (copy-on-write).
 //! - [`contiguous_attention`]: the same kernel over an unpaged layout, as a baseline.
+//! - [`WorkerPool`]: the threads an attention call runs on (or none: the calling thread).
 //!
 //! [`KernelError`]: crate::KernelError
 
@@ -25,11 +26,13 @@ mod copy;
 mod math;
 mod online;
 mod parallel;
+mod pool;
 mod write;
 
 pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
 pub use copy::{copy_blocks, copy_blocks_between};
+pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use write::write_kv;
 
 /// Largest head dimension the kernels accept (their scratch is sized for it).
@@ -73,16 +76,27 @@ pub struct BlockTable<'a> {
     pub stride: u32,
 }
 
-/// Shape and scale of an attention call.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AttentionParams {
+/// Shape, scale and threads of an attention call.
+#[derive(Clone, Copy)]
+pub struct AttentionParams<'p> {
     /// Query heads: a non-zero multiple of the layout's KV heads (equal: MHA; one KV
     /// head: MQA).
     pub q_heads: u32,
     /// Factor applied to `q·k` before the softmax (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
-    /// Threads to use (the calling thread included); 0 or 1 run on the calling thread.
-    /// At most one per task is started, and a thread the OS refuses to start is done
-    /// without (its tasks run on the others).
-    pub threads: usize,
+    /// The threads that share the call's tasks with the calling thread: a
+    /// [`WorkerPool`] or the host's own [`Executor`]; `None`: the calling thread only.
+    /// A call too small to repay waking a worker runs on the calling thread either way,
+    /// and so does a call that finds a `WorkerPool` busy.
+    pub pool: Option<&'p dyn Executor>,
+}
+
+impl core::fmt::Debug for AttentionParams<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AttentionParams")
+            .field("q_heads", &self.q_heads)
+            .field("scale", &self.scale)
+            .field("pool", &self.pool.map(|_| "dyn Executor"))
+            .finish()
+    }
 }
