@@ -5,7 +5,7 @@
 //! # Use
 //! 1. [`Engine::add_request`]: a prompt (token ids), a namespace (prefix-cache tenant)
 //!    and a token limit (or none: until the caller says stop). The request waits.
-//! 2. [`Engine::step`]: asks [`schedule_with`] for a plan and executes it on the manager
+//! 2. [`Engine::step`]: asks the scheduler ([`crate::schedule_with`]'s rules) for a plan and executes it on the manager
 //!    — preemptions (recompute or swap-out), growth of running sequences (with
 //!    copy-on-write), swap-ins, admissions through the prefix cache — and returns a
 //!    [`Step`]: for every scheduled sequence the query positions, the input token ids, the
@@ -44,7 +44,7 @@ use crate::error::{InitError, SeqError};
 use crate::host_tier::HostPool;
 use crate::manager::{BlockCopy, BlockManager, SeqId};
 use crate::scheduler::{
-    schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput,
+    schedule_lazy, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput,
     SwappedSeq, WaitingSeq,
 };
 use crate::storage::{words_for_pods, Carver};
@@ -86,9 +86,9 @@ struct Slot {
     flags: u32,
     seq_index: u32,
     seq_generation: u32,
+    /// The prefix-cache namespace, in two words (the record is plain `u32`s).
     namespace_lo: u32,
     namespace_hi: u32,
-    prompt_len: u32,
     /// Token ids known: prompt plus generated (the last one may not be computed yet).
     total: u32,
     /// Tokens whose K/V the sequence holds.
@@ -415,8 +415,8 @@ pub enum EngineError {
     /// A request can never be scheduled: even with the whole pool free, its blocks (plus
     /// the watermark) do not fit. [`Engine::cancel`] it.
     Unschedulable {
-        /// The request.
-        request: RequestId,
+        /// The request; `None` from [`Engine::add_request`], which queues nothing.
+        request: Option<RequestId>,
         /// Blocks it needs, watermark included.
         needed_blocks: u64,
         /// Blocks of the pool.
@@ -524,7 +524,6 @@ impl EngineConfig {
             + 5 * words_for_pods::<u32>(r) as u128
             + words_for_pods::<RunningSeq>(r) as u128
             + words_for_pods::<SwappedSeq>(r) as u128
-            + words_for_pods::<WaitingSeq>(r) as u128
             + words_for_pods::<ActionRecord>(r) as u128
             + words_for_pods::<ScheduledRecord>(r) as u128
             + 2 * words_for_pods::<u32>(t) as u128
@@ -586,7 +585,6 @@ pub struct Engine<'a> {
     swapped: Queue<'a>,
     in_running: &'a mut [RunningSeq],
     in_swapped: &'a mut [SwappedSeq],
-    in_waiting: &'a mut [WaitingSeq],
     actions: &'a mut [ActionRecord],
     joined: &'a mut [u32],
     scheduled: &'a mut [ScheduledRecord],
@@ -661,7 +659,6 @@ impl<'a> Engine<'a> {
             swapped: Queue::new(carve.pods::<u32>(r)),
             in_running: carve.pods::<RunningSeq>(r),
             in_swapped: carve.pods::<SwappedSeq>(r),
-            in_waiting: carve.pods::<WaitingSeq>(r),
             actions: carve.pods::<ActionRecord>(r),
             joined: carve.pods::<u32>(r),
             scheduled: carve.pods::<ScheduledRecord>(r),
@@ -814,7 +811,7 @@ impl<'a> Engine<'a> {
         let needed = self.blocks_needed(prompt.len() as u32);
         if needed > u64::from(self.kv.num_blocks) {
             return Err(EngineError::Unschedulable {
-                request: RequestId::from_parts(u32::MAX, 0),
+                request: None,
                 needed_blocks: needed,
                 total_blocks: self.kv.num_blocks,
             });
@@ -834,7 +831,6 @@ impl<'a> Engine<'a> {
             state: WAITING,
             namespace_lo: namespace as u32,
             namespace_hi: (namespace >> 32) as u32,
-            prompt_len: prompt.len() as u32,
             total: prompt.len() as u32,
             max_new: max_new_tokens.unwrap_or(UNLIMITED),
             ..Slot::default()
@@ -885,7 +881,8 @@ impl<'a> Engine<'a> {
 
         // Describe the state to the scheduler. With no block shared anywhere (O(1) to
         // know), every sequence's blocks are its own and need no walk.
-        let shared = kv.stats().blocks_saved_by_sharing > 0;
+        let stats = kv.stats();
+        let shared = stats.blocks_saved_by_sharing > 0;
         for (k, &r) in self.running.as_slice().iter().enumerate() {
             let s = self.slots[r as usize];
             let seq = SeqId::from_parts(s.seq_index, s.seq_generation, self.kv.instance);
@@ -908,48 +905,33 @@ impl<'a> Engine<'a> {
                 blocks: self.slots[r as usize].held.div_ceil(bs),
             };
         }
-        // Only the head of the queue can be admitted: pass the requests that could fit
-        // under optimistic bounds (every available block, the whole budget) and the first
-        // that could not, so the scheduler sees where admission stops.
-        let room = (sched.max_running as usize).saturating_sub(self.running.len);
-        let mut optimistic_blocks = u64::from(kv.available_blocks());
-        let mut optimistic_budget = u64::from(sched.token_budget);
-        let mut n_waiting = 0;
-        for &r in self.waiting.as_slice().iter().take(room.saturating_add(1)) {
-            let s = self.slots[r as usize];
-            let tokens = &self.tokens[self.token_range(r as usize)][..s.total as usize];
-            let hit = kv.prefix_lookup(s.namespace(), tokens);
-            self.in_waiting[n_waiting] = WaitingSeq {
+        let input = StepInput {
+            running: &self.in_running[..self.running.len],
+            swapped: &self.in_swapped[..self.swapped.len],
+            waiting: &[],
+            block_size: bs,
+            available_blocks: kv.available_blocks(),
+            host_free_blocks: host.as_ref().map_or(0, |h| h.free_blocks()),
+            free_seqs: self.kv.max_seqs - stats.live_seqs,
+        };
+        // Waiting requests are described as the scheduler draws them: admission stops at
+        // the first that does not fit, so only those prompts are looked up.
+        let (kv_ref, slots, tokens) = (&*kv, &*self.slots, &*self.tokens);
+        let per_request = self.kv.max_tokens_per_seq() as usize;
+        let waiting = self.waiting.as_slice().iter().map(|&r| {
+            let s = slots[r as usize];
+            let start = r as usize * per_request;
+            let hit = kv_ref.prefix_lookup(s.namespace(), &tokens[start..start + s.total as usize]);
+            WaitingSeq {
                 id: r,
                 prompt_tokens: s.total,
                 cached_tokens: hit.tokens,
                 cached_idle_blocks: hit.idle_blocks,
-            };
-            n_waiting += 1;
-            let cached = hit.tokens.min(s.total - 1) / bs * bs;
-            let whole = u64::from(s.total.div_ceil(bs) - cached / bs) + u64::from(hit.idle_blocks);
-            let chunk = u64::from(s.total - cached).min(optimistic_budget);
-            if chunk == 0 || whole + u64::from(sched.watermark_blocks) > optimistic_blocks {
-                break;
             }
-            optimistic_blocks -= u64::from((cached + chunk as u32).div_ceil(bs) - cached / bs)
-                + u64::from(hit.idle_blocks);
-            optimistic_budget -= chunk;
-        }
-        let host_free = host.as_ref().map_or(0, |h| h.free_blocks());
-        let stats = kv.stats();
-        let input = StepInput {
-            running: &self.in_running[..self.running.len],
-            swapped: &self.in_swapped[..self.swapped.len],
-            waiting: &self.in_waiting[..n_waiting],
-            block_size: bs,
-            available_blocks: kv.available_blocks(),
-            host_free_blocks: host_free,
-            free_seqs: self.kv.max_seqs - stats.live_seqs,
-        };
+        });
         let mut n_actions = 0;
         let actions = &mut *self.actions;
-        let plan = schedule_with(&sched, &input, |a| {
+        let plan = schedule_lazy(&sched, &input, waiting, |a| {
             actions[n_actions] = ActionRecord::from_action(a);
             n_actions += 1;
         })
@@ -967,7 +949,7 @@ impl<'a> Engine<'a> {
                 let needed = self.blocks_needed(s.total) + u64::from(s.state == SWAPPED);
                 if needed > u64::from(self.kv.num_blocks) {
                     return Err(EngineError::Unschedulable {
-                        request: self.handle(r as usize),
+                        request: Some(self.handle(r as usize)),
                         needed_blocks: needed,
                         total_blocks: self.kv.num_blocks,
                     });

@@ -237,6 +237,23 @@ pub fn schedule(
 pub fn schedule_with(
     config: &SchedulerConfig,
     input: &StepInput<'_>,
+    emit: impl FnMut(Action),
+) -> Result<StepPlan, ScheduleError> {
+    schedule_lazy(config, input, input.waiting.iter().copied(), emit)
+}
+
+/// [`schedule_with`] taking the waiting requests from `waiting` instead of
+/// `input.waiting` (which it ignores): admission is first come, first served and stops at
+/// the first request that does not fit, so it draws only the requests it considers —
+/// the engine looks up each one's cached prefix only when drawn.
+/// O(running + swapped + requests drawn).
+///
+/// # Errors
+/// [`ScheduleError::ZeroConfig`] for a zero block size or budget.
+pub(crate) fn schedule_lazy(
+    config: &SchedulerConfig,
+    input: &StepInput<'_>,
+    waiting: impl Iterator<Item = WaitingSeq>,
     mut emit: impl FnMut(Action),
 ) -> Result<StepPlan, ScheduleError> {
     let bs = u64::from(input.block_size);
@@ -317,7 +334,7 @@ pub fn schedule_with(
             actions += 1;
         }
         if swapped_left == 0 {
-            for seq in input.waiting {
+            for seq in waiting {
                 let prompt = u64::from(seq.prompt_tokens);
                 // At least one prompt token is always computed.
                 let cached = u64::from(seq.cached_tokens).min(prompt.saturating_sub(1)) / bs * bs;

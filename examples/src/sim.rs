@@ -340,9 +340,10 @@ pub fn run(
 
         let step = match engine.step(&mut kv, host.as_mut()) {
             Ok(s) => s,
-            Err(EngineError::Unschedulable { request, .. }) => {
-                return Err(stuck(&requests[by_slot[request.index() as usize] as usize]))
-            }
+            Err(EngineError::Unschedulable {
+                request: Some(request),
+                ..
+            }) => return Err(stuck(&requests[by_slot[request.index() as usize] as usize])),
             Err(e) => return Err(e.into()),
         };
         let mut shape = BatchShape::default();

@@ -59,6 +59,23 @@ const Q_HEADS: u32 = 32;
 const HEAD_DIM: u32 = 128;
 const ITERS: usize = 15;
 
+/// Time of one paged-attention call over layer 0 (its output kept alive).
+fn timed_paged<T: Element>(
+    layout: &KvLayout,
+    arena: &[T],
+    table: BlockTable<'_>,
+    seqs: &[SeqQuery],
+    q: &[f32],
+    out: &mut [f32],
+    params: AttentionParams<'_>,
+) -> Duration {
+    let t = Instant::now();
+    paged_attention(layout, arena, 0, table, seqs, q, out, params).expect("paged");
+    let elapsed = t.elapsed();
+    black_box(&*out);
+    elapsed
+}
+
 /// Median and minimum.
 fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort();
@@ -140,20 +157,15 @@ fn run(block_size: u32, pool: &WorkerPool, rng: &mut StdRng) {
 
     let (mut paged, mut contig, mut stream) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..ITERS + 2 {
-        let t = Instant::now();
-        paged_attention(
+        let tp = timed_paged(
             &layout,
             arena.as_slice::<f16>(),
-            0,
             table,
             &seqs,
             &q,
             &mut out,
             params,
-        )
-        .expect("paged");
-        let tp = t.elapsed();
-        black_box(&out);
+        );
         let t = Instant::now();
         contiguous_attention(contiguous, &seqs, &q, &mut out, params).expect("contiguous");
         let tc = t.elapsed();
@@ -237,21 +249,15 @@ fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) 
     };
     let (many, one) = (params(Some(pool)), params(None));
     let mut call = |params| {
-        let t = Instant::now();
-        paged_attention(
+        timed_paged(
             &layout,
             arena.as_slice::<T>(),
-            0,
             table,
             &seqs,
             &q,
             &mut out,
             params,
         )
-        .expect("paged");
-        let elapsed = t.elapsed();
-        black_box(&out);
-        elapsed
     };
     let (mut with_threads, mut alone) = (Vec::new(), Vec::new());
     for i in 0..OVERHEAD_ITERS + 10 {

@@ -81,22 +81,6 @@ impl Engine {
         core_engine(&self.cache.tables)
     }
 
-    /// Runs `f` on the core engine, the manager and the host pool.
-    fn with_parts<R>(
-        &mut self,
-        f: impl FnOnce(
-            &mut kvpage_core::Engine<'static>,
-            &mut kvpage_core::BlockManager<'static>,
-            Option<&mut kvpage_core::HostPool<'static>>,
-        ) -> R,
-    ) -> R {
-        let parts = self.cache.tables.parts_mut();
-        match parts.engine.as_mut() {
-            Some(e) => f(e, &mut parts.manager, parts.host.as_mut()),
-            None => unreachable!("an Engine's cache always has an engine"),
-        }
-    }
-
     /// Counters of the engine. O(1).
     pub fn stats(&self) -> EngineStats {
         self.engine().stats()
@@ -133,7 +117,8 @@ impl Engine {
         namespace: u64,
         max_new_tokens: Option<u32>,
     ) -> Result<RequestId, CacheError> {
-        Ok(self.with_parts(|e, _, _| e.add_request(prompt, namespace, max_new_tokens))?)
+        let (engine, _, _) = core_parts(&mut self.cache.tables);
+        Ok(engine.add_request(prompt, namespace, max_new_tokens)?)
     }
 
     /// Plans and executes one step, including its block copies (swap-out, swap-in,
@@ -145,11 +130,8 @@ impl Engine {
     /// refused by the kernels would be an internal bug ([`CacheError::Kernel`]).
     pub fn step(&mut self) -> Result<Step<'_>, CacheError> {
         let cache = &mut self.cache;
-        let parts = cache.tables.parts_mut();
-        let Some(engine) = parts.engine.as_mut() else {
-            unreachable!("an Engine's cache always has an engine")
-        };
-        let step = engine.step(&mut parts.manager, parts.host.as_mut())?;
+        let (engine, manager, host) = core_parts(&mut cache.tables);
+        let step = engine.step(manager, host)?;
         let layout = &cache.layout;
         for_dtype!(layout.geometry().dtype(), T => {
             let arena = cache.arena.as_mut_slice::<T>();
@@ -224,11 +206,8 @@ impl Engine {
     /// As [`kvpage_core::Engine::commit_step`], wrapped in [`CacheError::Engine`].
     /// Nothing changes on error.
     pub fn commit_step(&mut self, sampled: &[Sampled]) -> Result<FinishedRequests<'_>, CacheError> {
-        let parts = self.cache.tables.parts_mut();
-        match parts.engine.as_mut() {
-            Some(e) => Ok(e.commit_step(&mut parts.manager, sampled)?),
-            None => unreachable!("an Engine's cache always has an engine"),
-        }
+        let (engine, manager, _) = core_parts(&mut self.cache.tables);
+        Ok(engine.commit_step(manager, sampled)?)
     }
 
     /// Cancels a request in any state between steps. O(its blocks).
@@ -236,7 +215,8 @@ impl Engine {
     /// # Errors
     /// As [`kvpage_core::Engine::cancel`], wrapped in [`CacheError::Engine`].
     pub fn cancel(&mut self, id: RequestId) -> Result<(), CacheError> {
-        Ok(self.with_parts(|e, m, h| e.cancel(m, h, id))?)
+        let (engine, manager, host) = core_parts(&mut self.cache.tables);
+        Ok(engine.cancel(manager, host, id)?)
     }
 
     /// Forks a running request between steps (see [`kvpage_core::Engine::fork`]).
@@ -249,7 +229,8 @@ impl Engine {
         id: RequestId,
         last_token: Option<u32>,
     ) -> Result<RequestId, CacheError> {
-        Ok(self.with_parts(|e, m, _| e.fork(m, id, last_token))?)
+        let (engine, manager, _) = core_parts(&mut self.cache.tables);
+        Ok(engine.fork(manager, id, last_token)?)
     }
 }
 
@@ -257,6 +238,23 @@ impl Engine {
 fn core_engine(tables: &Tables) -> &kvpage_core::Engine<'_> {
     match &tables.get().engine {
         Some(e) => e,
+        // `Engine::new` always builds its cache with an engine.
+        None => unreachable!("an Engine's cache always has an engine"),
+    }
+}
+
+/// The request engine, the manager and the host pool of an [`Engine`]'s cache tables,
+/// borrowed apart so the engine can drive the other two. O(1).
+fn core_parts(
+    tables: &mut Tables,
+) -> (
+    &mut kvpage_core::Engine<'static>,
+    &mut kvpage_core::BlockManager<'static>,
+    Option<&mut kvpage_core::HostPool<'static>>,
+) {
+    let parts = tables.parts_mut();
+    match parts.engine.as_mut() {
+        Some(e) => (e, &mut parts.manager, parts.host.as_mut()),
         // `Engine::new` always builds its cache with an engine.
         None => unreachable!("an Engine's cache always has an engine"),
     }
