@@ -56,6 +56,7 @@ pub mod cache;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod ffi;
 pub mod kernels;
 mod tables;
 

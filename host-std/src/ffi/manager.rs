@@ -1,0 +1,277 @@
+//! Tier 2: the block manager inside caller memory, for an engine that owns its K/V and
+//! kernels (its own CUDA, FlashInfer). The caller asks the storage size and alignment
+//! for a configuration, hands in one buffer, and nothing is allocated after that: the
+//! `kvpage_manager` object itself lives at the start of that buffer, followed by the
+//! core's tables and the host tier's free set. Freeing the buffer (after the last call)
+//! is all the clean-up there is.
+
+use core::ffi::c_void;
+use core::mem::{align_of, size_of};
+
+use kvpage_core::{BlockManager, Config, HostPool};
+
+use super::args::{obj, obj_mut, out};
+use super::geometry::kvpage_geometry;
+use super::result::{kvpage_error, kvpage_result, run, Fail};
+
+/// What a tier-2 manager is sized for (see the Rust `kvpage_core::Config`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct kvpage_manager_config {
+    /// Physical blocks in the device pool.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Sequences live at once (rows of the block table).
+    pub max_seqs: u32,
+    /// Blocks one sequence may hold (columns of the dense block table).
+    pub max_blocks_per_seq: u32,
+    /// Tag of this manager in every sequence id it issues; give each manager its own.
+    pub instance: u32,
+    /// Non-zero: keep a prefix cache (prompt sharing). Zero saves its metadata.
+    pub prefix_cache: u32,
+    /// Key of the prefix cache's block hashes (a multi-tenant service picks a secret
+    /// random one; the same key gives the same hashes on every run).
+    pub hash_key: u64,
+    /// Blocks of the host tier for swapped-out sequences; 0 for none.
+    pub host_blocks: u32,
+}
+
+impl kvpage_manager_config {
+    /// The core configuration.
+    pub(crate) fn to_core(self) -> Config {
+        Config {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_seqs: self.max_seqs,
+            max_blocks_per_seq: self.max_blocks_per_seq,
+            instance: self.instance,
+            hash_key: self.hash_key,
+            prefix_cache: self.prefix_cache != 0,
+        }
+    }
+}
+
+/// Marks a live manager, so a pointer to anything else is refused.
+const MAGIC: u64 = u64::from_le_bytes(*b"kvpgMGR2");
+
+/// The tier-2 manager: opaque to C, placed at the start of the caller's storage.
+pub struct kvpage_manager {
+    magic: u64,
+    /// The block manager over the storage after this struct.
+    pub(crate) manager: BlockManager<'static>,
+    /// The host tier's free set, when `host_blocks > 0`.
+    pub(crate) host: Option<HostPool<'static>>,
+}
+
+/// Bytes of the struct at the start of the storage, rounded to whole `u64` words.
+const HEADER_BYTES: usize = size_of::<kvpage_manager>().next_multiple_of(8);
+
+/// `(manager words, host words)` of `config`, each in `u64`s, checked.
+fn words_of(config: &kvpage_manager_config) -> Result<(usize, usize), Fail> {
+    let core = config.to_core();
+    core.validate()?;
+    let manager_words = core.storage_words();
+    let host_words = if config.host_blocks == 0 {
+        0
+    } else {
+        HostPool::storage_words(config.host_blocks).div_ceil(2)
+    };
+    Ok((manager_words, host_words))
+}
+
+/// Total bytes of storage for `config`.
+fn storage_bytes(config: &kvpage_manager_config) -> Result<usize, Fail> {
+    let (m, h) = words_of(config)?;
+    m.checked_add(h)
+        .and_then(|w| w.checked_mul(8))
+        .and_then(|b| b.checked_add(HEADER_BYTES))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or(Fail::from(kvpage_core::InitError::TooLarge))
+}
+
+/// The configuration of a model's manager: `geometry`'s block size, `num_blocks`
+/// blocks, `max_seqs` sequences of up to `max_seq_len` tokens, prefix cache on,
+/// instance 0, hash key 0, no host tier. Change fields after. O(1).
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_INVALID_ARGUMENT` (unknown dtype),
+/// `KVPAGE_ERR_BAD_CONFIG` (zero dimension).
+///
+/// # Safety
+/// `geometry` is null or readable; `out` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_config_for_geometry(
+    geometry: *const kvpage_geometry,
+    num_blocks: u32,
+    max_seqs: u32,
+    max_seq_len: u32,
+    out_config: *mut kvpage_manager_config,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `obj` / `out`; the caller's contract covers the rest.
+    unsafe {
+        run(err, || {
+            let g = obj(geometry, "geometry")?.to_core()?;
+            let dst = out(out_config, "out_config")?;
+            let c = Config::for_geometry(&g, num_blocks, max_seqs, max_seq_len);
+            dst.set(kvpage_manager_config {
+                num_blocks: c.num_blocks,
+                block_size: c.block_size,
+                max_seqs: c.max_seqs,
+                max_blocks_per_seq: c.max_blocks_per_seq,
+                instance: c.instance,
+                prefix_cache: u32::from(c.prefix_cache),
+                hash_key: c.hash_key,
+                host_blocks: 0,
+            });
+            Ok(())
+        })
+    }
+}
+
+/// Alignment in bytes the storage of a manager needs. O(1); thread-safe.
+#[no_mangle]
+pub extern "C" fn kvpage_manager_storage_align() -> usize {
+    align_of::<kvpage_manager>().max(8)
+}
+
+/// Bytes of storage a manager for `config` needs (to pass to `kvpage_manager_init`).
+/// O(1); thread-safe.
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`; `KVPAGE_ERR_BAD_CONFIG` for a zero or unaddressable size.
+///
+/// # Safety
+/// `config` is null or readable; `out_bytes` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_storage_size(
+    config: *const kvpage_manager_config,
+    out_bytes: *mut usize,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `obj` / `out`.
+    unsafe {
+        run(err, || {
+            let config = obj(config, "config")?;
+            let dst = out(out_bytes, "out_bytes")?;
+            dst.set(storage_bytes(config)?);
+            Ok(())
+        })
+    }
+}
+
+/// Builds a manager inside `storage` (`storage_bytes` long, aligned to
+/// `kvpage_manager_storage_align()`; its contents are ignored) and writes its address
+/// (= `storage`) to `*out_manager`. Every block starts free. The caller keeps the
+/// storage alive and untouched while the manager is used, and frees it afterwards;
+/// no other clean-up exists and nothing is allocated, now or later.
+/// O(storage bytes / 8).
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_BAD_CONFIG`,
+/// `KVPAGE_ERR_STORAGE_TOO_SMALL` (`needed` / `available` bytes).
+///
+/// # Safety
+/// `storage` is null or writable for `storage_bytes` bytes, used by nothing else while
+/// the manager lives; `config` is null or readable; `out_manager` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_init(
+    config: *const kvpage_manager_config,
+    storage: *mut c_void,
+    storage_bytes: usize,
+    out_manager: *mut *mut kvpage_manager,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked before use; the storage contract is the caller's.
+    unsafe {
+        run(err, || {
+            let config = *obj(config, "config")?;
+            let dst = out(out_manager, "out_manager")?;
+            let base = storage.cast::<u64>();
+            if base.is_null() {
+                return Err(Fail::null("storage"));
+            }
+            if (base as usize) % kvpage_manager_storage_align() != 0 {
+                return Err(Fail::new(kvpage_result::KVPAGE_ERR_MISALIGNED, "storage"));
+            }
+            let needed = self::storage_bytes(&config)?;
+            if storage_bytes < needed {
+                return Err(Fail::new(
+                    kvpage_result::KVPAGE_ERR_STORAGE_TOO_SMALL,
+                    "storage too small for the manager",
+                )
+                .with_sizes(needed as u64, storage_bytes as u64));
+            }
+            let (manager_words, host_words) = words_of(&config)?;
+            // SAFETY: `needed` bytes from `base` are writable and exclusive (contract);
+            // the words start after the header, 8-aligned since `base` is.
+            let words: &'static mut [u64] = core::slice::from_raw_parts_mut(
+                base.add(HEADER_BYTES / 8),
+                manager_words + host_words,
+            );
+            let (manager_storage, host_storage) = words.split_at_mut(manager_words);
+            let core = config.to_core();
+            let manager = BlockManager::new(core, manager_storage)?;
+            let host = match config.host_blocks {
+                0 => None,
+                blocks => Some(HostPool::new(
+                    blocks,
+                    core.instance,
+                    bytemuck::cast_slice_mut(host_storage),
+                )?),
+            };
+            let m = base.cast::<kvpage_manager>();
+            // SAFETY: the header bytes are writable, aligned for the struct, and hold
+            // no live value (their contents are ignored).
+            m.write(kvpage_manager {
+                magic: MAGIC,
+                manager,
+                host,
+            });
+            dst.set(m);
+            Ok(())
+        })
+    }
+}
+
+/// The manager behind a C pointer, checked for null, alignment and the magic word.
+///
+/// # Safety
+/// A non-null, aligned `ptr` points to readable memory of at least the struct's size
+/// (a manager from `kvpage_manager_init` whose storage is live, used by no other call
+/// now).
+pub(crate) unsafe fn manager_mut<'a>(
+    ptr: *mut kvpage_manager,
+) -> Result<&'a mut kvpage_manager, Fail> {
+    // SAFETY: forwarded contract; the magic is read through a raw pointer first, so a
+    // pointer to something else is refused before a reference to it is made.
+    unsafe {
+        obj_mut(ptr, "manager")?;
+        if core::ptr::addr_of!((*ptr).magic).read() != MAGIC {
+            return Err(Fail::invalid(
+                "not a kvpage_manager (uninitialised or corrupted)",
+            ));
+        }
+        Ok(&mut *ptr)
+    }
+}
+
+/// Read-only [`manager_mut`].
+///
+/// # Safety
+/// As [`manager_mut`], not mutated during `'a`.
+pub(crate) unsafe fn manager_ref<'a>(
+    ptr: *const kvpage_manager,
+) -> Result<&'a kvpage_manager, Fail> {
+    // SAFETY: as in `manager_mut`.
+    unsafe {
+        obj(ptr, "manager")?;
+        if core::ptr::addr_of!((*ptr).magic).read() != MAGIC {
+            return Err(Fail::invalid(
+                "not a kvpage_manager (uninitialised or corrupted)",
+            ));
+        }
+        Ok(&*ptr)
+    }
+}
