@@ -21,6 +21,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Default arena size of `kvpage_cache_default_params`: 256 MiB.
+#define KVPAGE_CACHE_DEFAULT_BYTES (256 << 20)
+
+// Default `max_seqs` of `kvpage_cache_default_params`.
+#define KVPAGE_CACHE_DEFAULT_MAX_SEQS 64
+
+// Default `max_seq_len` of `kvpage_cache_default_params`.
+#define KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN 4096
+
 // Storage dtype: 32-bit IEEE float.
 #define KVPAGE_DTYPE_F32 0
 
@@ -150,6 +159,10 @@ typedef uint32_t kvpage_result;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The owned cache: opaque to C, created by `kvpage_cache_new`, freed by
+// `kvpage_cache_free`.
+typedef struct kvpage_cache kvpage_cache;
+
 // The tier-2 manager: opaque to C, placed at the start of the caller's storage.
 typedef struct kvpage_manager kvpage_manager;
 
@@ -167,6 +180,73 @@ typedef struct kvpage_geometry {
   // `KVPAGE_DTYPE_F32`, `KVPAGE_DTYPE_F16` or `KVPAGE_DTYPE_BF16`.
   uint32_t dtype;
 } kvpage_geometry;
+
+// What a cache is built from; start from `kvpage_cache_default_params` and change
+// fields.
+typedef struct kvpage_cache_params {
+  // The model's KV geometry and storage dtype.
+  struct kvpage_geometry geometry;
+  // Size of the arena in blocks; exactly one of `capacity_blocks` and
+  // `capacity_bytes` is non-zero.
+  uint32_t capacity_blocks;
+  // Size of the arena in bytes (as many whole blocks as fit); exactly one of
+  // `capacity_blocks` and `capacity_bytes` is non-zero.
+  uint64_t capacity_bytes;
+  // Sequences live at once (also the largest batch of one attention call).
+  uint32_t max_seqs;
+  // Tokens one sequence may hold.
+  uint32_t max_seq_len;
+  // Threads of the attention kernels, the calling thread included; 0 = one per
+  // available core. Results do not depend on it.
+  uint32_t threads;
+} kvpage_cache_params;
+
+// Details of a failure, written by a function that fails when the caller passes a
+// non-null pointer to one (every function takes it as its last argument; pass NULL to
+// ignore details). Untouched on success.
+typedef struct kvpage_error {
+  // The code the function returned.
+  kvpage_result code;
+  // What the operation needed: blocks, tokens, elements or bytes (see the code);
+  // 0 when not applicable.
+  uint64_t needed;
+  // What was available or given, in the same unit; 0 when not applicable.
+  uint64_t available;
+  // The offending value: a length, a layer, a sequence or request id; 0 when not
+  // applicable.
+  uint64_t value;
+  // A NUL-terminated English message with the numbers, e.g. "out of blocks: need 3,
+  // 1 available" (truncated to fit).
+  char message[KVPAGE_ERROR_MESSAGE_LEN];
+} kvpage_error;
+
+// A snapshot of the block pool and the sequences (see the Rust `Stats`).
+// Invariant: `free_blocks + cached_blocks + used_blocks == total_blocks`.
+typedef struct kvpage_stats {
+  // Blocks in the pool.
+  uint32_t total_blocks;
+  // Blocks holding nothing.
+  uint32_t free_blocks;
+  // Blocks of the prefix cache referenced by no sequence (reusable, evictable).
+  uint32_t cached_blocks;
+  // Blocks referenced by at least one sequence.
+  uint32_t used_blocks;
+  // Live sequences.
+  uint32_t live_seqs;
+  // Token slots of the used blocks (`used_blocks * block_size`).
+  uint64_t token_slots;
+  // Tokens stored in used blocks, each shared block counted once.
+  uint64_t tokens_stored;
+  // Sum of the lengths of live sequences (shared tokens counted per sequence).
+  uint64_t logical_tokens;
+  // Block references beyond one per used block: what sharing saved.
+  uint64_t blocks_saved_by_sharing;
+  // Prompt tokens served from the prefix cache since construction.
+  uint64_t prefix_hit_tokens;
+} kvpage_stats;
+
+// A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
+typedef uint64_t kvpage_seq;
 
 // What a tier-2 manager is sized for (see the Rust `kvpage_core::Config`).
 typedef struct kvpage_manager_config {
@@ -189,28 +269,6 @@ typedef struct kvpage_manager_config {
   uint32_t host_blocks;
 } kvpage_manager_config;
 
-// Details of a failure, written by a function that fails when the caller passes a
-// non-null pointer to one (every function takes it as its last argument; pass NULL to
-// ignore details). Untouched on success.
-typedef struct kvpage_error {
-  // The code the function returned.
-  kvpage_result code;
-  // What the operation needed: blocks, tokens, elements or bytes (see the code);
-  // 0 when not applicable.
-  uint64_t needed;
-  // What was available or given, in the same unit; 0 when not applicable.
-  uint64_t available;
-  // The offending value: a length, a layer, a sequence or request id; 0 when not
-  // applicable.
-  uint64_t value;
-  // A NUL-terminated English message with the numbers, e.g. "out of blocks: need 3,
-  // 1 available" (truncated to fit).
-  char message[KVPAGE_ERROR_MESSAGE_LEN];
-} kvpage_error;
-
-// A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
-typedef uint64_t kvpage_seq;
-
 // A request id of an engine or scheduler.
 typedef uint64_t kvpage_request;
 
@@ -223,6 +281,342 @@ typedef uint64_t kvpage_request;
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Parameters for a cache of `geometry` with sane defaults: capacity 256 MiB in bytes
+// (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
+// (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
+// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0).
+// The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
+// fail; thread-safe.
+struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry geometry);
+
+// Builds a cache from `params` and writes it to `*out_cache`: allocates the arena
+// (zeroed, every page touched), the tables and the batch buffers, and starts
+// `threads - 1` kernel worker threads (a thread the OS refuses means fewer workers,
+// no error). The caller owns the cache and frees it with `kvpage_cache_free`.
+// O(arena bytes + tables + threads).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT`
+// (unknown dtype, both or neither capacity set); `KVPAGE_ERR_BAD_CONFIG` (zero
+// dimension or limit, capacity under one block or over 2^32-1 blocks, head dim over
+// the kernels' maximum, lengths that overflow); `KVPAGE_ERR_OUT_OF_MEMORY` (`needed`
+// bytes of tables when known).
+//
+// # Safety
+// `params` is null or readable; `out_cache` is null or writable.
+kvpage_result kvpage_cache_new(const struct kvpage_cache_params *params,
+                               struct kvpage_cache **out_cache,
+                               struct kvpage_error *err);
+
+// Frees `cache` and everything it owns (arena, tables, joins its threads); every id
+// it issued becomes meaningless. NULL is a no-op returning `KVPAGE_OK`. Not
+// concurrently with any other call on the same cache; freeing twice is undefined
+// (a freed pointer is usually, not always, refused with `KVPAGE_ERR_INVALID_ARGUMENT`).
+// O(arena pages + threads).
+//
+// # Errors
+// `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT` for a pointer that is not a
+// live cache (nothing is freed).
+//
+// # Safety
+// `cache` is null or a cache from `kvpage_cache_new` not yet freed, used by no other
+// call now or later.
+kvpage_result kvpage_cache_free(struct kvpage_cache *cache, struct kvpage_error *err);
+
+// Writes the cache's geometry to `*out_geometry`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_geometry` is null or writable.
+kvpage_result kvpage_cache_geometry(const struct kvpage_cache *cache,
+                                    struct kvpage_geometry *out_geometry,
+                                    struct kvpage_error *err);
+
+// Writes counters of the pool and the sequences to `*out_stats`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_stats` is null or writable.
+kvpage_result kvpage_cache_stats(const struct kvpage_cache *cache,
+                                 struct kvpage_stats *out_stats,
+                                 struct kvpage_error *err);
+
+// Evicts up to `max_blocks` blocks of the prefix cache that no sequence references
+// (they become free); writes how many to `*out_evicted` when non-null. Appends evict
+// on their own when blocks run out; this frees memory ahead of time. O(evicted).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_evicted` is null or writable.
+kvpage_result kvpage_cache_evict_cached(struct kvpage_cache *cache,
+                                        uint32_t max_blocks,
+                                        uint32_t *out_evicted,
+                                        struct kvpage_error *err);
+
+// Creates an empty sequence and writes its id to `*out_seq`. Its blocks are shared
+// through the prefix cache only with sequences of the same `namespace` (e.g. one per
+// tenant or per model adapter). Release it with `kvpage_cache_release`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_NO_FREE_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_seq` is null or writable.
+kvpage_result kvpage_cache_create(struct kvpage_cache *cache,
+                                  uint64_t namespace_,
+                                  kvpage_seq *out_seq,
+                                  struct kvpage_error *err);
+
+// Creates a sequence holding the `prompt_len` tokens of `prompt`, reusing the longest
+// run of cached whole blocks of `namespace` that match the prompt, and writes its id
+// to `*out_seq` and, when `out_reused` is non-null, the number of leading tokens whose
+// K/V came from the cache to `*out_reused`. Write K/V (and run attention) for
+// positions `reused..prompt_len` only, then `kvpage_cache_commit`. An empty prompt
+// (`prompt` may then be NULL) gives an empty sequence. O(prompt_len).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_NO_FREE_SEQ`, `KVPAGE_ERR_SEQ_TOO_LONG` (`needed` tokens,
+// `available` = max), `KVPAGE_ERR_OUT_OF_BLOCKS` (`needed`, `available` blocks).
+//
+// # Safety
+// `cache` is null or a live cache; `prompt` is null or readable for `prompt_len`
+// tokens; `out_seq` and `out_reused` are null or writable.
+kvpage_result kvpage_cache_create_with_prompt(struct kvpage_cache *cache,
+                                              uint64_t namespace_,
+                                              const uint32_t *prompt,
+                                              size_t prompt_len,
+                                              kvpage_seq *out_seq,
+                                              uint32_t *out_reused,
+                                              struct kvpage_error *err);
+
+// Appends the `n_tokens` token ids of `tokens` to `seq` (copying a shared last block
+// first if needed). Write their K/V in every layer, then `kvpage_cache_commit`: their
+// full blocks then become shareable through the prefix cache. `n_tokens` 0 does
+// nothing (`tokens` may then be NULL). O(n_tokens).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_SEQ_TOO_LONG`, `KVPAGE_ERR_OUT_OF_BLOCKS` (`needed`, `available`).
+//
+// # Safety
+// `cache` is null or a live cache; `tokens` is null or readable for `n_tokens` ids.
+kvpage_result kvpage_cache_append_tokens(struct kvpage_cache *cache,
+                                         kvpage_seq seq,
+                                         const uint32_t *tokens,
+                                         size_t n_tokens,
+                                         struct kvpage_error *err);
+
+// Appends `n` tokens whose ids are unknown (never shared through the prefix cache);
+// otherwise as `kvpage_cache_append_tokens`. `n` 0 does nothing. O(n).
+//
+// # Errors
+// As `kvpage_cache_append_tokens`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_append(struct kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t n,
+                                  struct kvpage_error *err);
+
+// Declares the K/V of every token of `seq` written in every layer: its full blocks
+// with known token ids become shareable through the prefix cache, and its positions
+// stop being writable. Call it once a step, after the last layer's write. Writes the
+// number of blocks newly offered to the cache to `*out_blocks` when non-null.
+// O(block_size) per such block.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_blocks` is null or writable.
+kvpage_result kvpage_cache_commit(struct kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t *out_blocks,
+                                  struct kvpage_error *err);
+
+// Creates a sequence sharing every block of `seq` (nothing is copied now: the first
+// append into a shared partial block copies that block) and writes its id to
+// `*out_child`. The positions of both stop being writable. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_NO_FREE_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_child` is null or writable.
+kvpage_result kvpage_cache_fork(struct kvpage_cache *cache,
+                                kvpage_seq seq,
+                                kvpage_seq *out_child,
+                                struct kvpage_error *err);
+
+// Shortens `seq` to `new_len` tokens (e.g. to drop rejected draft tokens), releasing
+// blocks it no longer needs. O(released blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (`needed` = `new_len`, `available` = length).
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_truncate(struct kvpage_cache *cache,
+                                    kvpage_seq seq,
+                                    uint32_t new_len,
+                                    struct kvpage_error *err);
+
+// Releases `seq`: its id becomes stale (every later use is `KVPAGE_ERR_STALE_SEQ`,
+// releasing it again included); its committed full blocks stay in the prefix cache
+// until evicted. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_release(struct kvpage_cache *cache,
+                                   kvpage_seq seq,
+                                   struct kvpage_error *err);
+
+// Writes the number of tokens `seq` holds to `*out_len`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_len` is null or writable.
+kvpage_result kvpage_cache_len(const struct kvpage_cache *cache,
+                               kvpage_seq seq,
+                               uint32_t *out_len,
+                               struct kvpage_error *err);
+
+// Stores the K and V of layer `layer` for the `n_tokens` positions `first..first +
+// n_tokens` of `seq`, rounded to the storage dtype. `k` and `v` are
+// `[n_tokens][kv_heads][head_dim]` floats; `k_len` / `v_len` are their lengths in
+// elements (at least `n_tokens × kv_heads × head_dim`; only that many are read). The
+// positions must have been appended since the sequence last became shareable (last
+// commit or fork). `n_tokens` 0 writes nothing (`k`, `v` may then be NULL).
+// O(n_tokens × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache, sizes that overflow), `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` /
+// `available` elements), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_NOT_WRITABLE`, `KVPAGE_ERR_BAD_LAYER`.
+//
+// # Safety
+// `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /
+// `v_len` floats.
+kvpage_result kvpage_cache_write_kv(struct kvpage_cache *cache,
+                                    kvpage_seq seq,
+                                    uint32_t layer,
+                                    uint32_t first,
+                                    uint32_t n_tokens,
+                                    const float *k,
+                                    size_t k_len,
+                                    const float *v,
+                                    size_t v_len,
+                                    struct kvpage_error *err);
+
+// `kvpage_cache_write_kv` with `k` and `v` already in the cache's storage dtype
+// `dtype` (`KVPAGE_DTYPE_*`; f16 and bf16 as their 16-bit patterns), copied without
+// conversion, so a model computing in f16 does not convert twice. `k_len` / `v_len`
+// count elements of `dtype`; the pointers are aligned for it (4 bytes for f32, 2 for
+// f16 / bf16). O(n_tokens × kv_heads × head_dim).
+//
+// # Errors
+// As `kvpage_cache_write_kv`; `KVPAGE_ERR_INVALID_ARGUMENT` for an unknown dtype
+// (`value` = the code), `KVPAGE_ERR_DTYPE_MISMATCH` when `dtype` is not the cache's.
+//
+// # Safety
+// `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /
+// `v_len` elements of `dtype`.
+kvpage_result kvpage_cache_write_kv_raw(struct kvpage_cache *cache,
+                                        kvpage_seq seq,
+                                        uint32_t layer,
+                                        uint32_t first,
+                                        uint32_t n_tokens,
+                                        uint32_t dtype,
+                                        const void *k,
+                                        size_t k_len,
+                                        const void *v,
+                                        size_t v_len,
+                                        struct kvpage_error *err);
+
+// Decode attention for layer `layer`: one query token per sequence (its last one,
+// whose K/V is written), over its whole context. `seqs` holds `n_seqs` ids (at most
+// `max_seqs`); `q` and `out` are `[n_seqs][q_heads][head_dim]` floats, `q_len` /
+// `out_len` their lengths in elements (at least `n_seqs × q_heads × head_dim`; only
+// that many are read / written). `q_heads` is a multiple of the KV heads (GQA);
+// `scale` multiplies the scores (usually `1/sqrt(head_dim)`). `n_seqs` 0 does
+// nothing. Runs on the cache's kernel threads; the result does not depend on their
+// number. O(Σ context × q_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache, sizes that overflow), `KVPAGE_ERR_BATCH_TOO_LARGE` (`needed` = n_seqs,
+// `available` = max_seqs), `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` / `available`
+// elements), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`, `KVPAGE_ERR_BAD_LAYER`,
+// `KVPAGE_ERR_BAD_HEADS`, `KVPAGE_ERR_BAD_SCALE`. `out` is untouched on error.
+//
+// # Safety
+// `cache` is null or a live cache; `seqs`, `q` are null or readable and `out` null or
+// writable for their lengths; `out` overlaps neither `q` nor `seqs`.
+kvpage_result kvpage_cache_decode(struct kvpage_cache *cache,
+                                  uint32_t layer,
+                                  const kvpage_seq *seqs,
+                                  size_t n_seqs,
+                                  const float *q,
+                                  size_t q_len,
+                                  float *out,
+                                  size_t out_len,
+                                  uint32_t q_heads,
+                                  float scale,
+                                  struct kvpage_error *err);
+
+// Chunked-prefill attention for layer `layer`: for sequence `seqs[i]` its last
+// `n_queries[i]` tokens are queries (causal over its whole context; their K/V is
+// written). `seqs` and `n_queries` both hold `n_seqs` entries (at most `max_seqs`);
+// `q` and `out` are `[Σ n_queries][q_heads][head_dim]` floats in the order of
+// `seqs`, `q_len` / `out_len` their lengths in elements (at least that many; only
+// that many are read / written). Decode is the case of every `n_queries[i]` = 1.
+// O(Σ queries × context × q_heads × head_dim).
+//
+// # Errors
+// As `kvpage_cache_decode`, plus `KVPAGE_ERR_QUERIES_EXCEED_CONTEXT` (`needed`
+// queries, `available` context). `out` is untouched on error.
+//
+// # Safety
+// As `kvpage_cache_decode`; `n_queries` is null or readable for `n_seqs` counts.
+kvpage_result kvpage_cache_prefill(struct kvpage_cache *cache,
+                                   uint32_t layer,
+                                   const kvpage_seq *seqs,
+                                   const uint32_t *n_queries,
+                                   size_t n_seqs,
+                                   const float *q,
+                                   size_t q_len,
+                                   float *out,
+                                   size_t out_len,
+                                   uint32_t q_heads,
+                                   float scale,
+                                   struct kvpage_error *err);
 
 // The configuration of a model's manager: `geometry`'s block size, `num_blocks`
 // blocks, `max_seqs` sequences of up to `max_seq_len` tokens, prefix cache on,

@@ -28,7 +28,7 @@ use kvpage_core::{
 };
 
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
-use crate::dtype::for_dtype;
+use crate::dtype::{for_dtype, Element};
 use crate::error::KernelError;
 use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
@@ -78,6 +78,12 @@ impl Seq {
     /// The core's handle (row, generation, instance tag), e.g. to cross an FFI boundary.
     pub const fn id(&self) -> SeqId {
         self.0
+    }
+
+    /// The handle of a core id that crossed an FFI boundary. Every operation checks it
+    /// (a forged, stale or foreign id is an error, never another sequence's data).
+    pub(crate) const fn from_id(id: SeqId) -> Self {
+        Self(id)
     }
 }
 
@@ -508,13 +514,47 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), CacheError> {
+        let tokens = self.writable_slots(seq, first, k.len())?;
+        let (layout, slots) = (&self.layout, &self.slots[..tokens]);
+        for_dtype!(layout.geometry().dtype(), T => {
+            kernels::write_kv(layout, self.arena.as_mut_slice::<T>(), layer, slots, k, v)
+        })?;
+        Ok(())
+    }
+
+    /// [`KvCache::write_kv`] with `k` and `v` already in the storage dtype `T` (e.g. an
+    /// f16 model writing an f16 cache): copied as they are, without converting through
+    /// f32. O(tokens × kv_heads × head_dim).
+    ///
+    /// # Errors
+    /// As [`KvCache::write_kv`], and [`KernelError::DTypeMismatch`] if `T` is not the
+    /// geometry's dtype. Nothing is written on error.
+    pub fn write_kv_as<T: Element>(
+        &mut self,
+        seq: Seq,
+        layer: u32,
+        first: u32,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), CacheError> {
+        self.layout.check_element::<T>()?;
+        let tokens = self.writable_slots(seq, first, k.len())?;
+        let arena = self.arena.as_mut_slice::<T>();
+        kernels::write_kv_as(&self.layout, arena, layer, &self.slots[..tokens], k, v)?;
+        Ok(())
+    }
+
+    /// Checks that the tokens of `elems` K elements (`[tokens][kv_heads][head_dim]`)
+    /// starting at position `first` lie in the pending range of `seq`, and stores their
+    /// slots in `self.slots[..tokens]`; returns `tokens`. O(tokens).
+    fn writable_slots(&mut self, seq: Seq, first: u32, elems: usize) -> Result<usize, CacheError> {
         let m = self.tables.manager();
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
         let g = self.layout.geometry();
         // In `usize`: `kv_heads * head_dim` can pass `u32::MAX` (heads are a `u32`).
         let row = g.kv_heads() as usize * g.head_dim() as usize;
-        let tokens = k.len() / row;
+        let tokens = elems / row;
         let pending = self.pending[seq.0.index() as usize];
         let end = u64::from(first) + tokens as u64;
         if first < pending || end > u64::from(len) {
@@ -525,18 +565,13 @@ impl KvCache {
                 len,
             });
         }
+        // `tokens <= len - first <= max_seq_len`, the slot buffer's length.
         let bs = g.block_size();
-        let slots = &mut self.slots[..tokens];
-        for (i, s) in slots.iter_mut().enumerate() {
+        for (i, s) in self.slots[..tokens].iter_mut().enumerate() {
             let pos = first + i as u32;
             *s = blocks[(pos / bs) as usize] * bs + pos % bs;
         }
-        let slots = &self.slots[..tokens];
-        let layout = &self.layout;
-        for_dtype!(self.layout.geometry().dtype(), T => {
-            kernels::write_kv(layout, self.arena.as_mut_slice::<T>(), layer, slots, k, v)
-        })?;
-        Ok(())
+        Ok(tokens)
     }
 
     /// Decode attention for layer `layer`: one query token per sequence (its last one,

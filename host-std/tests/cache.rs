@@ -407,3 +407,45 @@ fn workers_match_the_calling_thread_bit_for_bit_over_many_calls() {
         }
     }
 }
+
+/// K/V in the storage dtype is stored as given: the arena equals a write of the same
+/// values through f32 (exact, since they widen and narrow back unchanged); another
+/// element type is refused and writes nothing.
+fn write_as_stores_the_storage_dtype<T: Element>() {
+    let mut rng = rng(11);
+    let tokens: Vec<u32> = (0..5).collect();
+    let kv: Vec<T> = random_vec(&mut rng, 5 * ROW)
+        .into_iter()
+        .map(T::from_f32)
+        .collect();
+    let wide: Vec<f32> = kv.iter().map(|x| x.to_f32()).collect();
+    let (mut a, mut b) = (cache(T::DTYPE, 4, 8), cache(T::DTYPE, 4, 8));
+    let sa = a.create_with_prompt(0, &tokens).unwrap().seq;
+    let sb = b.create_with_prompt(0, &tokens).unwrap().seq;
+    for layer in 0..LAYERS {
+        a.write_kv_as(sa, layer, 0, &kv, &kv).unwrap();
+        b.write_kv(sb, layer, 0, &wide, &wide).unwrap();
+    }
+    assert_eq!(a.arena().as_slice::<T>(), b.arena().as_slice::<T>());
+    let before = a.arena().as_slice::<T>().to_vec();
+    let other = vec![0.5f32; 5 * ROW];
+    let refused = match T::DTYPE {
+        DType::F32 => a.write_kv_as(sa, 0, 0, &vec![f16::ONE; 5 * ROW], &[]),
+        _ => a.write_kv_as(sa, 0, 0, &other, &other),
+    };
+    assert!(
+        matches!(
+            refused,
+            Err(CacheError::Kernel(KernelError::DTypeMismatch { .. }))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(a.arena().as_slice::<T>(), &before[..]);
+}
+
+#[test]
+fn write_kv_as_every_dtype() {
+    write_as_stores_the_storage_dtype::<f32>();
+    write_as_stores_the_storage_dtype::<f16>();
+    write_as_stores_the_storage_dtype::<bf16>();
+}

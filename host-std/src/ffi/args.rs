@@ -117,6 +117,66 @@ pub(crate) unsafe fn out_opt<T>(ptr: *mut T, what: &'static str) -> Result<Optio
     unsafe { out(ptr, what) }.map(Some)
 }
 
+/// An object of the C API carrying a magic word, so that a pointer to anything else
+/// (freed, uninitialised, another type) is refused instead of used.
+pub(crate) trait Tagged {
+    /// The magic word of a live object.
+    const MAGIC: u64;
+    /// The message of a refused pointer, e.g. "not a kvpage_cache".
+    const NOT_ONE: &'static str;
+
+    /// Address of the magic word of the object at `ptr`, computed without reading.
+    ///
+    /// # Safety
+    /// `ptr` is non-null, aligned, and points into memory of at least `Self`'s size.
+    unsafe fn magic_at(ptr: *const Self) -> *const u64;
+}
+
+/// Checks `ptr` for null, alignment and the magic word, reading the word through a raw
+/// pointer before any reference to the object exists.
+///
+/// # Safety
+/// A non-null, aligned `ptr` points to readable memory of at least `T`'s size.
+unsafe fn check_tag<T: Tagged>(ptr: *const T, what: &'static str) -> Result<(), Fail> {
+    check_ptr(ptr, what)?;
+    // SAFETY: non-null and aligned (checked); readable by the caller's contract.
+    if unsafe { T::magic_at(ptr).read() } != T::MAGIC {
+        return Err(Fail::invalid(T::NOT_ONE));
+    }
+    Ok(())
+}
+
+/// `&T` of a tagged object: null, alignment and magic word checked.
+///
+/// # Safety
+/// A non-null, aligned `ptr` points to readable memory of at least `T`'s size; when it
+/// holds `T::MAGIC` it is a live `T` not mutated during `'a`.
+pub(crate) unsafe fn tagged<'a, T: Tagged>(
+    ptr: *const T,
+    what: &'static str,
+) -> Result<&'a T, Fail> {
+    // SAFETY: forwarded contract; a live `T` once the magic word matched.
+    unsafe {
+        check_tag(ptr, what)?;
+        Ok(&*ptr)
+    }
+}
+
+/// `&mut T` of a tagged object: null, alignment and magic word checked.
+///
+/// # Safety
+/// As [`tagged`], and the object is used by nothing else during `'a`.
+pub(crate) unsafe fn tagged_mut<'a, T: Tagged>(
+    ptr: *mut T,
+    what: &'static str,
+) -> Result<&'a mut T, Fail> {
+    // SAFETY: forwarded contract; a live, exclusive `T` once the magic word matched.
+    unsafe {
+        check_tag(ptr, what)?;
+        Ok(&mut *ptr)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,11 +15,13 @@
 //!   object are thread-safe.
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
-//! [`geometry`], [`stats`], [`plan`] (block copies, step records), and argument checks.
+//! [`geometry`], [`stats`], [`plan`] (block copies, step records), argument checks, and
+//! the tiers: [`cache`] (1, the owned cache), [`manager`] (2, caller memory).
 
 #![allow(non_camel_case_types)]
 
 mod args;
+pub mod cache;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
@@ -28,6 +30,7 @@ pub mod result;
 pub mod stats;
 pub mod version;
 
+pub use cache::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;

@@ -33,7 +33,7 @@ pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
 pub use copy::{copy_blocks, copy_blocks_between};
 pub use pool::{Executor, WorkerPool, MAX_THREADS};
-pub use write::write_kv;
+pub use write::{write_kv, write_kv_as};
 
 /// Largest head dimension the kernels accept (their scratch is sized for it).
 pub const MAX_HEAD_DIM: usize = 256;

@@ -26,6 +26,39 @@ pub fn write_kv<T: Element>(
     k: &[f32],
     v: &[f32],
 ) -> Result<(), KernelError> {
+    write_with(layout, arena, layer, slots, k, v, T::narrow)
+}
+
+/// [`write_kv`] with `k` and `v` already in the storage type `T` (e.g. an f16 model
+/// writing an f16 arena): copied as they are, no rounding. O(tokens × kv_heads ×
+/// head_dim), single-threaded.
+///
+/// # Errors
+/// As [`write_kv`]; [`KernelError::DTypeMismatch`] if `T` is not the geometry's dtype.
+pub fn write_kv_as<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    layer: u32,
+    slots: &[u32],
+    k: &[T],
+    v: &[T],
+) -> Result<(), KernelError> {
+    write_with(layout, arena, layer, slots, k, v, |src, dst: &mut [T]| {
+        dst.copy_from_slice(src);
+    })
+}
+
+/// The checks and the scatter of [`write_kv`] for inputs of type `S`, stored into the
+/// arena's `T` by `store` (one head's `head_dim` elements at a time, equal lengths).
+fn write_with<T: Element, S>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    layer: u32,
+    slots: &[u32],
+    k: &[S],
+    v: &[S],
+    store: impl Fn(&[S], &mut [T]),
+) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     let g = layout.geometry();
     let hd = g.head_dim() as usize;
@@ -56,7 +89,7 @@ pub fn write_kv<T: Element>(
             let src = i * row + h as usize * hd;
             for (kv, input) in [(0, k), (1, v)] {
                 let dst = layout.tile_offset_in_range(block, layer, kv, h) + offset * hd;
-                T::narrow(&input[src..src + hd], &mut arena[dst..dst + hd]);
+                store(&input[src..src + hd], &mut arena[dst..dst + hd]);
             }
         }
     }
