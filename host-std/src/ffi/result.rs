@@ -1,5 +1,5 @@
 //! Result codes and the error out-struct of the C API, and the one wrapper every
-//! exported function runs its body in ([`run`]): it catches panics and writes the error
+//! exported function runs its body in (`run`): it catches panics and writes the error
 //! struct on failure only.
 
 use core::ffi::c_char;
