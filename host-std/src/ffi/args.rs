@@ -117,6 +117,54 @@ pub(crate) unsafe fn out_opt<T>(ptr: *mut T, what: &'static str) -> Result<Optio
     unsafe { out(ptr, what) }.map(Some)
 }
 
+/// An object of the C API that starts with a magic word, so a pointer to anything else
+/// (uninitialised memory, another type) is refused before a reference to it is made.
+///
+/// # Safety
+/// `magic_of` reads only the magic field through the raw pointer (no reference to the
+/// whole object), and `MAGIC` is the value every live object of the type holds there.
+pub(crate) unsafe trait Tagged {
+    /// The magic word of live objects.
+    const MAGIC: u64;
+    /// The argument name in error messages.
+    const WHAT: &'static str;
+    /// The message when the magic word is missing.
+    const NOT_LIVE: &'static str;
+    /// The address of the magic field of the object at `ptr`.
+    fn magic_of(ptr: *const Self) -> *const u64;
+}
+
+fn check_tagged<T: Tagged>(ptr: *const T) -> Result<(), Fail> {
+    check_ptr(ptr, T::WHAT)?;
+    // SAFETY: non-null and aligned; the caller of `tagged`/`tagged_mut` promises the
+    // object's memory is readable, and `magic_of` reads no more than the magic field.
+    if unsafe { T::magic_of(ptr).read() } != T::MAGIC {
+        return Err(Fail::invalid(T::NOT_LIVE));
+    }
+    Ok(())
+}
+
+/// `&T` of a [`Tagged`] object, checked for null, alignment and the magic word.
+///
+/// # Safety
+/// A non-null, aligned `ptr` points to memory readable for one `T`; when it holds the
+/// magic word it is a live `T` not mutated during `'a`.
+pub(crate) unsafe fn tagged<'a, T: Tagged>(ptr: *const T) -> Result<&'a T, Fail> {
+    check_tagged(ptr)?;
+    // SAFETY: checked above; liveness by the caller's contract.
+    Ok(unsafe { &*ptr })
+}
+
+/// `&mut T` of a [`Tagged`] object, checked as [`tagged`].
+///
+/// # Safety
+/// As [`tagged`], and the object is used by nothing else during `'a`.
+pub(crate) unsafe fn tagged_mut<'a, T: Tagged>(ptr: *mut T) -> Result<&'a mut T, Fail> {
+    check_tagged(ptr)?;
+    // SAFETY: checked above; exclusivity by the caller's contract.
+    Ok(unsafe { &mut *ptr })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
