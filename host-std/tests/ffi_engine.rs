@@ -123,7 +123,7 @@ fn samples_for(rec: &Rec) -> Vec<kvpage_sampled> {
             kvpage_sampled {
                 request: s.0,
                 token,
-                stop: u32::from(token % 97 == 0),
+                stop: u32::from(token.is_multiple_of(97)),
             }
         })
         .collect()
@@ -646,5 +646,793 @@ fn tier3_c_scheduler_equals_the_core_engine_with_swap() {
     assert!(
         st.swap_outs > 0 && st.swap_ins > 0 && st.finished == 5,
         "{st:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Bad input
+
+use kvpage_result::*;
+
+/// Runs `f` with an error struct and returns the code and the struct.
+fn call(f: impl FnOnce(*mut kvpage_error) -> kvpage_result) -> (kvpage_result, kvpage_error) {
+    // SAFETY: zeroed is a valid kvpage_error (code 0, empty message).
+    let mut e = unsafe { std::mem::zeroed::<kvpage_error>() };
+    let code = f(&mut e);
+    if code != KVPAGE_OK {
+        assert_eq!(e.code, code, "the error struct carries the code");
+    }
+    (code, e)
+}
+
+fn code(f: impl FnOnce(*mut kvpage_error) -> kvpage_result) -> kvpage_result {
+    call(f).0
+}
+
+/// Steps and commits `n` times with the deterministic samples; the steps' records and
+/// finished lists.
+fn drive_engine(e: *mut kvpage_engine, n: usize) -> Vec<(Rec, Vec<kvpage_finished>)> {
+    (0..n)
+        .map(|_| {
+            let (step, seqs) = c_step(e);
+            let rec = rec_of_c(&step, &seqs);
+            let fin = c_commit(e, &samples_for(&rec));
+            (rec, fin)
+        })
+        .collect()
+}
+
+#[test]
+fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
+    let p = engine_params();
+    let mut engine = null_mut();
+    // SAFETY: every pointer is null, valid, or deliberately wrong in a checked way.
+    unsafe {
+        assert_eq!(
+            code(|e| kvpage_engine_new(null_mut(), &mut engine, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_new(&p, null_mut(), e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let d = kvpage_engine_params_default();
+        assert_eq!(
+            code(|e| kvpage_engine_new(&d, &mut engine, e)),
+            KVPAGE_ERR_BAD_CONFIG
+        );
+        for bad in [
+            kvpage_engine_params {
+                capacity_bytes: 1 << 20,
+                ..p
+            },
+            kvpage_engine_params {
+                capacity_blocks: 0,
+                ..p
+            },
+            kvpage_engine_params {
+                max_requests: 0,
+                ..p
+            },
+            kvpage_engine_params {
+                host_capacity_blocks: 4,
+                host_capacity_bytes: 4096,
+                ..p
+            },
+            kvpage_engine_params {
+                scheduler: kvpage_scheduler_params {
+                    max_running: 0,
+                    ..p.scheduler
+                },
+                ..p
+            },
+        ] {
+            assert_eq!(
+                code(|e| kvpage_engine_new(&bad, &mut engine, e)),
+                KVPAGE_ERR_BAD_CONFIG
+            );
+        }
+        let bad = kvpage_engine_params {
+            scheduler: kvpage_scheduler_params {
+                preemption: 9,
+                ..p.scheduler
+            },
+            ..p
+        };
+        assert_eq!(
+            code(|e| kvpage_engine_new(&bad, &mut engine, e)),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        let bad = kvpage_engine_params {
+            geometry: kvpage_geometry {
+                dtype: 7,
+                ..p.geometry
+            },
+            ..p
+        };
+        assert_eq!(
+            code(|e| kvpage_engine_new(&bad, &mut engine, e)),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        assert!(engine.is_null(), "no out-parameter written on failure");
+        kvpage_engine_free(null_mut());
+    }
+
+    let ce = new_c_engine(&p);
+    let clean = new_c_engine(&p);
+    let prompts: [Vec<u32>; 2] = [(1..7).collect(), (1..31).collect()];
+    let mut ids = vec![];
+    for (i, pr) in prompts.iter().enumerate() {
+        ids.push(c_add(ce, 3, pr, 3 + i as u32));
+        c_add(clean, 3, pr, 3 + i as u32);
+    }
+    let stale = ids[0] ^ (1 << 40);
+    let mut toks = [0u32; 64];
+    let mut n = 777usize;
+    let mut state = 9u32;
+    let mut st = kvpage_engine_stats::default();
+    // SAFETY: as above; `garbage` is readable memory without the magic word.
+    unsafe {
+        let garbage = [0u64; 64];
+        let fake = garbage.as_ptr() as *mut kvpage_engine;
+        let mut step = std::mem::zeroed::<kvpage_step>();
+        assert_eq!(
+            code(|e| kvpage_engine_step(null_mut(), &mut step, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_step(fake, &mut step, e)),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_step(ce, null_mut(), e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_stats(ce, null_mut(), null_mut(), e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        // Without a step.
+        let s = [kvpage_sampled {
+            request: ids[0],
+            token: 1,
+            stop: 0,
+        }];
+        let mut fin = [kvpage_finished::default(); 4];
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(ce, s.as_ptr(), 1, fin.as_mut_ptr(), 4, &mut n, e)),
+            KVPAGE_ERR_NO_STEP_IN_PROGRESS
+        );
+        let mut seqs = [kvpage_step_seq::default(); 8];
+        assert_eq!(
+            code(|e| kvpage_engine_step_seqs(ce, seqs.as_mut_ptr(), 8, &mut n, e)),
+            KVPAGE_ERR_NO_STEP_IN_PROGRESS
+        );
+        let kv = [0.0f32; 1024];
+        let mut out = [0.0f32; 1024];
+        assert_eq!(
+            code(|e| kvpage_engine_write_kv(ce, 0, kv.as_ptr(), 0, kv.as_ptr(), 0, e)),
+            KVPAGE_ERR_NO_STEP_IN_PROGRESS
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_attention(
+                ce,
+                0,
+                kv.as_ptr(),
+                0,
+                out.as_mut_ptr(),
+                0,
+                4,
+                1.0,
+                e
+            )),
+            KVPAGE_ERR_NO_STEP_IN_PROGRESS
+        );
+        // Prompts and ids.
+        let mut r = KVPAGE_REQUEST_NONE;
+        assert_eq!(
+            code(|e| kvpage_engine_add_request(ce, 0, toks.as_ptr(), 0, 0, &mut r, e)),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_add_request(ce, 0, null_mut(), 3, 0, &mut r, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let long = [1u32; 65];
+        assert_eq!(
+            code(|e| kvpage_engine_add_request(ce, 0, long.as_ptr(), 65, 0, &mut r, e)),
+            KVPAGE_ERR_SEQ_TOO_LONG
+        );
+        assert_eq!(r, KVPAGE_REQUEST_NONE);
+        for bad_id in [stale, KVPAGE_REQUEST_NONE, 5] {
+            assert_eq!(
+                code(|e| kvpage_engine_request_state(ce, bad_id, &mut state, e)),
+                KVPAGE_ERR_STALE_REQUEST
+            );
+            assert_eq!(
+                code(|e| kvpage_engine_cancel(ce, bad_id, e)),
+                KVPAGE_ERR_STALE_REQUEST
+            );
+            assert_eq!(
+                code(|e| kvpage_engine_fork(ce, bad_id, 0, 0, &mut r, e)),
+                KVPAGE_ERR_STALE_REQUEST
+            );
+            assert_eq!(
+                code(|e| kvpage_engine_request_tokens(
+                    ce,
+                    bad_id,
+                    toks.as_mut_ptr(),
+                    64,
+                    &mut n,
+                    e
+                )),
+                KVPAGE_ERR_STALE_REQUEST
+            );
+        }
+        assert_eq!(state, 9);
+        ok(kvpage_engine_request_state(
+            ce,
+            ids[0],
+            &mut state,
+            null_mut(),
+        ));
+        assert_eq!(state, KVPAGE_REQUEST_WAITING);
+        assert_eq!(
+            code(|e| kvpage_engine_fork(ce, ids[0], 0, 0, &mut r, e)),
+            KVPAGE_ERR_WRONG_STATE
+        );
+        let (c, err) =
+            call(|e| kvpage_engine_request_tokens(ce, ids[0], toks.as_mut_ptr(), 3, &mut n, e));
+        assert_eq!(
+            (c, err.needed, err.available, n),
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, 6, 3, 777)
+        );
+
+        // A step, then everything that must wait for its commit.
+        ok(kvpage_engine_step(ce, &mut step, null_mut()));
+        assert_eq!(step.num_seqs, 2);
+        let mut again = std::mem::zeroed::<kvpage_step>();
+        assert_eq!(
+            code(|e| kvpage_engine_step(ce, &mut again, e)),
+            KVPAGE_ERR_STEP_IN_PROGRESS
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_add_request(ce, 0, toks.as_ptr(), 2, 0, &mut r, e)),
+            KVPAGE_ERR_STEP_IN_PROGRESS
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_cancel(ce, ids[0], e)),
+            KVPAGE_ERR_STEP_IN_PROGRESS
+        );
+        let (c, err) = call(|e| kvpage_engine_step_seqs(ce, seqs.as_mut_ptr(), 1, &mut n, e));
+        assert_eq!(
+            (c, err.needed, err.available, n),
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, 2, 1, 777)
+        );
+        let tokens = step.num_tokens;
+        let kv_len = tokens * (KV_HEADS * HEAD_DIM) as usize;
+        let q_len = tokens * (Q_HEADS * HEAD_DIM) as usize;
+        assert!(q_len <= out.len());
+        assert_eq!(
+            code(|e| kvpage_engine_write_kv(
+                ce,
+                0,
+                kv.as_ptr(),
+                kv_len - 1,
+                kv.as_ptr(),
+                kv_len,
+                e
+            )),
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_write_kv(ce, 0, null_mut(), kv_len, kv.as_ptr(), kv_len, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_write_kv(
+                ce,
+                LAYERS,
+                kv.as_ptr(),
+                kv_len,
+                kv.as_ptr(),
+                kv_len,
+                e
+            )),
+            KVPAGE_ERR_BAD_LAYER
+        );
+        out.fill(5.0);
+        assert_eq!(
+            code(|e| kvpage_engine_attention(
+                ce,
+                0,
+                kv.as_ptr(),
+                q_len - 1,
+                out.as_mut_ptr(),
+                q_len,
+                Q_HEADS,
+                1.0,
+                e
+            )),
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_attention(
+                ce,
+                0,
+                kv.as_ptr(),
+                q_len,
+                out.as_mut_ptr(),
+                q_len - 1,
+                Q_HEADS,
+                1.0,
+                e
+            )),
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_attention(
+                ce,
+                0,
+                kv.as_ptr(),
+                q_len,
+                out.as_mut_ptr(),
+                q_len,
+                3,
+                1.0,
+                e
+            )),
+            KVPAGE_ERR_BAD_HEADS
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_attention(
+                ce,
+                0,
+                kv.as_ptr(),
+                q_len,
+                out.as_mut_ptr(),
+                q_len,
+                Q_HEADS,
+                f32::NAN,
+                e
+            )),
+            KVPAGE_ERR_BAD_SCALE
+        );
+        assert!(out.iter().all(|&x| x == 5.0), "no output written on error");
+        // Commits that must be refused before anything is committed.
+        ok(kvpage_engine_step_seqs(
+            ce,
+            seqs.as_mut_ptr(),
+            8,
+            &mut n,
+            null_mut(),
+        ));
+        let rec = rec_of_c(&step, &seqs[..n]);
+        let good = samples_for(&rec);
+        assert_eq!(
+            good.len(),
+            1,
+            "the long prompt is a chunk that does not emit"
+        );
+        let (c, err) = call(|e| {
+            kvpage_engine_commit_step(ce, good.as_ptr(), 1, fin.as_mut_ptr(), 0, &mut n, e)
+        });
+        assert_eq!(
+            (c, err.needed, err.available),
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, 1, 0)
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(
+                ce,
+                good.as_ptr(),
+                0,
+                fin.as_mut_ptr(),
+                4,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_MISSING_SAMPLE
+        );
+        let twice = [good[0], good[0]];
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(
+                ce,
+                twice.as_ptr(),
+                2,
+                fin.as_mut_ptr(),
+                4,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_DUPLICATE_SAMPLE
+        );
+        let other = [kvpage_sampled {
+            request: rec.seqs.iter().find(|s| !s.5).unwrap().0,
+            token: 1,
+            stop: 0,
+        }];
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(
+                ce,
+                other.as_ptr(),
+                1,
+                fin.as_mut_ptr(),
+                4,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_WRONG_STATE
+        );
+        let stale_sample = [kvpage_sampled {
+            request: stale,
+            ..good[0]
+        }];
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(
+                ce,
+                stale_sample.as_ptr(),
+                1,
+                fin.as_mut_ptr(),
+                4,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_STALE_REQUEST
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(ce, null_mut(), 1, fin.as_mut_ptr(), 4, &mut n, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_engine_commit_step(
+                ce,
+                good.as_ptr(),
+                1,
+                fin.as_mut_ptr(),
+                4,
+                null_mut(),
+                e
+            )),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(n, 2, "n_finished untouched by the refused commits");
+        ok(kvpage_engine_stats(ce, &mut st, null_mut(), null_mut()));
+        assert_eq!(st.steps, 1);
+        // The step the clean engine took is the same; finish it on both.
+        let (cstep, cseqs) = c_step(clean);
+        assert_eq!(rec_of_c(&cstep, &cseqs), rec);
+        assert_eq!(c_commit(ce, &good), c_commit(clean, &good));
+    }
+    // Works afterwards, exactly as the engine that saw no bad call.
+    assert_eq!(drive_engine(ce, 8), drive_engine(clean, 8));
+    // SAFETY: live engine, then both freed once.
+    unsafe {
+        ok(kvpage_engine_stats(ce, &mut st, null_mut(), null_mut()));
+        assert_eq!(st.finished, 2);
+        kvpage_engine_free(ce);
+        kvpage_engine_free(clean);
+    }
+}
+
+fn drive_scheduler(c: &CTier3, n: usize) -> Vec<(Rec, Vec<kvpage_finished>)> {
+    (0..n)
+        .map(|_| {
+            // SAFETY: live scheduler and manager; buffers sized as passed.
+            unsafe {
+                let mut step = std::mem::zeroed::<kvpage_step>();
+                ok(kvpage_scheduler_step(c.s, c.m, &mut step, null_mut()));
+                let mut seqs = vec![kvpage_step_seq::default(); step.num_seqs];
+                let mut k = 0;
+                ok(kvpage_scheduler_step_seqs(
+                    c.s,
+                    seqs.as_mut_ptr(),
+                    seqs.len(),
+                    &mut k,
+                    null_mut(),
+                ));
+                let rec = rec_of_c(&step, &seqs);
+                let samples = samples_for(&rec);
+                let mut fin = vec![kvpage_finished::default(); samples.len()];
+                let mut nf = 0;
+                ok(kvpage_scheduler_commit_step(
+                    c.s,
+                    c.m,
+                    samples.as_ptr(),
+                    samples.len(),
+                    fin.as_mut_ptr(),
+                    fin.len(),
+                    &mut nf,
+                    null_mut(),
+                ));
+                fin.truncate(nf);
+                (rec, fin)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn tier3_bad_input_and_a_foreign_manager_are_refused_and_change_nothing() {
+    let mc = manager_config(8, 3);
+    let sc = sched_config(KVPAGE_PREEMPT_SWAP);
+    let mut bytes = 0usize;
+    let mut s = null_mut();
+    let (_mstore, m) = c_manager(&mc);
+    // SAFETY: every pointer is null, valid, or deliberately wrong in a checked way.
+    unsafe {
+        assert_eq!(
+            code(|e| kvpage_scheduler_storage_size(null_mut(), &sc, &mut bytes, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_scheduler_storage_size(&mc, null_mut(), &mut bytes, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let zero = kvpage_scheduler_config {
+            max_requests: 0,
+            ..sc
+        };
+        assert_eq!(
+            code(|e| kvpage_scheduler_storage_size(&mc, &zero, &mut bytes, e)),
+            KVPAGE_ERR_BAD_CONFIG
+        );
+        let zero = kvpage_scheduler_config {
+            scheduler: kvpage_scheduler_params {
+                token_budget: 0,
+                ..sc.scheduler
+            },
+            ..sc
+        };
+        assert_eq!(
+            code(|e| kvpage_scheduler_storage_size(&mc, &zero, &mut bytes, e)),
+            KVPAGE_ERR_BAD_CONFIG
+        );
+        let bad_mc = kvpage_manager_config {
+            num_blocks: 0,
+            ..mc
+        };
+        assert_eq!(
+            code(|e| kvpage_scheduler_storage_size(&bad_mc, &sc, &mut bytes, e)),
+            KVPAGE_ERR_BAD_CONFIG
+        );
+        assert_eq!(bytes, 0);
+        ok(kvpage_scheduler_storage_size(
+            &mc,
+            &sc,
+            &mut bytes,
+            null_mut(),
+        ));
+        let mut store = vec![0u64; bytes / 8 + 1];
+        let base = store.as_mut_ptr().cast::<core::ffi::c_void>();
+        let (c, err) = call(|e| kvpage_scheduler_init(m, &sc, base, bytes - 1, &mut s, e));
+        assert_eq!(
+            (c, err.needed, err.available),
+            (KVPAGE_ERR_STORAGE_TOO_SMALL, bytes as u64, bytes as u64 - 1)
+        );
+        let odd = base.cast::<u8>().add(4).cast();
+        assert_eq!(
+            code(|e| kvpage_scheduler_init(m, &sc, odd, bytes, &mut s, e)),
+            KVPAGE_ERR_MISALIGNED
+        );
+        assert_eq!(
+            code(|e| kvpage_scheduler_init(m, &sc, null_mut(), bytes, &mut s, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let not_manager = [0u64; 256];
+        assert_eq!(
+            code(|e| kvpage_scheduler_init(
+                not_manager.as_ptr().cast(),
+                &sc,
+                base,
+                bytes,
+                &mut s,
+                e
+            )),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        assert!(s.is_null());
+    }
+
+    let c = c_tier3(&mc, &sc);
+    let clean = c_tier3(&mc, &sc);
+    // A twin: same configuration, instance tag included; and a manager of another.
+    let (_twin_store, twin) = c_manager(&mc);
+    let (_other_store, other) = c_manager(&manager_config(8, 4));
+    let prompts: [Vec<u32>; 3] = [(1..14).collect(), (1..10).collect(), (20..31).collect()];
+    let mut ids = vec![];
+    for pr in &prompts {
+        let mut r = 0;
+        // SAFETY: live schedulers; prompt readable.
+        unsafe {
+            ok(kvpage_scheduler_add_request(
+                c.s,
+                0,
+                pr.as_ptr(),
+                pr.len(),
+                12,
+                &mut r,
+                null_mut(),
+            ));
+            ids.push(r);
+            ok(kvpage_scheduler_add_request(
+                clean.s,
+                0,
+                pr.as_ptr(),
+                pr.len(),
+                12,
+                &mut r,
+                null_mut(),
+            ));
+        }
+    }
+    // SAFETY: live objects, or deliberately wrong ones the checks refuse.
+    unsafe {
+        let mut step = std::mem::zeroed::<kvpage_step>();
+        let mut r = 0;
+        let mut n = 777;
+        let mut state = 0u32;
+        for wrong in [twin, other] {
+            assert_eq!(
+                code(|e| kvpage_scheduler_step(c.s, wrong, &mut step, e)),
+                KVPAGE_ERR_FOREIGN_MANAGER
+            );
+            assert_eq!(
+                code(|e| kvpage_scheduler_cancel(c.s, wrong, ids[0], e)),
+                KVPAGE_ERR_FOREIGN_MANAGER
+            );
+            assert_eq!(
+                code(|e| kvpage_scheduler_fork(c.s, wrong, ids[0], 0, 0, &mut r, e)),
+                KVPAGE_ERR_FOREIGN_MANAGER
+            );
+        }
+        assert_eq!(
+            code(|e| kvpage_scheduler_step(c.s, null_mut(), &mut step, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            code(|e| kvpage_scheduler_step(null_mut(), c.m, &mut step, e)),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let garbage = [0u64; 128];
+        assert_eq!(
+            code(|e| kvpage_scheduler_step(garbage.as_ptr() as *mut _, c.m, &mut step, e)),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        let mut fin = [kvpage_finished::default(); 8];
+        assert_eq!(
+            code(|e| kvpage_scheduler_commit_step(
+                c.s,
+                c.m,
+                null_mut(),
+                0,
+                fin.as_mut_ptr(),
+                8,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_NO_STEP_IN_PROGRESS
+        );
+        assert_eq!(
+            code(|e| kvpage_scheduler_request_state(c.s, ids[0] ^ (1 << 33), &mut state, e)),
+            KVPAGE_ERR_STALE_REQUEST
+        );
+
+        ok(kvpage_scheduler_step(c.s, c.m, &mut step, null_mut()));
+        assert_eq!(
+            code(|e| kvpage_scheduler_step(c.s, c.m, &mut step, e)),
+            KVPAGE_ERR_STEP_IN_PROGRESS
+        );
+        let mut seqs = [kvpage_step_seq::default(); 8];
+        let (code_, err) =
+            call(|e| kvpage_scheduler_step_seqs(c.s, seqs.as_mut_ptr(), 0, &mut n, e));
+        assert_eq!(
+            (code_, err.needed, n),
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, step.num_seqs as u64, 777)
+        );
+        ok(kvpage_scheduler_step_seqs(
+            c.s,
+            seqs.as_mut_ptr(),
+            8,
+            &mut n,
+            null_mut(),
+        ));
+        let rec = rec_of_c(&step, &seqs[..n]);
+        let good = samples_for(&rec);
+        assert!(!good.is_empty());
+        for wrong in [twin, other] {
+            assert_eq!(
+                code(|e| kvpage_scheduler_commit_step(
+                    c.s,
+                    wrong,
+                    good.as_ptr(),
+                    good.len(),
+                    fin.as_mut_ptr(),
+                    8,
+                    &mut n,
+                    e
+                )),
+                KVPAGE_ERR_FOREIGN_MANAGER
+            );
+        }
+        assert_eq!(
+            code(|e| kvpage_scheduler_commit_step(
+                c.s,
+                c.m,
+                good.as_ptr(),
+                good.len(),
+                fin.as_mut_ptr(),
+                good.len() - 1,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        );
+        let too_many = [good[0]; 7];
+        assert_eq!(
+            code(|e| kvpage_scheduler_commit_step(
+                c.s,
+                c.m,
+                too_many.as_ptr(),
+                7,
+                fin.as_mut_ptr(),
+                8,
+                &mut n,
+                e
+            )),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        let mut toks = [0u32; 4];
+        let (code_, err) =
+            call(|e| kvpage_scheduler_request_tokens(c.s, ids[0], toks.as_mut_ptr(), 4, &mut n, e));
+        assert_eq!((code_, err.needed), (KVPAGE_ERR_BUFFER_TOO_SMALL, 13));
+        // The clean pair took the same step.
+        let first_clean = drive_scheduler(&clean, 1);
+        assert_eq!(first_clean[0].0, rec);
+        let mut nf = 0;
+        ok(kvpage_scheduler_commit_step(
+            c.s,
+            c.m,
+            good.as_ptr(),
+            good.len(),
+            fin.as_mut_ptr(),
+            8,
+            &mut nf,
+            null_mut(),
+        ));
+        assert_eq!(fin[..nf].to_vec(), first_clean[0].1);
+    }
+    // Works afterwards, exactly as the pair that saw no bad call.
+    assert_eq!(drive_scheduler(&c, 30), drive_scheduler(&clean, 30));
+
+    // The core refuses a manager of another configuration by itself (the C binding
+    // also refuses a twin of identical configuration, which the core cannot tell).
+    let cfg = |instance| Config {
+        num_blocks: 8,
+        block_size: 4,
+        max_seqs: 2,
+        max_blocks_per_seq: 4,
+        instance,
+        hash_key: 0,
+        prefix_cache: true,
+    };
+    let mut w1 = vec![0u64; cfg(1).storage_words()];
+    let mut w2 = vec![0u64; cfg(2).storage_words()];
+    let mut other_kv = BlockManager::new(cfg(2), &mut w2).unwrap();
+    let _kv = BlockManager::new(cfg(1), &mut w1).unwrap();
+    let ecfg = kvpage_core::EngineConfig {
+        max_requests: 2,
+        scheduler: SchedulerConfig {
+            token_budget: 8,
+            max_running: 2,
+            watermark_blocks: 0,
+            preemption: Preemption::Recompute,
+        },
+        host_blocks: 0,
+    };
+    let mut ew = vec![0u64; ecfg.storage_words(&cfg(1))];
+    let mut core = kvpage_core::Engine::new(ecfg, &cfg(1), &mut ew).unwrap();
+    assert_eq!(
+        core.step(&mut other_kv, None).err(),
+        Some(kvpage::EngineError::ForeignManager)
     );
 }
