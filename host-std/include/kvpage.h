@@ -57,6 +57,15 @@
 // Bytes of [`kvpage_error::message`], the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
 
+// The request waits: not admitted yet, or preempted by recompute.
+#define KVPAGE_REQUEST_WAITING 0
+
+// The request holds device blocks (it is scheduled by the steps).
+#define KVPAGE_REQUEST_RUNNING 1
+
+// The request's blocks are swapped out to the host tier.
+#define KVPAGE_REQUEST_SWAPPED 2
+
 // Major version of the header.
 #define KVPAGE_VERSION_MAJOR 0
 
@@ -163,8 +172,15 @@ typedef uint32_t kvpage_result;
 // `kvpage_cache_free`.
 typedef struct kvpage_cache kvpage_cache;
 
+// The tier-1 engine: opaque to C, created by `kvpage_engine_new`, freed by
+// `kvpage_engine_free`.
+typedef struct kvpage_engine kvpage_engine;
+
 // The tier-2 manager: opaque to C, placed at the start of the caller's storage.
 typedef struct kvpage_manager kvpage_manager;
+
+// The tier-3 scheduler: opaque to C, placed at the start of the caller's storage.
+typedef struct kvpage_scheduler kvpage_scheduler;
 
 // The KV geometry of a model: every dimension non-zero. Block `b` of the arena holds
 // `[layer][k|v][kv_head][token][head_dim]` elements of `dtype`, contiguous.
@@ -248,6 +264,166 @@ typedef struct kvpage_stats {
 // A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
 typedef uint64_t kvpage_seq;
 
+// Limits of one step of an engine or scheduler.
+typedef struct kvpage_scheduler_params {
+  // Tokens computed per step at most (prefill chunks plus decode tokens); > 0.
+  uint32_t token_budget;
+  // Sequences running at once at most; > 0.
+  uint32_t max_running;
+  // Free blocks admission and swap-in leave untouched so running sequences can grow.
+  uint32_t watermark_blocks;
+  // `KVPAGE_PREEMPT_RECOMPUTE` or `KVPAGE_PREEMPT_SWAP`.
+  uint32_t preemption;
+} kvpage_scheduler_params;
+
+// What `kvpage_engine_new` builds. Start from `kvpage_engine_params_default()`, then
+// set `geometry` and one capacity.
+typedef struct kvpage_engine_params {
+  // The model's KV geometry and storage dtype.
+  struct kvpage_geometry geometry;
+  // Device arena in blocks; exactly one of `capacity_blocks` and `capacity_bytes`
+  // is non-zero.
+  uint32_t capacity_blocks;
+  // Device arena in bytes (as many whole blocks as fit).
+  uint64_t capacity_bytes;
+  // Sequences live at once (forks included).
+  uint32_t max_seqs;
+  // Tokens one sequence holds at most (prompt plus generated).
+  uint32_t max_seq_len;
+  // Threads of the attention kernels, the calling one included; 0 = one per core.
+  uint32_t threads;
+  // Requests in flight at once (waiting, running, swapped out).
+  uint32_t max_requests;
+  // Token budget, running limit, watermark and preemption mode of every step.
+  struct kvpage_scheduler_params scheduler;
+  // Host tier for swapped-out sequences in blocks; at most one of the two host
+  // capacities is non-zero, both 0 = no host tier (preemption then recomputes).
+  uint32_t host_capacity_blocks;
+  // Host tier in bytes (whole blocks).
+  uint64_t host_capacity_bytes;
+} kvpage_engine_params;
+
+// A request id of an engine or scheduler.
+typedef uint64_t kvpage_request;
+
+// A whole-block copy to execute: every layer's K and V of block `src` into block
+// `dst` (one block-sized byte range each in the block-major layout). For a swap-out
+// `src` is a device block and `dst` a host block; for a swap-in the reverse; for
+// copy-on-write both are device blocks.
+typedef struct kvpage_block_copy {
+  // Block read.
+  uint32_t src;
+  // Block written.
+  uint32_t dst;
+} kvpage_block_copy;
+
+// One step: what the backend copies and the model computes.
+//
+// Every pointer BORROWS the storage of the engine (tier 1) or of the scheduler and
+// the manager (tier 3). They stay valid, and their contents unchanged, until the next
+// call that mutates that engine, scheduler or manager (`*_step`, `*_commit_step`,
+// `*_add_request`, `*_cancel`, `*_fork`, any tier-2 operation on the manager, or
+// freeing it); read-only calls (`*_step_seqs`, `*_request_state`, `*_request_tokens`,
+// `*_stats`, `kvpage_engine_write_kv`, `kvpage_engine_attention`) leave them valid.
+// An array whose count is 0 is NULL.
+//
+// Execution order for a backend that owns its K/V (tier 3; tier 1 has done it
+// already): the block copies of `swap_out` (device to host), then `swap_in` (host to
+// device), then `copies` (device to device, copy-on-write); then the model writes
+// the K/V of token `i` at `slots[i]` and runs attention over `block_table`.
+typedef struct kvpage_step {
+  // Scheduled sequences (copy them with `*_step_seqs`); 0 when nothing runs.
+  size_t num_seqs;
+  // Query tokens of the step, all sequences together.
+  size_t num_tokens;
+  // `num_tokens` input token ids, sequence after sequence (sequence `s` at
+  // `offset .. offset + tokens` of its `kvpage_step_seq`).
+  const uint32_t *input_tokens;
+  // `num_tokens` slots (`block * block_size + offset in block`), in the order of
+  // `input_tokens`: where the K/V of each query token is written.
+  const uint32_t *slots;
+  // Swap-out copies (`src` device block, `dst` host block): execute first.
+  const struct kvpage_block_copy *swap_out;
+  // Entries of `swap_out`.
+  size_t num_swap_out;
+  // Swap-in copies (`src` host block, `dst` device block): execute second.
+  const struct kvpage_block_copy *swap_in;
+  // Entries of `swap_in`.
+  size_t num_swap_in;
+  // Copy-on-write copies (device to device): execute third, before writing K/V.
+  const struct kvpage_block_copy *copies;
+  // Entries of `copies`.
+  size_t num_copies;
+  // Requests preempted by this step (recomputed later or swapped out).
+  size_t num_preempted;
+  // The dense block table, `block_table_rows` × `block_table_stride` `uint32_t`s,
+  // row-major, row = `seq_row` of a `kvpage_step_seq`: tier 1 the cache's, tier 3
+  // the manager's. Entries past a row's `ceil(context / block_size)` are
+  // unspecified.
+  const uint32_t *block_table;
+  // Rows of `block_table` (`max_seqs`).
+  uint32_t block_table_rows;
+  // Entries per row of `block_table` (`max_blocks_per_seq`).
+  uint32_t block_table_stride;
+} kvpage_step;
+
+// One sequence the model computes this step.
+typedef struct kvpage_step_seq {
+  // The request.
+  kvpage_request request;
+  // Its sequence; `seq_row` is its row of the block table.
+  kvpage_seq seq;
+  // Row of the sequence in the block table.
+  uint32_t seq_row;
+  // Position of the first query token: queries are `first_pos..first_pos + tokens`,
+  // attention covers `0..first_pos + tokens` (causal).
+  uint32_t first_pos;
+  // Query tokens this step (a prefill chunk, or 1 to decode).
+  uint32_t tokens;
+  // Start of this sequence's entries in the step's slot and input-token arrays.
+  uint32_t offset;
+  // 1 when the last query position produces a token to sample, else 0.
+  uint32_t emits;
+} kvpage_step_seq;
+
+// A token the caller sampled for an emitting sequence of the step.
+typedef struct kvpage_sampled {
+  // The request.
+  kvpage_request request;
+  // The token id.
+  uint32_t token;
+  // Non-zero: the request ends with this token (end of sequence, a stop string).
+  uint32_t stop;
+} kvpage_sampled;
+
+// A request that finished in a commit; its id is now stale.
+typedef struct kvpage_finished {
+  // The request.
+  kvpage_request request;
+  // `KVPAGE_FINISH_STOP`, `KVPAGE_FINISH_MAX_TOKENS` or `KVPAGE_FINISH_LENGTH`.
+  uint32_t reason;
+  // Tokens it generated in all.
+  uint32_t generated;
+} kvpage_finished;
+
+// Counters of an engine or scheduler since construction.
+typedef struct kvpage_engine_stats {
+  // Steps taken.
+  uint64_t steps;
+  // Requests admitted for the first time.
+  uint64_t admitted;
+  // Requests finished.
+  uint64_t finished;
+  // Preemptions by recompute.
+  uint64_t recomputes;
+  // Preemptions by swap-out.
+  uint64_t swap_outs;
+  // Swap-ins.
+  uint64_t swap_ins;
+  // Tokens computed again after preemptions by recompute.
+  uint64_t recomputed_tokens;
+} kvpage_engine_stats;
+
 // What a tier-2 manager is sized for (see the Rust `kvpage_core::Config`).
 typedef struct kvpage_manager_config {
   // Physical blocks in the device pool.
@@ -269,8 +445,13 @@ typedef struct kvpage_manager_config {
   uint32_t host_blocks;
 } kvpage_manager_config;
 
-// A request id of an engine or scheduler.
-typedef uint64_t kvpage_request;
+// What a tier-3 scheduler is sized for, next to its manager's configuration.
+typedef struct kvpage_scheduler_config {
+  // Requests in flight at once (waiting, running, swapped out); > 0.
+  uint32_t max_requests;
+  // Token budget, running limit, watermark and preemption mode of every step.
+  struct kvpage_scheduler_params scheduler;
+} kvpage_scheduler_config;
 
 // An id no sequence ever has, for "no sequence" in the caller's own tables.
 #define KVPAGE_SEQ_NONE UINT64_MAX
@@ -618,6 +799,247 @@ kvpage_result kvpage_cache_prefill(struct kvpage_cache *cache,
                                    float scale,
                                    struct kvpage_error *err);
 
+// Defaults: 64 sequences of up to 4096 tokens, one kernel thread per core, 256
+// requests, steps of at most 2048 tokens and 64 running sequences, a watermark of 1
+// block, preemption by recompute, no host tier. `geometry` and the capacities are
+// zero: set them. O(1); thread-safe; cannot fail.
+struct kvpage_engine_params kvpage_engine_params_default(void);
+
+// Allocates an engine: its cache (arena, tables, kernel threads), host tier and
+// request table. All memory is allocated here; no later call allocates. The caller
+// frees it with `kvpage_engine_free`. O(arena bytes + host arena + tables).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`; `KVPAGE_ERR_INVALID_ARGUMENT` (unknown dtype or
+// preemption mode); `KVPAGE_ERR_BAD_CONFIG` (zero geometry, both or neither capacity,
+// zero `max_seqs`, `max_seq_len`, `max_requests`, `token_budget` or `max_running`,
+// head dim over the kernels' maximum); `KVPAGE_ERR_OUT_OF_MEMORY`.
+//
+// # Safety
+// `params` is null or readable; `out_engine` is null or writable.
+kvpage_result kvpage_engine_new(const struct kvpage_engine_params *params,
+                                struct kvpage_engine **out_engine,
+                                struct kvpage_error *err);
+
+// Frees an engine and everything it allocated (joins its kernel threads). NULL is a
+// no-op; a pointer without a live engine's magic word is left alone. Request ids and
+// step pointers of the engine are invalid afterwards. O(threads + memory).
+//
+// # Safety
+// `engine` is null or from `kvpage_engine_new` and not freed yet (a double free is
+// undefined behaviour), used by no other call now or later.
+void kvpage_engine_free(struct kvpage_engine *engine);
+
+// Queues a request: `prompt` (`n` token ids, copied), its prefix-cache namespace
+// `ns` (requests share cached prompt blocks only within one namespace), and at most
+// `max_new_tokens` to generate (0: no limit, until a sample says stop or the
+// sequence is full). It waits for admission by a step. O(n).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_INVALID_ARGUMENT` (empty prompt),
+// `KVPAGE_ERR_STEP_IN_PROGRESS`, `KVPAGE_ERR_SEQ_TOO_LONG` (prompt longer than a
+// sequence holds), `KVPAGE_ERR_UNSCHEDULABLE` (its blocks plus the watermark exceed
+// the pool), `KVPAGE_ERR_QUEUE_FULL`.
+//
+// # Safety
+// `engine` is null or a live engine; `prompt` null or readable for `n` ids;
+// `out_request` null or writable.
+kvpage_result kvpage_engine_add_request(struct kvpage_engine *engine,
+                                        uint64_t ns,
+                                        const uint32_t *prompt,
+                                        size_t n,
+                                        uint32_t max_new_tokens,
+                                        kvpage_request *out_request,
+                                        struct kvpage_error *err);
+
+// Plans and executes one step — preemptions, growth, swap-ins, admissions — and its
+// block copies, and writes it to `*out_step` (pointers borrowed from the engine, see
+// `kvpage_step`; its block table is the cache's). A step may schedule nothing. Then
+// run the model (`kvpage_engine_write_kv`, `kvpage_engine_attention`) and call
+// `kvpage_engine_commit_step`. O(requests in flight + tokens and blocks touched +
+// copied bytes).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STEP_IN_PROGRESS` (commit the previous step
+// first), `KVPAGE_ERR_UNSCHEDULABLE` (nothing runs and the next request can never
+// fit: cancel it, `value` names it); nothing changes on these. `KVPAGE_ERR_INTERNAL`
+// would be a bug.
+//
+// # Safety
+// `engine` is null or a live engine; `out_step` null or writable.
+kvpage_result kvpage_engine_step(struct kvpage_engine *engine,
+                                 struct kvpage_step *out_step,
+                                 struct kvpage_error *err);
+
+// Copies the scheduled sequences of the pending step into `out` (`out_len` records,
+// at least the step's `num_seqs`) and writes their number to `*n_out`.
+// O(scheduled sequences).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_NO_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` = `num_seqs`).
+//
+// # Safety
+// `engine` is null or a live engine; `out` null or writable for `out_len` records;
+// `n_out` null or writable.
+kvpage_result kvpage_engine_step_seqs(const struct kvpage_engine *engine,
+                                      struct kvpage_step_seq *out_seqs,
+                                      size_t out_len,
+                                      size_t *n_out,
+                                      struct kvpage_error *err);
+
+// Stores the K and V of layer `layer` for every token of the pending step: `k` and
+// `v` are `[num_tokens][kv_heads][head_dim]` f32 each (`k_len`, `v_len` elements,
+// exactly that many), in step order; they are converted to the cache's dtype.
+// O(num_tokens × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_NO_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (a length other than the step's, `needed` = it),
+// `KVPAGE_ERR_BAD_LAYER`. Nothing is written on error.
+//
+// # Safety
+// `engine` is null or a live engine; `k`, `v` null or readable for their lengths.
+kvpage_result kvpage_engine_write_kv(struct kvpage_engine *engine,
+                                     uint32_t layer,
+                                     const float *k,
+                                     size_t k_len,
+                                     const float *v,
+                                     size_t v_len,
+                                     struct kvpage_error *err);
+
+// Attention of layer `layer` for every sequence of the pending step: its new tokens
+// are the queries, causal over its whole context (cached positions and this step's,
+// stored by `kvpage_engine_write_kv`). `q` and `out` are `[num_tokens][q_heads]
+// [head_dim]` f32 (`q_len`, `out_len` elements, exactly that many), in step order;
+// `scale` multiplies the scores (usually `1/sqrt(head_dim)`).
+// O(Σ queries × context × q_heads × head_dim), on the engine's kernel threads.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_NO_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (a length other than the step's), `KVPAGE_ERR_BAD_LAYER`,
+// `KVPAGE_ERR_BAD_HEADS`, `KVPAGE_ERR_BAD_SCALE`. Nothing is written on error.
+//
+// # Safety
+// `engine` is null or a live engine; `q` null or readable for `q_len` floats; `out`
+// null or writable for `out_len` floats, not overlapping `q`.
+kvpage_result kvpage_engine_attention(struct kvpage_engine *engine,
+                                      uint32_t layer,
+                                      const float *q,
+                                      size_t q_len,
+                                      float *out,
+                                      size_t out_len,
+                                      uint32_t q_heads,
+                                      float scale,
+                                      struct kvpage_error *err);
+
+// Ends the pending step with `n` samples, exactly one per scheduled sequence that
+// `emits` (any order): the computed blocks become shareable, each sampled token is
+// appended to its request, and requests that stop, reach `max_new_tokens` or fill
+// their sequence finish (their ids become stale). The finished requests are written
+// to `finished` and their number to `*n_finished`. The commit cannot be undone, so
+// `finished` is checked first: it must have room for `out_len >= n` records (at most
+// one request finishes per sample). O(n + scheduled + blocks committed or released).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_NO_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`out_len < n`), `KVPAGE_ERR_INVALID_ARGUMENT`
+// (`n > max_requests`), `KVPAGE_ERR_STALE_REQUEST`, `KVPAGE_ERR_WRONG_STATE` (a
+// sample for a sequence that does not emit), `KVPAGE_ERR_DUPLICATE_SAMPLE`,
+// `KVPAGE_ERR_MISSING_SAMPLE`. Nothing changes on error.
+//
+// # Safety
+// `engine` is null or a live engine; `sampled` null or readable for `n` records;
+// `finished` null or writable for `out_len` records; `n_finished` null or writable.
+kvpage_result kvpage_engine_commit_step(struct kvpage_engine *engine,
+                                        const struct kvpage_sampled *sampled,
+                                        size_t n,
+                                        struct kvpage_finished *finished,
+                                        size_t out_len,
+                                        size_t *n_finished,
+                                        struct kvpage_error *err);
+
+// Cancels a request in any state between steps: its blocks are released (or its
+// host blocks, swapped out) and its id becomes stale. O(its blocks + requests).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_STALE_REQUEST`. Nothing changes on error.
+//
+// # Safety
+// `engine` is null or a live engine.
+kvpage_result kvpage_engine_cancel(struct kvpage_engine *engine,
+                                   kvpage_request request,
+                                   struct kvpage_error *err);
+
+// Forks a running request between steps (parallel sampling, beams): the child
+// shares the parent's blocks (copy-on-write on the first write into a shared
+// partial block), tokens, generated count, namespace and limit, and its id is
+// written to `*out_request`. With `has_last_token` non-zero, the child's last token —
+// sampled and not yet computed — is `last_token` instead (another sample from the
+// same logits). O(blocks + tokens of the parent).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_STALE_REQUEST`, `KVPAGE_ERR_WRONG_STATE` (not running, or
+// `has_last_token` before its first sample), `KVPAGE_ERR_QUEUE_FULL`,
+// `KVPAGE_ERR_NO_FREE_SEQ`. Nothing changes on error.
+//
+// # Safety
+// `engine` is null or a live engine; `out_request` null or writable.
+kvpage_result kvpage_engine_fork(struct kvpage_engine *engine,
+                                 kvpage_request request,
+                                 uint32_t has_last_token,
+                                 uint32_t last_token,
+                                 kvpage_request *out_request,
+                                 struct kvpage_error *err);
+
+// Writes where a request is to `*out_state`: `KVPAGE_REQUEST_WAITING`,
+// `KVPAGE_REQUEST_RUNNING` or `KVPAGE_REQUEST_SWAPPED`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STALE_REQUEST` (finished, cancelled, never
+// issued).
+//
+// # Safety
+// `engine` is null or a live engine; `out_state` null or writable.
+kvpage_result kvpage_engine_request_state(const struct kvpage_engine *engine,
+                                          kvpage_request request,
+                                          uint32_t *out_state,
+                                          struct kvpage_error *err);
+
+// Copies a request's token ids — its prompt, then the tokens sampled so far — into
+// `out` (`out_len` entries) and writes their number to `*n_out`. On
+// `KVPAGE_ERR_BUFFER_TOO_SMALL`, `err->needed` is the number of tokens (pass
+// `out_len` 0 to ask). O(tokens).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STALE_REQUEST`, `KVPAGE_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `engine` is null or a live engine; `out` null or writable for `out_len` ids;
+// `n_out` null or writable.
+kvpage_result kvpage_engine_request_tokens(const struct kvpage_engine *engine,
+                                           kvpage_request request,
+                                           uint32_t *out_tokens,
+                                           size_t out_len,
+                                           size_t *n_out,
+                                           struct kvpage_error *err);
+
+// Writes the engine's counters to `*out_stats` and, when `cache_stats` is non-null,
+// a snapshot of its cache's pool. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (`engine`, `out_stats`).
+//
+// # Safety
+// `engine` is null or a live engine; `out_stats` null or writable; `cache_stats` null
+// or writable.
+kvpage_result kvpage_engine_stats(const struct kvpage_engine *engine,
+                                  struct kvpage_engine_stats *out_stats,
+                                  struct kvpage_stats *cache_stats,
+                                  struct kvpage_error *err);
+
 // The configuration of a model's manager: `geometry`'s block size, `num_blocks`
 // blocks, `max_seqs` sequences of up to `max_seq_len` tokens, prefix cache on,
 // instance 0, hash key 0, no host tier. Change fields after. O(1).
@@ -674,6 +1096,215 @@ kvpage_result kvpage_manager_init(const struct kvpage_manager_config *config,
 // codes give "unknown result code". Never null; the string lives forever.
 // O(1); thread-safe.
 const char *kvpage_result_str(uint32_t code);
+
+// Alignment in bytes the storage of a scheduler needs. O(1); thread-safe.
+size_t kvpage_scheduler_storage_align(void);
+
+// Bytes of storage a scheduler needs for a manager configured by `manager_config`
+// (its `host_blocks` included) and `config` (to pass to `kvpage_scheduler_init`).
+// O(1); thread-safe.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`; `KVPAGE_ERR_INVALID_ARGUMENT` (unknown preemption mode);
+// `KVPAGE_ERR_BAD_CONFIG` (an invalid manager configuration, zero `max_requests`,
+// `token_budget` or `max_running`, an unaddressable size).
+//
+// # Safety
+// `manager_config` and `config` are null or readable; `out_bytes` null or writable.
+kvpage_result kvpage_scheduler_storage_size(const struct kvpage_manager_config *manager_config,
+                                            const struct kvpage_scheduler_config *config,
+                                            size_t *out_bytes,
+                                            struct kvpage_error *err);
+
+// Builds a scheduler for `manager` (a live tier-2 manager, which it is bound to for
+// good) inside `storage` (`storage_bytes` long, aligned to
+// `kvpage_scheduler_storage_align()`, size from `kvpage_scheduler_storage_size` with
+// the manager's configuration; its contents are ignored) and writes its address (=
+// `storage`) to `*out_scheduler`. No request is in flight. The caller keeps the
+// storage alive and untouched while the scheduler is used, and frees it afterwards
+// (after the manager's storage or before, as it likes); nothing is allocated, now or
+// later. The manager should hold no sequence of its own: the scheduler plans with
+// the whole pool. O(storage bytes / 8).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager, unknown preemption mode), `KVPAGE_ERR_BAD_CONFIG`,
+// `KVPAGE_ERR_STORAGE_TOO_SMALL` (`needed` / `available` bytes).
+//
+// # Safety
+// `manager` is null or a live manager; `config` null or readable; `storage` null or
+// writable for `storage_bytes` bytes, used by nothing else while the scheduler lives;
+// `out_scheduler` null or writable.
+kvpage_result kvpage_scheduler_init(const struct kvpage_manager *manager,
+                                    const struct kvpage_scheduler_config *config,
+                                    void *storage,
+                                    size_t storage_bytes,
+                                    struct kvpage_scheduler **out_scheduler,
+                                    struct kvpage_error *err);
+
+// Queues a request: `prompt` (`n` token ids, copied into the scheduler's storage),
+// its prefix-cache namespace `ns`, and at most `max_new_tokens` to generate (0: no
+// limit). It waits for admission by a step. O(n).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_INVALID_ARGUMENT` (empty prompt),
+// `KVPAGE_ERR_STEP_IN_PROGRESS`, `KVPAGE_ERR_SEQ_TOO_LONG`, `KVPAGE_ERR_UNSCHEDULABLE`,
+// `KVPAGE_ERR_QUEUE_FULL`. Nothing changes on error.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `prompt` null or readable for `n` ids;
+// `out_request` null or writable.
+kvpage_result kvpage_scheduler_add_request(struct kvpage_scheduler *scheduler,
+                                           uint64_t ns,
+                                           const uint32_t *prompt,
+                                           size_t n,
+                                           uint32_t max_new_tokens,
+                                           kvpage_request *out_request,
+                                           struct kvpage_error *err);
+
+// Plans and executes one step on `manager` (and its host tier) and writes it to
+// `*out_step` (pointers borrowed from the scheduler and the manager, see
+// `kvpage_step`). The caller executes the step's block copies (`swap_out`, then
+// `swap_in`, then `copies`) before the model writes K/V, then calls
+// `kvpage_scheduler_commit_step`. O(requests in flight + tokens and blocks touched).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_INVALID_ARGUMENT` (not a scheduler or
+// manager), `KVPAGE_ERR_FOREIGN_MANAGER`, `KVPAGE_ERR_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_UNSCHEDULABLE` (`value` names the request to cancel); nothing changes
+// on these. `KVPAGE_ERR_INTERNAL` would be a bug (or a manager changed behind the
+// scheduler's back).
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `manager` null or a live manager;
+// `out_step` null or writable.
+kvpage_result kvpage_scheduler_step(struct kvpage_scheduler *scheduler,
+                                    struct kvpage_manager *manager,
+                                    struct kvpage_step *out_step,
+                                    struct kvpage_error *err);
+
+// Copies the scheduled sequences of the pending step into `out` (`out_len` records,
+// at least the step's `num_seqs`) and writes their number to `*n_out`.
+// O(scheduled sequences).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_NO_STEP_IN_PROGRESS`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` = `num_seqs`).
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `out` null or writable for `out_len`
+// records; `n_out` null or writable.
+kvpage_result kvpage_scheduler_step_seqs(const struct kvpage_scheduler *scheduler,
+                                         struct kvpage_step_seq *out_seqs,
+                                         size_t out_len,
+                                         size_t *n_out,
+                                         struct kvpage_error *err);
+
+// Ends the pending step with `n` samples, exactly one per scheduled sequence that
+// `emits`: the model has written the K/V of every scheduled token, so their full
+// blocks become shareable through the manager's prefix cache; sampled tokens are
+// appended, and requests that stop, reach `max_new_tokens` or fill their sequence
+// finish (their sequences are released in `manager`, their ids become stale). The
+// finished requests are written to `finished` and their number to `*n_finished`.
+// The commit cannot be undone, so `finished` is checked first: `out_len >= n`.
+// O(n + scheduled + blocks committed or released).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_FOREIGN_MANAGER`,
+// `KVPAGE_ERR_NO_STEP_IN_PROGRESS`, `KVPAGE_ERR_BUFFER_TOO_SMALL` (`out_len < n`),
+// `KVPAGE_ERR_INVALID_ARGUMENT` (`n > max_requests`), `KVPAGE_ERR_STALE_REQUEST`,
+// `KVPAGE_ERR_WRONG_STATE`, `KVPAGE_ERR_DUPLICATE_SAMPLE`, `KVPAGE_ERR_MISSING_SAMPLE`.
+// Nothing changes on error.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `manager` null or a live manager;
+// `sampled` null or readable for `n` records; `finished` null or writable for
+// `out_len` records; `n_finished` null or writable.
+kvpage_result kvpage_scheduler_commit_step(struct kvpage_scheduler *scheduler,
+                                           struct kvpage_manager *manager,
+                                           const struct kvpage_sampled *sampled,
+                                           size_t n,
+                                           struct kvpage_finished *finished,
+                                           size_t out_len,
+                                           size_t *n_finished,
+                                           struct kvpage_error *err);
+
+// Cancels a request in any state between steps: its sequence is released in
+// `manager` (or, swapped out, its host blocks freed) and its id becomes stale.
+// O(its blocks + requests).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_FOREIGN_MANAGER`,
+// `KVPAGE_ERR_STEP_IN_PROGRESS`, `KVPAGE_ERR_STALE_REQUEST`. Nothing changes on error.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `manager` null or a live manager.
+kvpage_result kvpage_scheduler_cancel(struct kvpage_scheduler *scheduler,
+                                      struct kvpage_manager *manager,
+                                      kvpage_request request,
+                                      struct kvpage_error *err);
+
+// Forks a running request between steps (see `kvpage_engine_fork`): the child
+// shares the parent's blocks in `manager` and its id is written to `*out_request`.
+// With `has_last_token` non-zero the child's last, not yet computed token is
+// `last_token`. O(blocks + tokens of the parent).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_FOREIGN_MANAGER`,
+// `KVPAGE_ERR_STEP_IN_PROGRESS`, `KVPAGE_ERR_STALE_REQUEST`, `KVPAGE_ERR_WRONG_STATE`,
+// `KVPAGE_ERR_QUEUE_FULL`, `KVPAGE_ERR_NO_FREE_SEQ`. Nothing changes on error.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `manager` null or a live manager;
+// `out_request` null or writable.
+kvpage_result kvpage_scheduler_fork(struct kvpage_scheduler *scheduler,
+                                    struct kvpage_manager *manager,
+                                    kvpage_request request,
+                                    uint32_t has_last_token,
+                                    uint32_t last_token,
+                                    kvpage_request *out_request,
+                                    struct kvpage_error *err);
+
+// Writes where a request is to `*out_state` (`KVPAGE_REQUEST_*`). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STALE_REQUEST`.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `out_state` null or writable.
+kvpage_result kvpage_scheduler_request_state(const struct kvpage_scheduler *scheduler,
+                                             kvpage_request request,
+                                             uint32_t *out_state,
+                                             struct kvpage_error *err);
+
+// Copies a request's token ids (prompt, then sampled tokens) into `out` (`out_len`
+// entries) and writes their number to `*n_out`; on `KVPAGE_ERR_BUFFER_TOO_SMALL`,
+// `err->needed` is the number of tokens. O(tokens).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_STALE_REQUEST`, `KVPAGE_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `out` null or writable for `out_len` ids;
+// `n_out` null or writable.
+kvpage_result kvpage_scheduler_request_tokens(const struct kvpage_scheduler *scheduler,
+                                              kvpage_request request,
+                                              uint32_t *out_tokens,
+                                              size_t out_len,
+                                              size_t *n_out,
+                                              struct kvpage_error *err);
+
+// Writes the scheduler's counters to `*out_stats` (the pool's are the manager's
+// statistics). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`.
+//
+// # Safety
+// `scheduler` is null or a live scheduler; `out_stats` null or writable.
+kvpage_result kvpage_scheduler_stats(const struct kvpage_scheduler *scheduler,
+                                     struct kvpage_engine_stats *out_stats,
+                                     struct kvpage_error *err);
 
 // The linked library's version as `major * 10000 + minor * 100 + patch`; compare it
 // with `KVPAGE_VERSION_MAJOR` etc. of the header. O(1); thread-safe.

@@ -117,62 +117,60 @@ pub(crate) unsafe fn out_opt<T>(ptr: *mut T, what: &'static str) -> Result<Optio
     unsafe { out(ptr, what) }.map(Some)
 }
 
-/// An object of the C API carrying a magic word, so that a pointer to anything else
-/// (freed, uninitialised, another type) is refused instead of used.
-pub(crate) trait Tagged {
-    /// The magic word of a live object.
-    const MAGIC: u64;
-    /// The message of a refused pointer, e.g. "not a kvpage_cache".
-    const NOT_ONE: &'static str;
-
-    /// Address of the magic word of the object at `ptr`, computed without reading.
-    ///
-    /// # Safety
-    /// `ptr` is non-null, aligned, and points into memory of at least `Self`'s size.
-    unsafe fn magic_at(ptr: *const Self) -> *const u64;
-}
-
-/// Checks `ptr` for null, alignment and the magic word, reading the word through a raw
-/// pointer before any reference to the object exists.
+/// An object of the C API that holds a magic word, so a pointer to anything else
+/// (uninitialised memory, another type, a freed object whose word was cleared) is
+/// refused before a reference to it is made.
 ///
 /// # Safety
-/// A non-null, aligned `ptr` points to readable memory of at least `T`'s size.
-unsafe fn check_tag<T: Tagged>(ptr: *const T, what: &'static str) -> Result<(), Fail> {
-    check_ptr(ptr, what)?;
-    // SAFETY: non-null and aligned (checked); readable by the caller's contract.
-    if unsafe { T::magic_at(ptr).read() } != T::MAGIC {
-        return Err(Fail::invalid(T::NOT_ONE));
+/// `MAGIC_OFFSET` is the offset of a `u64` field of `Self` (`core::mem::offset_of!`)
+/// that holds `MAGIC` in every live object of the type.
+pub(crate) unsafe trait Tagged {
+    /// The magic word of live objects.
+    const MAGIC: u64;
+    /// Offset of the magic field.
+    const MAGIC_OFFSET: usize;
+    /// The argument name in error messages.
+    const WHAT: &'static str;
+    /// The message when the magic word is missing.
+    const NOT_LIVE: &'static str;
+}
+
+/// Checks `ptr` for null, alignment and the magic word.
+///
+/// # Safety
+/// A non-null, aligned `ptr` points to memory readable for one `T`.
+unsafe fn check_tagged<T: Tagged>(ptr: *const T) -> Result<(), Fail> {
+    check_ptr(ptr, T::WHAT)?;
+    let magic = ptr.cast::<u8>().wrapping_add(T::MAGIC_OFFSET).cast::<u64>();
+    // SAFETY: non-null and aligned; readable for one `T` by the caller's contract; the
+    // offset is a u64 field's (the trait's contract), so the read is aligned and inside.
+    if unsafe { magic.read() } != T::MAGIC {
+        return Err(Fail::invalid(T::NOT_LIVE));
     }
     Ok(())
 }
 
-/// `&T` of a tagged object: null, alignment and magic word checked.
+/// `&T` of a [`Tagged`] object, checked for null, alignment and the magic word.
 ///
 /// # Safety
-/// A non-null, aligned `ptr` points to readable memory of at least `T`'s size; when it
-/// holds `T::MAGIC` it is a live `T` not mutated during `'a`.
-pub(crate) unsafe fn tagged<'a, T: Tagged>(
-    ptr: *const T,
-    what: &'static str,
-) -> Result<&'a T, Fail> {
+/// A non-null, aligned `ptr` points to memory readable for one `T`; when it holds the
+/// magic word it is a live `T` not mutated during `'a`.
+pub(crate) unsafe fn tagged<'a, T: Tagged>(ptr: *const T) -> Result<&'a T, Fail> {
     // SAFETY: forwarded contract; a live `T` once the magic word matched.
     unsafe {
-        check_tag(ptr, what)?;
+        check_tagged(ptr)?;
         Ok(&*ptr)
     }
 }
 
-/// `&mut T` of a tagged object: null, alignment and magic word checked.
+/// `&mut T` of a [`Tagged`] object, checked as [`tagged`].
 ///
 /// # Safety
 /// As [`tagged`], and the object is used by nothing else during `'a`.
-pub(crate) unsafe fn tagged_mut<'a, T: Tagged>(
-    ptr: *mut T,
-    what: &'static str,
-) -> Result<&'a mut T, Fail> {
+pub(crate) unsafe fn tagged_mut<'a, T: Tagged>(ptr: *mut T) -> Result<&'a mut T, Fail> {
     // SAFETY: forwarded contract; a live, exclusive `T` once the magic word matched.
     unsafe {
-        check_tag(ptr, what)?;
+        check_tagged(ptr)?;
         Ok(&mut *ptr)
     }
 }

@@ -86,14 +86,12 @@ pub struct kvpage_cache {
     prefill: Vec<(Seq, u32)>,
 }
 
-impl Tagged for kvpage_cache {
+// SAFETY: `magic` is a u64 field holding MAGIC from `_new` until `_free` clears it.
+unsafe impl Tagged for kvpage_cache {
     const MAGIC: u64 = MAGIC;
-    const NOT_ONE: &'static str = "not a kvpage_cache (freed, uninitialised or corrupted)";
-
-    unsafe fn magic_at(ptr: *const Self) -> *const u64 {
-        // SAFETY: `ptr` points into an allocation of the struct's size (contract).
-        unsafe { core::ptr::addr_of!((*ptr).magic) }
-    }
+    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_cache, magic);
+    const WHAT: &'static str = "cache";
+    const NOT_LIVE: &'static str = "not a kvpage_cache (freed, uninitialised or corrupted)";
 }
 
 impl kvpage_cache {
@@ -239,7 +237,7 @@ pub unsafe extern "C" fn kvpage_cache_free(
             if cache.is_null() {
                 return Ok(());
             }
-            tagged_mut(cache, "cache")?.magic = 0;
+            tagged_mut(cache)?.magic = 0;
             drop(Box::from_raw(cache));
             Ok(())
         })
@@ -263,7 +261,7 @@ pub unsafe extern "C" fn kvpage_cache_geometry(
     // SAFETY: pointers checked by `tagged` / `out`.
     unsafe {
         run(err, || {
-            let c = tagged(cache, "cache")?;
+            let c = tagged(cache)?;
             let dst = out(out_geometry, "out_geometry")?;
             dst.set(kvpage_geometry::from_core(c.cache.geometry()));
             Ok(())
@@ -288,7 +286,7 @@ pub unsafe extern "C" fn kvpage_cache_stats(
     // SAFETY: pointers checked by `tagged` / `out`.
     unsafe {
         run(err, || {
-            let c = tagged(cache, "cache")?;
+            let c = tagged(cache)?;
             let dst = out(out_stats, "out_stats")?;
             dst.set(c.cache.stats().into());
             Ok(())
@@ -316,7 +314,7 @@ pub unsafe extern "C" fn kvpage_cache_evict_cached(
     // SAFETY: pointers checked by `tagged_mut` / `out_opt`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let dst = out_opt(out_evicted, "out_evicted")?;
             let n = c.cache.evict_cached(max_blocks);
             if let Some(dst) = dst {
@@ -347,7 +345,7 @@ pub unsafe extern "C" fn kvpage_cache_create(
     // SAFETY: pointers checked by `tagged_mut` / `out`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let dst = out(out_seq, "out_seq")?;
             dst.set(seq_to_c(c.cache.create(namespace)?.id()));
             Ok(())
@@ -383,7 +381,7 @@ pub unsafe extern "C" fn kvpage_cache_create_with_prompt(
     // SAFETY: pointers checked by `tagged_mut` / `slice` / `out` / `out_opt`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let prompt = slice(prompt, prompt_len, "prompt")?;
             let dst = out(out_seq, "out_seq")?;
             let reused = out_opt(out_reused, "out_reused")?;
@@ -420,7 +418,7 @@ pub unsafe extern "C" fn kvpage_cache_append_tokens(
     // SAFETY: pointers checked by `tagged_mut` / `slice`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let tokens = slice(tokens, n_tokens, "tokens")?;
             let s = c.seq(seq);
             c.cache.append_tokens(s, tokens)?;
@@ -447,7 +445,7 @@ pub unsafe extern "C" fn kvpage_cache_append(
     // SAFETY: checked by `tagged_mut`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let s = c.seq(seq);
             c.cache.append(s, n)?;
             Ok(())
@@ -477,7 +475,7 @@ pub unsafe extern "C" fn kvpage_cache_commit(
     // SAFETY: pointers checked by `tagged_mut` / `out_opt`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let dst = out_opt(out_blocks, "out_blocks")?;
             let s = c.seq(seq);
             let n = c.cache.commit(s)?;
@@ -510,7 +508,7 @@ pub unsafe extern "C" fn kvpage_cache_fork(
     // SAFETY: pointers checked by `tagged_mut` / `out`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let dst = out(out_child, "out_child")?;
             let s = c.seq(seq);
             dst.set(seq_to_c(c.cache.fork(s)?.id()));
@@ -539,7 +537,7 @@ pub unsafe extern "C" fn kvpage_cache_truncate(
     // SAFETY: checked by `tagged_mut`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let s = c.seq(seq);
             c.cache.truncate(s, new_len)?;
             Ok(())
@@ -566,7 +564,7 @@ pub unsafe extern "C" fn kvpage_cache_release(
     // SAFETY: checked by `tagged_mut`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let s = c.seq(seq);
             c.cache.release(s)?;
             Ok(())
@@ -592,7 +590,7 @@ pub unsafe extern "C" fn kvpage_cache_len(
     // SAFETY: pointers checked by `tagged` / `out`.
     unsafe {
         run(err, || {
-            let c = tagged(cache, "cache")?;
+            let c = tagged(cache)?;
             let dst = out(out_len, "out_len")?;
             dst.set(c.cache.len(c.seq(seq))?);
             Ok(())
@@ -634,7 +632,7 @@ pub unsafe extern "C" fn kvpage_cache_write_kv(
     // SAFETY: pointers checked by `tagged_mut` / `kv_inputs`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let (k, v) = c.kv_inputs(n_tokens, (k, k_len), (v, v_len))?;
             let s = c.seq(seq);
             c.cache.write_kv(s, layer, first, k, v)?;
@@ -675,7 +673,7 @@ pub unsafe extern "C" fn kvpage_cache_write_kv_raw(
     // `dtype`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let dtype = dtype_from_c(dtype)?;
             let s = c.seq(seq);
             for_dtype!(dtype, T => {
@@ -725,7 +723,7 @@ pub unsafe extern "C" fn kvpage_cache_decode(
     // SAFETY: pointers checked by `tagged_mut` / `slice` / `slice_mut`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let ids = slice(seqs, n_seqs, "seqs")?;
             let (q, out) = (slice(q, q_len, "q")?, slice_mut(out, out_len, "out")?);
             c.check_batch(n_seqs)?;
@@ -775,7 +773,7 @@ pub unsafe extern "C" fn kvpage_cache_prefill(
     // SAFETY: pointers checked by `tagged_mut` / `slice` / `slice_mut`.
     unsafe {
         run(err, || {
-            let c = tagged_mut(cache, "cache")?;
+            let c = tagged_mut(cache)?;
             let ids = slice(seqs, n_seqs, "seqs")?;
             let counts = slice(n_queries, n_seqs, "n_queries")?;
             let (q, out) = (slice(q, q_len, "q")?, slice_mut(out, out_len, "out")?);

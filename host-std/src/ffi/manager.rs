@@ -192,7 +192,7 @@ pub unsafe extern "C" fn kvpage_manager_init(
             if base.is_null() {
                 return Err(Fail::null("storage"));
             }
-            if (base as usize) % kvpage_manager_storage_align() != 0 {
+            if !(base as usize).is_multiple_of(kvpage_manager_storage_align()) {
                 return Err(Fail::new(kvpage_result::KVPAGE_ERR_MISALIGNED, "storage"));
             }
             let needed = self::storage_bytes(&config)?;

@@ -15,26 +15,34 @@
 //!   object are thread-safe.
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
-//! [`geometry`], [`stats`], [`plan`] (block copies, step records), argument checks, and
-//! the tiers: [`cache`] (1, the owned cache), [`manager`] (2, caller memory).
+//! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
+//! as C sees it, shared by [`engine`] (tier 1) and [`scheduler`] (tier 3)), the tiers
+//! [`cache`] (1, the owned cache), [`engine`] (1), [`manager`] (2, caller memory) and
+//! [`scheduler`] (3), and argument checks.
 
 #![allow(non_camel_case_types)]
 
 mod args;
 pub mod cache;
+pub mod engine;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
 pub mod plan;
 pub mod result;
+pub mod scheduler;
 pub mod stats;
+pub mod step;
 pub mod version;
 
 pub use cache::*;
+pub use engine::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
 pub use plan::*;
 pub use result::*;
+pub use scheduler::*;
 pub use stats::*;
+pub use step::*;
 pub use version::*;
