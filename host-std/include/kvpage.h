@@ -276,22 +276,11 @@ typedef struct kvpage_scheduler_params {
   uint32_t preemption;
 } kvpage_scheduler_params;
 
-// What `kvpage_engine_new` builds. Start from `kvpage_engine_params_default()`, then
-// set `geometry` and one capacity.
+// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`.
 typedef struct kvpage_engine_params {
-  // The model's KV geometry and storage dtype.
-  struct kvpage_geometry geometry;
-  // Device arena in blocks; exactly one of `capacity_blocks` and `capacity_bytes`
-  // is non-zero.
-  uint32_t capacity_blocks;
-  // Device arena in bytes (as many whole blocks as fit).
-  uint64_t capacity_bytes;
-  // Sequences live at once (forks included).
-  uint32_t max_seqs;
-  // Tokens one sequence holds at most (prompt plus generated).
-  uint32_t max_seq_len;
-  // Threads of the attention kernels, the calling one included; 0 = one per core.
-  uint32_t threads;
+  // The cache: geometry, device capacity, sequences (forks included), longest
+  // sequence (prompt plus generated), kernel threads.
+  struct kvpage_cache_params cache;
   // Requests in flight at once (waiting, running, swapped out).
   uint32_t max_requests;
   // Token budget, running limit, watermark and preemption mode of every step.
@@ -799,11 +788,11 @@ kvpage_result kvpage_cache_prefill(struct kvpage_cache *cache,
                                    float scale,
                                    struct kvpage_error *err);
 
-// Defaults: 64 sequences of up to 4096 tokens, one kernel thread per core, 256
-// requests, steps of at most 2048 tokens and 64 running sequences, a watermark of 1
-// block, preemption by recompute, no host tier. `geometry` and the capacities are
-// zero: set them. O(1); thread-safe; cannot fail.
-struct kvpage_engine_params kvpage_engine_params_default(void);
+// Parameters of an engine for `geometry`: the cache of
+// `kvpage_cache_default_params(geometry)`, 256 requests, steps of at most 2048 tokens
+// and 64 running sequences, a watermark of 1 block, preemption by recompute, no host
+// tier. O(1); thread-safe; cannot fail (the geometry is checked by `_new`).
+struct kvpage_engine_params kvpage_engine_default_params(struct kvpage_geometry geometry);
 
 // Allocates an engine: its cache (arena, tables, kernel threads), host tier and
 // request table. All memory is allocated here; no later call allocates. The caller

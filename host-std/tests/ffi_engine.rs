@@ -160,12 +160,12 @@ fn geometry_c() -> kvpage_geometry {
 }
 
 fn engine_params() -> kvpage_engine_params {
-    let mut p = kvpage_engine_params_default();
-    p.geometry = geometry_c();
-    p.capacity_blocks = 48;
-    p.max_seqs = 8;
-    p.max_seq_len = 64;
-    p.threads = 1;
+    let mut p = kvpage_engine_default_params(geometry_c());
+    p.cache.capacity_bytes = 0;
+    p.cache.capacity_blocks = 48;
+    p.cache.max_seqs = 8;
+    p.cache.max_seq_len = 64;
+    p.cache.threads = 1;
     p.max_requests = 8;
     p.scheduler = kvpage_scheduler_params {
         token_budget: 24,
@@ -696,27 +696,24 @@ fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
             code(|e| kvpage_engine_new(&p, null_mut(), e)),
             KVPAGE_ERR_NULL_POINTER
         );
-        let d = kvpage_engine_params_default();
+        let d = kvpage_engine_default_params(kvpage_geometry {
+            layers: 0,
+            ..geometry_c()
+        });
         assert_eq!(
             code(|e| kvpage_engine_new(&d, &mut engine, e)),
             KVPAGE_ERR_BAD_CONFIG
         );
         for bad in [
             kvpage_engine_params {
-                capacity_bytes: 1 << 20,
-                ..p
-            },
-            kvpage_engine_params {
-                capacity_blocks: 0,
+                cache: kvpage_cache_params {
+                    capacity_blocks: 1 << 30,
+                    ..p.cache
+                },
                 ..p
             },
             kvpage_engine_params {
                 max_requests: 0,
-                ..p
-            },
-            kvpage_engine_params {
-                host_capacity_blocks: 4,
-                host_capacity_bytes: 4096,
                 ..p
             },
             kvpage_engine_params {
@@ -743,17 +740,42 @@ fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
             code(|e| kvpage_engine_new(&bad, &mut engine, e)),
             KVPAGE_ERR_INVALID_ARGUMENT
         );
-        let bad = kvpage_engine_params {
-            geometry: kvpage_geometry {
-                dtype: 7,
-                ..p.geometry
+        for bad in [
+            kvpage_engine_params {
+                cache: kvpage_cache_params {
+                    geometry: kvpage_geometry {
+                        dtype: 7,
+                        ..p.cache.geometry
+                    },
+                    ..p.cache
+                },
+                ..p
             },
-            ..p
-        };
-        assert_eq!(
-            code(|e| kvpage_engine_new(&bad, &mut engine, e)),
-            KVPAGE_ERR_INVALID_ARGUMENT
-        );
+            kvpage_engine_params {
+                cache: kvpage_cache_params {
+                    capacity_bytes: 1 << 20,
+                    ..p.cache
+                },
+                ..p
+            },
+            kvpage_engine_params {
+                cache: kvpage_cache_params {
+                    capacity_blocks: 0,
+                    ..p.cache
+                },
+                ..p
+            },
+            kvpage_engine_params {
+                host_capacity_blocks: 4,
+                host_capacity_bytes: 4096,
+                ..p
+            },
+        ] {
+            assert_eq!(
+                code(|e| kvpage_engine_new(&bad, &mut engine, e)),
+                KVPAGE_ERR_INVALID_ARGUMENT
+            );
+        }
         assert!(engine.is_null(), "no out-parameter written on failure");
         kvpage_engine_free(null_mut());
     }

@@ -49,22 +49,29 @@ pub const KVPAGE_CACHE_DEFAULT_MAX_SEQS: u32 = 64;
 /// Default `max_seq_len` of `kvpage_cache_default_params`.
 pub const KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN: u32 = 4096;
 
+/// The capacity of a (blocks, bytes) pair of parameters: exactly one non-zero, or both
+/// zero when `zero_is_none` (then `Capacity::Blocks(0)`).
+pub(crate) fn capacity_from_c(
+    blocks: u32,
+    bytes: u64,
+    zero_is_none: bool,
+) -> Result<Capacity, Fail> {
+    match (blocks, bytes) {
+        (0, 0) if zero_is_none => Ok(Capacity::Blocks(0)),
+        (b, 0) if b > 0 => Ok(Capacity::Blocks(b)),
+        (0, b) if b > 0 => Ok(Capacity::Bytes(b)),
+        _ => Err(Fail::invalid(
+            "set exactly one of a capacity in blocks and a capacity in bytes",
+        )),
+    }
+}
+
 impl kvpage_cache_params {
     /// The checked Rust configuration.
-    fn to_rust(self) -> Result<CacheConfig, Fail> {
-        let geometry = self.geometry.to_core()?;
-        let capacity = match (self.capacity_blocks, self.capacity_bytes) {
-            (blocks, 0) if blocks > 0 => Capacity::Blocks(blocks),
-            (0, bytes) if bytes > 0 => Capacity::Bytes(bytes),
-            _ => {
-                return Err(Fail::invalid(
-                    "exactly one of capacity_blocks and capacity_bytes must be non-zero",
-                ))
-            }
-        };
+    pub(crate) fn to_rust(self) -> Result<CacheConfig, Fail> {
         Ok(CacheConfig {
-            geometry,
-            capacity,
+            geometry: self.geometry.to_core()?,
+            capacity: capacity_from_c(self.capacity_blocks, self.capacity_bytes, false)?,
             max_seqs: self.max_seqs,
             max_seq_len: self.max_seq_len,
             threads: self.threads as usize,

@@ -16,6 +16,7 @@
 use kvpage_core::Sampled;
 
 use super::args::{obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
+use super::cache::{capacity_from_c, kvpage_cache_default_params, kvpage_cache_params};
 use super::geometry::kvpage_geometry;
 use super::ids::{kvpage_request, request_from_c, request_to_c};
 use super::plan::{
@@ -28,28 +29,16 @@ use super::step::{
     check_limits, commit_into, kvpage_step, last_token_from_c, max_new_from_c, state_to_c,
     write_step_seqs, write_tokens, NO_SAMPLE,
 };
-use crate::cache::{CacheConfig, Capacity};
 use crate::engine::{Engine, EngineConfig};
 use crate::tables::try_filled;
 
-/// What `kvpage_engine_new` builds. Start from `kvpage_engine_params_default()`, then
-/// set `geometry` and one capacity.
+/// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct kvpage_engine_params {
-    /// The model's KV geometry and storage dtype.
-    pub geometry: kvpage_geometry,
-    /// Device arena in blocks; exactly one of `capacity_blocks` and `capacity_bytes`
-    /// is non-zero.
-    pub capacity_blocks: u32,
-    /// Device arena in bytes (as many whole blocks as fit).
-    pub capacity_bytes: u64,
-    /// Sequences live at once (forks included).
-    pub max_seqs: u32,
-    /// Tokens one sequence holds at most (prompt plus generated).
-    pub max_seq_len: u32,
-    /// Threads of the attention kernels, the calling one included; 0 = one per core.
-    pub threads: u32,
+    /// The cache: geometry, device capacity, sequences (forks included), longest
+    /// sequence (prompt plus generated), kernel threads.
+    pub cache: kvpage_cache_params,
     /// Requests in flight at once (waiting, running, swapped out).
     pub max_requests: u32,
     /// Token budget, running limit, watermark and preemption mode of every step.
@@ -61,57 +50,30 @@ pub struct kvpage_engine_params {
     pub host_capacity_bytes: u64,
 }
 
-/// The capacity of a (blocks, bytes) pair: exactly one non-zero, or both zero when
-/// `zero_is_none`.
-fn capacity(blocks: u32, bytes: u64, zero_is_none: bool) -> Result<Capacity, Fail> {
-    match (blocks, bytes) {
-        (0, 0) if zero_is_none => Ok(Capacity::Blocks(0)),
-        (b, 0) if b > 0 => Ok(Capacity::Blocks(b)),
-        (0, b) if b > 0 => Ok(Capacity::Bytes(b)),
-        _ => Err(Fail::new(
-            kvpage_result::KVPAGE_ERR_BAD_CONFIG,
-            "set exactly one of the capacities in blocks and in bytes",
-        )),
-    }
-}
-
 impl kvpage_engine_params {
     /// The checked Rust configuration.
     fn to_rust(self) -> Result<EngineConfig, Fail> {
         Ok(EngineConfig {
-            cache: CacheConfig {
-                geometry: self.geometry.to_core()?,
-                capacity: capacity(self.capacity_blocks, self.capacity_bytes, false)?,
-                max_seqs: self.max_seqs,
-                max_seq_len: self.max_seq_len,
-                threads: self.threads as usize,
-            },
+            cache: self.cache.to_rust()?,
             max_requests: self.max_requests,
             scheduler: check_limits(self.max_requests, self.scheduler)?,
-            host_capacity: capacity(self.host_capacity_blocks, self.host_capacity_bytes, true)?,
+            host_capacity: capacity_from_c(
+                self.host_capacity_blocks,
+                self.host_capacity_bytes,
+                true,
+            )?,
         })
     }
 }
 
-/// Defaults: 64 sequences of up to 4096 tokens, one kernel thread per core, 256
-/// requests, steps of at most 2048 tokens and 64 running sequences, a watermark of 1
-/// block, preemption by recompute, no host tier. `geometry` and the capacities are
-/// zero: set them. O(1); thread-safe; cannot fail.
+/// Parameters of an engine for `geometry`: the cache of
+/// `kvpage_cache_default_params(geometry)`, 256 requests, steps of at most 2048 tokens
+/// and 64 running sequences, a watermark of 1 block, preemption by recompute, no host
+/// tier. O(1); thread-safe; cannot fail (the geometry is checked by `_new`).
 #[no_mangle]
-pub extern "C" fn kvpage_engine_params_default() -> kvpage_engine_params {
+pub extern "C" fn kvpage_engine_default_params(geometry: kvpage_geometry) -> kvpage_engine_params {
     kvpage_engine_params {
-        geometry: kvpage_geometry {
-            layers: 0,
-            kv_heads: 0,
-            head_dim: 0,
-            block_size: 0,
-            dtype: 0,
-        },
-        capacity_blocks: 0,
-        capacity_bytes: 0,
-        max_seqs: 64,
-        max_seq_len: 4096,
-        threads: 0,
+        cache: kvpage_cache_default_params(geometry),
         max_requests: 256,
         scheduler: kvpage_scheduler_params {
             token_budget: 2048,
