@@ -396,7 +396,7 @@ typedef struct kvpage_finished {
 } kvpage_finished;
 
 // Counters of an engine or scheduler since construction.
-typedef struct kvpage_engine_stats {
+typedef struct kvpage_engine_counters {
   // Steps taken.
   uint64_t steps;
   // Requests admitted for the first time.
@@ -411,7 +411,7 @@ typedef struct kvpage_engine_stats {
   uint64_t swap_ins;
   // Tokens computed again after preemptions by recompute.
   uint64_t recomputed_tokens;
-} kvpage_engine_stats;
+} kvpage_engine_counters;
 
 // What a tier-2 manager is sized for (see the Rust `kvpage_core::Config`).
 typedef struct kvpage_manager_config {
@@ -811,13 +811,19 @@ kvpage_result kvpage_engine_new(const struct kvpage_engine_params *params,
                                 struct kvpage_error *err);
 
 // Frees an engine and everything it allocated (joins its kernel threads). NULL is a
-// no-op; a pointer without a live engine's magic word is left alone. Request ids and
-// step pointers of the engine are invalid afterwards. O(threads + memory).
+// no-op (`KVPAGE_OK`). Request ids and step pointers of the engine are invalid
+// afterwards. Not concurrently with any other call on the engine; freeing twice is
+// undefined (a freed pointer is usually, not always, refused with
+// `KVPAGE_ERR_INVALID_ARGUMENT`). O(threads + memory).
+//
+// # Errors
+// `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT` for a pointer that is not a
+// live engine (nothing is freed).
 //
 // # Safety
-// `engine` is null or from `kvpage_engine_new` and not freed yet (a double free is
-// undefined behaviour), used by no other call now or later.
-void kvpage_engine_free(struct kvpage_engine *engine);
+// `engine` is null or from `kvpage_engine_new` and not freed yet, used by no other
+// call now or later.
+kvpage_result kvpage_engine_free(struct kvpage_engine *engine, struct kvpage_error *err);
 
 // Queues a request: `prompt` (`n` token ids, copied), its prefix-cache namespace
 // `ns` (requests share cached prompt blocks only within one namespace), and at most
@@ -1025,7 +1031,7 @@ kvpage_result kvpage_engine_request_tokens(const struct kvpage_engine *engine,
 // `engine` is null or a live engine; `out_stats` null or writable; `cache_stats` null
 // or writable.
 kvpage_result kvpage_engine_stats(const struct kvpage_engine *engine,
-                                  struct kvpage_engine_stats *out_stats,
+                                  struct kvpage_engine_counters *out_stats,
                                   struct kvpage_stats *cache_stats,
                                   struct kvpage_error *err);
 
@@ -1292,7 +1298,7 @@ kvpage_result kvpage_scheduler_request_tokens(const struct kvpage_scheduler *sch
 // # Safety
 // `scheduler` is null or a live scheduler; `out_stats` null or writable.
 kvpage_result kvpage_scheduler_stats(const struct kvpage_scheduler *scheduler,
-                                     struct kvpage_engine_stats *out_stats,
+                                     struct kvpage_engine_counters *out_stats,
                                      struct kvpage_error *err);
 
 // The linked library's version as `major * 10000 + minor * 100 + patch`; compare it

@@ -374,7 +374,7 @@ fn tier1_c_engine_equals_the_rust_engine_bit_for_bit() {
             assert_eq!(toks[nt - 1], 7);
             forked = true;
         }
-        let mut st = kvpage_engine_stats::default();
+        let mut st = kvpage_engine_counters::default();
         let mut cs = kvpage_stats::default();
         // SAFETY: live engine.
         ok(unsafe { kvpage_engine_stats(ce, &mut st, &mut cs, null_mut()) });
@@ -393,17 +393,17 @@ fn tier1_c_engine_equals_the_rust_engine_bit_for_bit() {
         "all four requests (a fork included) finished in {steps} steps"
     );
     // SAFETY: from kvpage_engine_new, freed once.
-    unsafe { kvpage_engine_free(ce) };
+    unsafe { ok(kvpage_engine_free(ce, null_mut())) };
 }
 
 /// The C record of Rust engine counters.
 trait IntoC {
-    fn into_c(self) -> kvpage_engine_stats;
+    fn into_c(self) -> kvpage_engine_counters;
 }
 
 impl IntoC for kvpage::EngineStats {
-    fn into_c(self) -> kvpage_engine_stats {
-        kvpage_engine_stats {
+    fn into_c(self) -> kvpage_engine_counters {
+        kvpage_engine_counters {
             steps: self.steps,
             admitted: self.admitted,
             finished: self.finished,
@@ -500,7 +500,7 @@ fn c_tier3(mc: &kvpage_manager_config, sc: &kvpage_scheduler_config) -> CTier3 {
     }
 }
 
-fn run_tier3_against_core(preemption: u32) -> kvpage_engine_stats {
+fn run_tier3_against_core(preemption: u32) -> kvpage_engine_counters {
     let host_blocks = 16;
     let mc = manager_config(host_blocks, 7);
     let sc = sched_config(preemption);
@@ -627,7 +627,7 @@ fn run_tier3_against_core(preemption: u32) -> kvpage_engine_stats {
             .collect();
         assert_eq!(cf, rf, "step {steps}");
     }
-    let mut st = kvpage_engine_stats::default();
+    let mut st = kvpage_engine_counters::default();
     // SAFETY: live scheduler.
     ok(unsafe { kvpage_scheduler_stats(c.s, &mut st, null_mut()) });
     assert_eq!(st, core.stats().into_c());
@@ -777,7 +777,7 @@ fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
             );
         }
         assert!(engine.is_null(), "no out-parameter written on failure");
-        kvpage_engine_free(null_mut());
+        ok(kvpage_engine_free(null_mut(), null_mut()));
     }
 
     let ce = new_c_engine(&p);
@@ -792,7 +792,7 @@ fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
     let mut toks = [0u32; 64];
     let mut n = 777usize;
     let mut state = 9u32;
-    let mut st = kvpage_engine_stats::default();
+    let mut st = kvpage_engine_counters::default();
     // SAFETY: as above; `garbage` is readable memory without the magic word.
     unsafe {
         let garbage = [0u64; 64];
@@ -1131,8 +1131,8 @@ fn tier1_bad_input_is_refused_with_its_code_and_changes_nothing() {
     unsafe {
         ok(kvpage_engine_stats(ce, &mut st, null_mut(), null_mut()));
         assert_eq!(st.finished, 2);
-        kvpage_engine_free(ce);
-        kvpage_engine_free(clean);
+        ok(kvpage_engine_free(ce, null_mut()));
+        ok(kvpage_engine_free(clean, null_mut()));
     }
 }
 

@@ -24,7 +24,7 @@ use super::plan::{
     KVPAGE_PREEMPT_RECOMPUTE,
 };
 use super::result::{kvpage_error, kvpage_result, run, Fail};
-use super::stats::{kvpage_engine_stats, kvpage_stats};
+use super::stats::{kvpage_engine_counters, kvpage_stats};
 use super::step::{
     check_limits, commit_into, kvpage_step, last_token_from_c, max_new_from_c, state_to_c,
     write_step_seqs, write_tokens, NO_SAMPLE,
@@ -142,25 +142,33 @@ pub unsafe extern "C" fn kvpage_engine_new(
 }
 
 /// Frees an engine and everything it allocated (joins its kernel threads). NULL is a
-/// no-op; a pointer without a live engine's magic word is left alone. Request ids and
-/// step pointers of the engine are invalid afterwards. O(threads + memory).
+/// no-op (`KVPAGE_OK`). Request ids and step pointers of the engine are invalid
+/// afterwards. Not concurrently with any other call on the engine; freeing twice is
+/// undefined (a freed pointer is usually, not always, refused with
+/// `KVPAGE_ERR_INVALID_ARGUMENT`). O(threads + memory).
+///
+/// # Errors
+/// `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT` for a pointer that is not a
+/// live engine (nothing is freed).
 ///
 /// # Safety
-/// `engine` is null or from `kvpage_engine_new` and not freed yet (a double free is
-/// undefined behaviour), used by no other call now or later.
+/// `engine` is null or from `kvpage_engine_new` and not freed yet, used by no other
+/// call now or later.
 #[no_mangle]
-pub unsafe extern "C" fn kvpage_engine_free(engine: *mut kvpage_engine) {
-    if engine.is_null() {
-        return;
-    }
-    // SAFETY: checked by `tagged_mut`; ownership by the caller's contract.
+pub unsafe extern "C" fn kvpage_engine_free(
+    engine: *mut kvpage_engine,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: checked by `tagged_mut`; the engine came from `Box::into_raw` in `_new`.
     unsafe {
-        run(core::ptr::null_mut(), || {
-            let e = tagged_mut(engine)?;
-            e.magic = 0;
+        run(err, || {
+            if engine.is_null() {
+                return Ok(());
+            }
+            tagged_mut(engine)?.magic = 0;
             drop(Box::from_raw(engine));
             Ok(())
-        });
+        })
     }
 }
 
@@ -515,7 +523,7 @@ pub unsafe extern "C" fn kvpage_engine_request_tokens(
 #[no_mangle]
 pub unsafe extern "C" fn kvpage_engine_stats(
     engine: *const kvpage_engine,
-    out_stats: *mut kvpage_engine_stats,
+    out_stats: *mut kvpage_engine_counters,
     cache_stats: *mut kvpage_stats,
     err: *mut kvpage_error,
 ) -> kvpage_result {

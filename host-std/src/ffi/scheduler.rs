@@ -23,7 +23,7 @@ use super::ids::{kvpage_request, request_from_c, request_to_c};
 use super::manager::{kvpage_manager, kvpage_manager_config, manager_mut, manager_ref};
 use super::plan::{kvpage_finished, kvpage_sampled, kvpage_scheduler_params, kvpage_step_seq};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
-use super::stats::kvpage_engine_stats;
+use super::stats::kvpage_engine_counters;
 use super::step::{
     check_limits, commit_into, kvpage_step, last_token_from_c, max_new_from_c, pending, state_to_c,
     write_step_seqs, write_tokens, NO_SAMPLE,
@@ -523,7 +523,7 @@ pub unsafe extern "C" fn kvpage_scheduler_request_tokens(
 #[no_mangle]
 pub unsafe extern "C" fn kvpage_scheduler_stats(
     scheduler: *const kvpage_scheduler,
-    out_stats: *mut kvpage_engine_stats,
+    out_stats: *mut kvpage_engine_counters,
     err: *mut kvpage_error,
 ) -> kvpage_result {
     // SAFETY: pointers checked before use.

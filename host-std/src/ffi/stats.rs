@@ -51,7 +51,7 @@ impl From<Stats> for kvpage_stats {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[allow(non_camel_case_types)]
-pub struct kvpage_engine_stats {
+pub struct kvpage_engine_counters {
     /// Steps taken.
     pub steps: u64,
     /// Requests admitted for the first time.
@@ -68,7 +68,7 @@ pub struct kvpage_engine_stats {
     pub recomputed_tokens: u64,
 }
 
-impl From<EngineStats> for kvpage_engine_stats {
+impl From<EngineStats> for kvpage_engine_counters {
     fn from(s: EngineStats) -> Self {
         Self {
             steps: s.steps,
