@@ -1,0 +1,411 @@
+/*
+ * Feeds every function of the C API bad input — null pointers, zero sizes, stale,
+ * never-issued and foreign ids, double release, buffers too short, configurations that
+ * cannot fit, a wrong dtype — and checks that each call returns its code, fills the
+ * error struct, changes nothing (statistics and lengths are compared before and after)
+ * and that every object works normally afterwards (its results equal those of an
+ * object that never saw a bad call). Run under AddressSanitizer, UBSan and
+ * LeakSanitizer by the tests: nothing may crash or leak.
+ */
+#include <kvpage.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static unsigned checks, failures;
+static kvpage_error err;
+
+/* One bad (or good) call: its code must be `want`; a failure must fill `err`. */
+static void expect(kvpage_result got, kvpage_result want, const char *call, int line) {
+  checks++;
+  if (got != want) {
+    failures++;
+    printf("line %d: %s returned %u (%s), want %u (%s)\n", line, call, got, kvpage_result_str(got),
+           want, kvpage_result_str(want));
+  } else if (got != KVPAGE_OK && (err.code != got || err.message[0] == '\0')) {
+    failures++;
+    printf("line %d: %s did not fill the error struct\n", line, call);
+  }
+  memset(&err, 0xAB, sizeof err); /* a stale struct must not pass the next check */
+}
+#define EXPECT(want, call) expect((call), (want), #call, __LINE__)
+
+static void expect_true(int ok, const char *what, int line) {
+  checks++;
+  if (!ok) {
+    failures++;
+    printf("line %d: %s\n", line, what);
+  }
+}
+#define EXPECT_TRUE(cond) expect_true((cond), #cond, __LINE__)
+
+static int same_stats(const kvpage_stats *a, const kvpage_stats *b) {
+  return a->total_blocks == b->total_blocks && a->free_blocks == b->free_blocks &&
+         a->cached_blocks == b->cached_blocks && a->used_blocks == b->used_blocks &&
+         a->live_seqs == b->live_seqs && a->tokens_stored == b->tokens_stored &&
+         a->logical_tokens == b->logical_tokens;
+}
+
+static void section(const char *name, unsigned before) {
+  printf("%s: %u checks\n", name, checks - before);
+}
+
+enum { LAYERS = 2, KV_HEADS = 2, HEAD_DIM = 8, BLOCK = 4, Q_HEADS = 4, ROW = KV_HEADS * HEAD_DIM };
+static const kvpage_geometry GEOMETRY = {LAYERS, KV_HEADS, HEAD_DIM, BLOCK, KVPAGE_DTYPE_F16};
+
+static kvpage_cache_params cache_params(uint32_t blocks) {
+  kvpage_cache_params p = kvpage_cache_default_params(GEOMETRY);
+  p.capacity_bytes = 0;
+  p.capacity_blocks = blocks;
+  p.max_seqs = 4;
+  p.max_seq_len = 32;
+  p.threads = 1;
+  return p;
+}
+
+static float value(uint32_t i) { return (float)((i * 2654435761u) >> 20 & 0xff) / 128.0f - 1.0f; }
+
+/* A normal workload on a cache: a prompt, its K/V, a decode. Writes the attention
+ * output to `out` (Q_HEADS * HEAD_DIM floats); returns 0 on success. */
+static int workload(kvpage_cache *c, float *out) {
+  uint32_t prompt[6] = {1, 2, 3, 4, 5, 6}, layer, i, reused = 0;
+  float k[6 * ROW], v[6 * ROW], q[Q_HEADS * HEAD_DIM];
+  kvpage_seq s;
+  kvpage_error e;
+  for (i = 0; i < 6 * ROW; i++) k[i] = value(i), v[i] = value(i + 1000);
+  for (i = 0; i < Q_HEADS * HEAD_DIM; i++) q[i] = value(i + 2000);
+  if (kvpage_cache_create_with_prompt(c, 9, prompt, 6, &s, &reused, &e) != KVPAGE_OK) return 1;
+  for (layer = 0; layer < LAYERS; layer++)
+    if (kvpage_cache_write_kv(c, s, layer, reused, 6 - reused, k + reused * ROW,
+                              (6 - reused) * ROW, v + reused * ROW, (6 - reused) * ROW,
+                              &e) != KVPAGE_OK)
+      return 1;
+  if (kvpage_cache_decode(c, 1, &s, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS,
+                          0.35f, &e) != KVPAGE_OK)
+    return 1;
+  return kvpage_cache_release(c, s, &e) != KVPAGE_OK;
+}
+
+static void result_codes(void) {
+  unsigned before = checks, code, other;
+  for (code = 0; code <= KVPAGE_ERR_INTERNAL; code++) {
+    const char *s = kvpage_result_str(code);
+    EXPECT_TRUE(s != NULL && strcmp(s, "unknown result code") != 0);
+    for (other = 0; other < code; other++) EXPECT_TRUE(strcmp(s, kvpage_result_str(other)) != 0);
+  }
+  EXPECT_TRUE(strcmp(kvpage_result_str(9999), "unknown result code") == 0);
+  EXPECT_TRUE(kvpage_version() == KVPAGE_VERSION_MAJOR * 10000 + KVPAGE_VERSION_MINOR * 100 +
+                                      KVPAGE_VERSION_PATCH);
+  section("result codes and version", before);
+}
+
+static void cache_configs(void) {
+  unsigned before = checks;
+  kvpage_cache *c = NULL;
+  kvpage_cache_params p = cache_params(16);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_new(NULL, &c, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_new(&p, NULL, &err));
+  p.capacity_blocks = 0; /* neither capacity */
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.capacity_bytes = 1 << 20; /* both */
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.geometry.dtype = 9;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.geometry.head_dim = 4096; /* over the kernels' maximum */
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.geometry.layers = 0;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.max_seqs = 0;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.capacity_blocks = 0;
+  p.capacity_bytes = 10; /* less than one block */
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
+  p = cache_params(16);
+  p.capacity_blocks = 0;
+  p.capacity_bytes = UINT64_MAX; /* does not fit in memory */
+  EXPECT_TRUE(kvpage_cache_new(&p, &c, &err) != KVPAGE_OK);
+  memset(&err, 0, sizeof err);
+  EXPECT_TRUE(c == NULL); /* no out-parameter written on failure */
+  EXPECT(KVPAGE_OK, kvpage_cache_free(NULL, &err));
+  section("cache configurations", before);
+}
+
+static void cache_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8); /* 32 token slots */
+  kvpage_cache *c = NULL, *fresh = NULL, *other = NULL;
+  kvpage_seq s, gone, foreign, child = KVPAGE_SEQ_NONE;
+  kvpage_stats st0, st1;
+  uint32_t prompt[5] = {1, 2, 3, 4, 5}, len = 0, tokens[40] = {0};
+  float k[5 * ROW] = {0}, v[5 * ROW] = {0}, q[2 * Q_HEADS * HEAD_DIM] = {0};
+  float out[2 * Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
+  uint16_t raw[5 * ROW] = {0};
+  kvpage_seq batch[5];
+  uint32_t nq[5] = {1, 1, 1, 1, 1};
+  float nan_scale = (float)NAN;
+
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &other, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(other, 0, &foreign, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(c, 1, prompt, 5, &s, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(c, 1, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st0, &err));
+
+  /* Null pointers, in every position that takes one. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create(NULL, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create(c, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create_with_prompt(c, 1, NULL, 3, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create_with_prompt(c, 1, prompt, 3, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_append_tokens(c, s, NULL, 2, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_append(NULL, s, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_commit(NULL, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_fork(c, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_truncate(NULL, s, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_release(NULL, s, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_len(c, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_stats(c, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_geometry(NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_evict_cached(NULL, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_write_kv(c, s, 0, 0, 5, NULL, 5 * ROW, v, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_write_kv(c, s, 0, 0, 5, k, 5 * ROW, NULL, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_write_kv_raw(c, s, 0, 0, 5, KVPAGE_DTYPE_F16, NULL, 5 * ROW, raw, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, NULL, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, NULL, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, NULL, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefill(c, 0, &s, NULL, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+
+  /* Stale (released), never-issued and foreign ids; double release. */
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_release(c, gone, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_len(c, gone, &len, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_append(c, gone, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_append_tokens(c, KVPAGE_SEQ_NONE, prompt, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_commit(c, 12345, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_fork(c, gone, &child, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_truncate(c, gone, 0, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_write_kv(c, gone, 0, 0, 1, k, ROW, v, ROW, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_decode(c, 0, &gone, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT_TRUE(kvpage_cache_len(c, foreign, &len, &err) != KVPAGE_OK);
+  memset(&err, 0, sizeof err);
+  EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
+
+  /* Buffers too short, with the numbers. */
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_cache_write_kv(c, s, 0, 0, 5, k, 5 * ROW - 1, v, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_cache_write_kv(c, s, 0, 0, 5, k, 5 * ROW, v, 3, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM - 1, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT_TRUE(kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, out, 7, Q_HEADS, 0.35f, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == Q_HEADS * HEAD_DIM && err.available == 7);
+  memset(&err, 0, sizeof err);
+
+  /* Wrong dtype, layer, heads, scale; positions not writable; too long; beyond length. */
+  EXPECT(KVPAGE_ERR_DTYPE_MISMATCH, kvpage_cache_write_kv_raw(c, s, 0, 0, 5, KVPAGE_DTYPE_BF16, raw, 5 * ROW, raw, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_write_kv_raw(c, s, 0, 0, 5, 77, raw, 5 * ROW, raw, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_write_kv(c, s, LAYERS, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
+  EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_decode(c, LAYERS, &s, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_BAD_HEADS, kvpage_cache_decode(c, 0, &s, 1, q, 3 * HEAD_DIM, out, 3 * HEAD_DIM, 3, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_BAD_HEADS, kvpage_cache_decode(c, 0, &s, 1, q, 0, out, 0, 0, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, nan_scale, &err));
+  EXPECT(KVPAGE_ERR_NOT_WRITABLE, kvpage_cache_write_kv(c, s, 0, 3, 5, k, 5 * ROW, v, 5 * ROW, &err));
+  nq[0] = 6;
+  EXPECT(KVPAGE_ERR_QUERIES_EXCEED_CONTEXT, kvpage_cache_prefill(c, 0, &s, nq, 1, q, 2 * Q_HEADS * HEAD_DIM, out, 2 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_SEQ_TOO_LONG, kvpage_cache_append_tokens(c, s, tokens, 40, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_truncate(c, s, 6, &err));
+  batch[0] = batch[1] = batch[2] = batch[3] = batch[4] = s;
+  EXPECT(KVPAGE_ERR_BATCH_TOO_LARGE, kvpage_cache_decode(c, 0, batch, 5, q, 5 * Q_HEADS * HEAD_DIM, out, 5 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  /* Out of blocks: 2 of 8 are used; a 30-token prompt needs 8. */
+  EXPECT_TRUE(kvpage_cache_create_with_prompt(c, 2, tokens, 30, &child, NULL, &err) == KVPAGE_ERR_OUT_OF_BLOCKS && err.needed == 8 && err.available == 6);
+  memset(&err, 0, sizeof err);
+
+  /* Zero sizes are no-ops. */
+  EXPECT(KVPAGE_OK, kvpage_cache_append(c, s, 0, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_append_tokens(c, s, NULL, 0, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(c, 0, NULL, 0, NULL, 0, NULL, 0, Q_HEADS, 0.35f, &err));
+
+  /* Nothing changed. */
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+  EXPECT(KVPAGE_OK, kvpage_cache_len(c, s, &len, &err));
+  EXPECT_TRUE(len == 5);
+
+  /* The cache works normally: its results equal a fresh cache's, bit for bit. */
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, s, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &fresh, &err));
+  EXPECT_TRUE(workload(c, got) == 0);
+  EXPECT_TRUE(workload(fresh, want) == 0);
+  EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(fresh, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(other, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  section("cache calls", before);
+}
+
+static kvpage_engine_params engine_params(void) {
+  kvpage_engine_params p = kvpage_engine_default_params(GEOMETRY);
+  p.cache = cache_params(16);
+  p.max_requests = 4;
+  p.scheduler.token_budget = 16;
+  p.scheduler.max_running = 4;
+  return p;
+}
+
+static void engine_calls(void) {
+  unsigned before = checks;
+  kvpage_engine_params p = engine_params();
+  kvpage_engine *e = NULL;
+  kvpage_request r = KVPAGE_REQUEST_NONE, r2 = KVPAGE_REQUEST_NONE;
+  kvpage_step step;
+  kvpage_step_seq seqs[4];
+  kvpage_sampled sample;
+  kvpage_finished fin[4];
+  kvpage_engine_counters ec;
+  uint32_t prompt[6] = {1, 2, 3, 4, 5, 6}, toks[8], state;
+  size_t n = 0;
+  float kv[6 * ROW] = {0}, q[6 * Q_HEADS * HEAD_DIM] = {0}, out[6 * Q_HEADS * HEAD_DIM];
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_new(NULL, &e, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_new(&p, NULL, &err));
+  p.max_requests = 0;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_engine_new(&p, &e, &err));
+  p = engine_params();
+  p.scheduler.preemption = 5;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_new(&p, &e, &err));
+  p = engine_params();
+  p.host_capacity_blocks = 4;
+  p.host_capacity_bytes = 4096;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_new(&p, &e, &err));
+  EXPECT_TRUE(e == NULL);
+  p = engine_params();
+  EXPECT(KVPAGE_OK, kvpage_engine_new(&p, &e, &err));
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request(e, 0, NULL, 6, 2, &r, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request(e, 0, prompt, 6, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_add_request(e, 0, prompt, 0, 2, &r, &err));
+  EXPECT(KVPAGE_ERR_NO_STEP_IN_PROGRESS, kvpage_engine_commit_step(e, NULL, 0, fin, 4, &n, &err));
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_cancel(e, 77, &err));
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_request_state(e, KVPAGE_REQUEST_NONE, &state, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_add_request(e, 0, prompt, 6, 2, &r, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_step(e, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_step(e, &step, &err));
+  EXPECT(KVPAGE_ERR_STEP_IN_PROGRESS, kvpage_engine_step(e, &step, &err));
+  EXPECT(KVPAGE_ERR_STEP_IN_PROGRESS, kvpage_engine_cancel(e, r, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_engine_step_seqs(e, seqs, 0, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_step_seqs(e, seqs, 4, &n, &err));
+  EXPECT_TRUE(n == 1 && step.num_tokens == 6);
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_engine_write_kv(e, 0, kv, 6 * ROW - 1, kv, 6 * ROW, &err));
+  EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_engine_write_kv(e, LAYERS, kv, 6 * ROW, kv, 6 * ROW, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_engine_attention(e, 0, q, 6 * Q_HEADS * HEAD_DIM, out, 5, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_BAD_HEADS, kvpage_engine_attention(e, 0, q, 6 * 3 * HEAD_DIM, out, 6 * 3 * HEAD_DIM, 3, 0.35f, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_write_kv(e, 0, kv, 6 * ROW, kv, 6 * ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_write_kv(e, 1, kv, 6 * ROW, kv, 6 * ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_attention(e, 1, q, 6 * Q_HEADS * HEAD_DIM, out, 6 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_MISSING_SAMPLE, kvpage_engine_commit_step(e, NULL, 0, fin, 4, &n, &err));
+  sample.request = r + (1ull << 32); /* another generation: stale */
+  sample.token = 9;
+  sample.stop = 0;
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_commit_step(e, &sample, 1, fin, 4, &n, &err));
+  sample.request = r;
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_engine_commit_step(e, &sample, 1, fin, 0, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_commit_step(e, &sample, 1, fin, 4, &n, &err));
+  EXPECT_TRUE(n == 0);
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_engine_request_tokens(e, r, toks, 3, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_request_tokens(e, r, toks, 8, &n, &err));
+  EXPECT_TRUE(n == 7 && toks[6] == 9);
+  EXPECT(KVPAGE_OK, kvpage_engine_fork(e, r, 1, 10, &r2, &err));
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_fork(e, 999, 0, 0, &r2, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_cancel(e, r2, &err));
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_cancel(e, r2, &err)); /* cancelled twice */
+  EXPECT(KVPAGE_OK, kvpage_engine_stats(e, &ec, NULL, &err));
+  EXPECT_TRUE(ec.steps == 1 && ec.admitted == 1);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_stats(e, NULL, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+  section("engine calls", before);
+}
+
+static void manager_and_scheduler_calls(void) {
+  unsigned before = checks;
+  kvpage_manager_config mc, too_big;
+  kvpage_scheduler_config sc;
+  kvpage_manager *m = NULL, *m2 = NULL;
+  kvpage_scheduler *s = NULL;
+  size_t bytes = 0, sbytes = 0;
+  uint64_t *storage, *storage2, *sstorage;
+  kvpage_step step;
+  kvpage_request r;
+  uint32_t prompt[3] = {7, 8, 9};
+  size_t n;
+  kvpage_finished fin[2];
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_config_for_geometry(NULL, 16, 4, 32, &mc, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 16, 4, 32, &mc, &err));
+  mc.instance = 3;
+  mc.host_blocks = 8;
+  too_big = mc;
+  too_big.num_blocks = 0;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_manager_storage_size(&too_big, &bytes, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_storage_size(&mc, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_storage_size(&mc, &bytes, &err));
+  storage = malloc(bytes + 8); /* malloc aligns to 8 or more */
+  storage2 = malloc(bytes); /* malloc aligns to 8 or more */
+  if (!storage || !storage2) exit(1);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_init(&mc, NULL, bytes, &m, &err));
+  EXPECT_TRUE(kvpage_manager_init(&mc, storage, bytes - 1, &m, &err) == KVPAGE_ERR_STORAGE_TOO_SMALL && err.needed == bytes && err.available == bytes - 1);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_MISALIGNED, kvpage_manager_init(&mc, (char *)storage + 4, bytes, &m, &err));
+  EXPECT_TRUE(m == NULL);
+  EXPECT(KVPAGE_OK, kvpage_manager_init(&mc, storage, bytes, &m, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_init(&mc, storage2, bytes, &m2, &err)); /* a twin */
+
+  sc.max_requests = 2;
+  sc.scheduler.token_budget = 8;
+  sc.scheduler.max_running = 2;
+  sc.scheduler.watermark_blocks = 0;
+  sc.scheduler.preemption = KVPAGE_PREEMPT_SWAP;
+  EXPECT(KVPAGE_OK, kvpage_scheduler_storage_size(&mc, &sc, &sbytes, &err));
+  sstorage = malloc(sbytes); /* malloc aligns to 8 or more */
+  if (!sstorage) exit(1);
+  sc.max_requests = 0;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_scheduler_init(m, &sc, sstorage, sbytes, &s, &err));
+  sc.max_requests = 2;
+  EXPECT(KVPAGE_ERR_STORAGE_TOO_SMALL, kvpage_scheduler_init(m, &sc, sstorage, sbytes / 2, &s, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_scheduler_init((kvpage_manager *)sstorage, &sc, sstorage, sbytes, &s, &err));
+  EXPECT(KVPAGE_OK, kvpage_scheduler_init(m, &sc, sstorage, sbytes, &s, &err));
+  EXPECT(KVPAGE_OK, kvpage_scheduler_add_request(s, 0, prompt, 3, 1, &r, &err));
+  EXPECT(KVPAGE_ERR_FOREIGN_MANAGER, kvpage_scheduler_step(s, m2, &step, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_scheduler_step(s, NULL, &step, &err));
+  EXPECT(KVPAGE_OK, kvpage_scheduler_step(s, m, &step, &err));
+  EXPECT_TRUE(step.num_seqs == 1 && step.num_tokens == 3);
+  EXPECT(KVPAGE_ERR_FOREIGN_MANAGER, kvpage_scheduler_commit_step(s, m2, NULL, 0, fin, 2, &n, &err));
+  {
+    kvpage_sampled done = {0, 42, 1};
+    done.request = r;
+    EXPECT(KVPAGE_OK, kvpage_scheduler_commit_step(s, m, &done, 1, fin, 2, &n, &err));
+    EXPECT_TRUE(n == 1 && fin[0].request == r && fin[0].reason == KVPAGE_FINISH_STOP);
+  }
+  EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_scheduler_cancel(s, m, r, &err));
+  free(sstorage);
+  free(storage2);
+  free(storage);
+  section("manager and scheduler calls", before);
+}
+
+int main(void) {
+  result_codes();
+  cache_configs();
+  cache_calls();
+  engine_calls();
+  manager_and_scheduler_calls();
+  if (failures) {
+    printf("%u of %u checks failed\n", failures, checks);
+    return 1;
+  }
+  printf("all %u checks passed\n", checks);
+  return 0;
+}
