@@ -16,6 +16,9 @@
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), and argument checks.
+//! Tier 2, the block manager over caller memory: [`manager`] (config, storage, init,
+//! pool queries), [`manager_seqs`] (sequence operations and slot mappings),
+//! [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap plans).
 
 #![allow(non_camel_case_types)]
 
@@ -23,14 +26,21 @@ mod args;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
+pub mod manager_seqs;
+pub mod manager_swap;
+// After the manager's modules, so the header lists its block-table exports after them.
+pub mod block_table;
 pub mod plan;
 pub mod result;
 pub mod stats;
 pub mod version;
 
+pub use block_table::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
+pub use manager_seqs::*;
+pub use manager_swap::*;
 pub use plan::*;
 pub use result::*;
 pub use stats::*;
