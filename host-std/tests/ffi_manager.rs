@@ -1,0 +1,783 @@
+//! Tier 2 of the C API, the block manager over caller memory, called through its
+//! `extern "C"` functions with raw pointers:
+//! 1. it makes the same slot mappings, copies, swap plans and block tables as the Rust
+//!    core `BlockManager` over a few hundred random operations per seed;
+//! 2. the dense and CSR exports and the in-place table agree with the blocks of every
+//!    sequence (FlashInfer's `last_page_len` convention included);
+//! 3. bad input gets its code, changes nothing, and the manager works afterwards.
+
+use std::ptr::{null, null_mut};
+
+use kvpage::ffi::*;
+use kvpage_core::{BlockCopy, BlockManager, Config, HostPool, SeqError, SeqId};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use kvpage_result::*;
+
+/// A manager inside a `Vec<u64>` (8-aligned, as the storage needs).
+struct CManager {
+    _storage: Vec<u64>,
+    m: *mut kvpage_manager,
+}
+
+fn storage_bytes(config: &kvpage_manager_config) -> usize {
+    let mut bytes = 0usize;
+    // SAFETY: valid pointers.
+    let r = unsafe { kvpage_manager_storage_size(config, &mut bytes, null_mut()) };
+    assert_eq!(r, KVPAGE_OK);
+    bytes
+}
+
+impl CManager {
+    fn new(config: kvpage_manager_config) -> Self {
+        assert_eq!(kvpage_manager_storage_align(), 8);
+        let bytes = storage_bytes(&config);
+        let mut storage = vec![0xA5A5_A5A5_A5A5_A5A5u64; bytes.div_ceil(8)];
+        let mut m = null_mut();
+        // SAFETY: the storage is `bytes` long, aligned, and lives in `Self`.
+        let r = unsafe {
+            kvpage_manager_init(
+                &config,
+                storage.as_mut_ptr().cast(),
+                bytes,
+                &mut m,
+                null_mut(),
+            )
+        };
+        assert_eq!(r, KVPAGE_OK);
+        assert_eq!(m.cast::<u64>(), storage.as_mut_ptr());
+        Self {
+            _storage: storage,
+            m,
+        }
+    }
+
+    fn stats(&self) -> kvpage_stats {
+        let mut s = kvpage_stats::default();
+        // SAFETY: a live manager, a writable out-parameter.
+        assert_eq!(
+            unsafe { kvpage_manager_stats(self.m, &mut s, null_mut()) },
+            KVPAGE_OK
+        );
+        s
+    }
+
+    fn blocks(&self, seq: kvpage_seq) -> Result<Vec<u32>, kvpage_result> {
+        let mut buf = vec![0u32; 64];
+        let mut n = 0usize;
+        // SAFETY: a live manager, buffers of the lengths passed.
+        let r = unsafe {
+            kvpage_manager_blocks(self.m, seq, buf.as_mut_ptr(), buf.len(), &mut n, null_mut())
+        };
+        ok(r)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    fn len(&self, seq: kvpage_seq) -> Result<u32, kvpage_result> {
+        let mut len = 0;
+        // SAFETY: as above.
+        ok(unsafe { kvpage_manager_len(self.m, seq, &mut len, null_mut()) })?;
+        Ok(len)
+    }
+
+    fn create(&self, ns: u64) -> kvpage_seq {
+        let mut s = KVPAGE_SEQ_NONE;
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { kvpage_manager_create(self.m, ns, &mut s, null_mut()) },
+            KVPAGE_OK
+        );
+        s
+    }
+
+    fn append(&self, seq: kvpage_seq, n: u32) -> Vec<u32> {
+        let mut slots = vec![0u32; n as usize];
+        let mut a = kvpage_appended::default();
+        // SAFETY: as above.
+        let r = unsafe {
+            kvpage_manager_append(
+                self.m,
+                seq,
+                n,
+                slots.as_mut_ptr(),
+                slots.len(),
+                &mut a,
+                null_mut(),
+            )
+        };
+        assert_eq!(r, KVPAGE_OK);
+        slots
+    }
+
+    /// Everything observable: stats, available blocks, and per sequence of `seqs`
+    /// its length and blocks (or the error reading them).
+    fn snapshot(&self, seqs: &[kvpage_seq]) -> String {
+        let mut avail = 0;
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { kvpage_manager_available_blocks(self.m, &mut avail, null_mut()) },
+            KVPAGE_OK
+        );
+        let per_seq: Vec<_> = seqs
+            .iter()
+            .map(|&s| (self.len(s), self.blocks(s)))
+            .collect();
+        format!("{:?} {avail} {per_seq:?}", self.stats())
+    }
+}
+
+/// The Rust core manager and host pool over leaked storage (test only).
+struct RustManager {
+    m: BlockManager<'static>,
+    host: HostPool<'static>,
+}
+
+fn core_config(c: &kvpage_manager_config) -> Config {
+    Config {
+        num_blocks: c.num_blocks,
+        block_size: c.block_size,
+        max_seqs: c.max_seqs,
+        max_blocks_per_seq: c.max_blocks_per_seq,
+        instance: c.instance,
+        hash_key: c.hash_key,
+        prefix_cache: c.prefix_cache != 0,
+    }
+}
+
+impl RustManager {
+    fn new(c: &kvpage_manager_config) -> Self {
+        let config = core_config(c);
+        let storage = Box::leak(vec![0u64; config.storage_words()].into_boxed_slice());
+        let host_storage =
+            Box::leak(vec![0u32; HostPool::storage_words(c.host_blocks)].into_boxed_slice());
+        Self {
+            m: BlockManager::new(config, storage).unwrap(),
+            host: HostPool::new(c.host_blocks, c.instance, host_storage).unwrap(),
+        }
+    }
+}
+
+fn ok(r: kvpage_result) -> Result<(), kvpage_result> {
+    match r {
+        KVPAGE_OK => Ok(()),
+        e => Err(e),
+    }
+}
+
+/// The code the C API gives for a core error.
+fn code(e: SeqError) -> kvpage_result {
+    match e {
+        SeqError::StaleHandle => KVPAGE_ERR_STALE_SEQ,
+        SeqError::ForeignHandle => KVPAGE_ERR_FOREIGN_SEQ,
+        SeqError::NoFreeSequence => KVPAGE_ERR_NO_FREE_SEQ,
+        SeqError::TooLong { .. } => KVPAGE_ERR_SEQ_TOO_LONG,
+        SeqError::OutOfBlocks { .. } => KVPAGE_ERR_OUT_OF_BLOCKS,
+        SeqError::SlotBufferTooSmall { .. } | SeqError::MoveBufferTooSmall { .. } => {
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        }
+        SeqError::Swapped => KVPAGE_ERR_SEQ_SWAPPED,
+        SeqError::NotSwapped => KVPAGE_ERR_SEQ_NOT_SWAPPED,
+        SeqError::HostFull { .. } => KVPAGE_ERR_HOST_FULL,
+        SeqError::BeyondLength { .. } => KVPAGE_ERR_BEYOND_LENGTH,
+    }
+}
+
+fn same<T: PartialEq + std::fmt::Debug, U: PartialEq + std::fmt::Debug>(
+    seen: &mut std::collections::BTreeMap<String, u32>,
+    what: &str,
+    c: Result<T, kvpage_result>,
+    r: Result<U, SeqError>,
+    conv: impl Fn(&U) -> T,
+) -> Option<T> {
+    let key = match &c {
+        Ok(_) => what.to_string(),
+        Err(e) => format!("{what} {e:?}"),
+    };
+    *seen.entry(key).or_default() += 1;
+    match (c, r) {
+        (Ok(c), Ok(r)) => {
+            assert_eq!(c, conv(&r), "{what}: results differ");
+            Some(c)
+        }
+        (Err(c), Err(r)) => {
+            assert_eq!(c, code(r), "{what}: codes differ ({r:?})");
+            None
+        }
+        (c, r) => panic!("{what}: C gave {c:?}, Rust {r:?}"),
+    }
+}
+
+const SENTINEL: u32 = 0xDEAD_BEEF;
+
+fn copies_eq(c: &[kvpage_block_copy], r: &[BlockCopy]) -> bool {
+    c.len() == r.len()
+        && c.iter()
+            .zip(r)
+            .all(|(c, r)| (c.src, c.dst) == (r.src, r.dst))
+}
+
+fn appended_c(a: &kvpage_core::Appended) -> kvpage_appended {
+    kvpage_appended {
+        has_copy: u32::from(a.copy.is_some()),
+        copy: a
+            .copy
+            .map(|c| kvpage_block_copy {
+                src: c.src,
+                dst: c.dst,
+            })
+            .unwrap_or_default(),
+        new_blocks: a.new_blocks,
+    }
+}
+
+/// The two managers side by side and the ids each issued, pairwise.
+struct Pair {
+    c: CManager,
+    r: RustManager,
+    live: Vec<(kvpage_seq, SeqId)>,
+    dead: Vec<(kvpage_seq, SeqId)>,
+    /// Successful operations by name, copy-on-writes as "copy", failures by code.
+    seen: std::collections::BTreeMap<String, u32>,
+}
+
+impl Pair {
+    fn new(config: kvpage_manager_config) -> Self {
+        Self {
+            c: CManager::new(config),
+            r: RustManager::new(&config),
+            live: Vec::new(),
+            dead: Vec::new(),
+            seen: Default::default(),
+        }
+    }
+
+    fn issued(&mut self, c: kvpage_seq, r: SeqId) {
+        assert_eq!(c as u32, r.index(), "rows differ");
+        assert!(self.live.iter().all(|&(x, _)| x != c), "id issued twice");
+        self.live.push((c, r));
+    }
+
+    fn retire(&mut self, c: kvpage_seq) {
+        let k = self.live.iter().position(|&(x, _)| x == c).unwrap();
+        self.dead.push(self.live.swap_remove(k));
+    }
+
+    /// Stats, lengths, blocks and both exports of every live sequence agree.
+    fn check(&self) {
+        let rs = self.r.m.stats();
+        assert_eq!(self.c.stats(), kvpage_stats::from(rs));
+        let mut device = Vec::new();
+        for &(c, r) in &self.live {
+            let mut sw = 9;
+            // SAFETY: a live manager, a writable out-parameter.
+            ok(unsafe { kvpage_manager_is_swapped(self.c.m, c, &mut sw, null_mut()) }).unwrap();
+            assert_eq!(sw != 0, self.r.m.is_swapped(r).unwrap());
+            let mut seen = Default::default();
+            same(&mut seen, "len", self.c.len(c), self.r.m.len(r), |&x| x);
+            same(
+                &mut seen,
+                "blocks",
+                self.c.blocks(c),
+                self.r.m.blocks(r),
+                |x| x.to_vec(),
+            );
+            if sw == 0 {
+                device.push((c, r));
+            }
+        }
+        let ids: Vec<_> = device.iter().map(|&(c, _)| c).collect();
+        let rows: Vec<_> = device
+            .iter()
+            .map(|&(_, r)| {
+                (
+                    self.r.m.blocks(r).unwrap().to_vec(),
+                    self.r.m.len(r).unwrap(),
+                )
+            })
+            .collect();
+        check_exports(&self.c, &ids, &rows, self.r.m.config().block_size);
+    }
+}
+
+/// The CSR, dense and in-place tables of `ids` hold `rows` (blocks, length).
+fn check_exports(c: &CManager, ids: &[kvpage_seq], rows: &[(Vec<u32>, u32)], bs: u32) {
+    let n = ids.len();
+    let total: usize = rows.iter().map(|(b, _)| b.len()).sum();
+    let longest = rows.iter().map(|(b, _)| b.len()).max().unwrap_or(0);
+    let (mut indptr, mut indices, mut last) = (
+        vec![SENTINEL; n + 1],
+        vec![SENTINEL; total + 1],
+        vec![SENTINEL; n],
+    );
+    // SAFETY: buffers of the lengths passed.
+    let r = unsafe {
+        kvpage_manager_block_table_csr(
+            c.m,
+            ids.as_ptr(),
+            n,
+            indptr.as_mut_ptr(),
+            indptr.len(),
+            indices.as_mut_ptr(),
+            indices.len(),
+            last.as_mut_ptr(),
+            last.len(),
+            null_mut(),
+        )
+    };
+    assert_eq!(r, KVPAGE_OK);
+    assert_eq!(indptr[0], 0);
+    assert_eq!(indices[total], SENTINEL, "wrote past the total");
+    for (k, (blocks, len)) in rows.iter().enumerate() {
+        let (a, b) = (indptr[k] as usize, indptr[k + 1] as usize);
+        assert_eq!(&indices[a..b], &blocks[..]);
+        let want = if *len == 0 { 0 } else { (len - 1) % bs + 1 };
+        assert_eq!(last[k], want, "last_page_len of len {len}, block size {bs}");
+        assert!(last[k] <= bs);
+    }
+
+    let stride = longest.max(1) + 2;
+    let pad = 0xFFFF_FFF0;
+    let mut table = vec![SENTINEL; n * stride + 1];
+    let mut lens = vec![SENTINEL; n];
+    // SAFETY: buffers of the lengths passed.
+    let r = unsafe {
+        kvpage_manager_block_table_dense(
+            c.m,
+            ids.as_ptr(),
+            n,
+            stride as u32,
+            pad,
+            table.as_mut_ptr(),
+            table.len(),
+            lens.as_mut_ptr(),
+            lens.len(),
+            null_mut(),
+        )
+    };
+    assert_eq!(r, KVPAGE_OK);
+    assert_eq!(table[n * stride], SENTINEL);
+    for (k, (blocks, len)) in rows.iter().enumerate() {
+        let row = &table[k * stride..(k + 1) * stride];
+        assert_eq!(&row[..blocks.len()], &blocks[..]);
+        assert!(row[blocks.len()..].iter().all(|&x| x == pad));
+        assert_eq!(lens[k], *len);
+    }
+
+    let (mut t, mut l, mut nrows, mut nstride) = (null(), null(), 0u32, 0u32);
+    // SAFETY: writable out-parameters.
+    let r = unsafe {
+        kvpage_manager_block_table(c.m, &mut t, &mut l, &mut nrows, &mut nstride, null_mut())
+    };
+    assert_eq!(r, KVPAGE_OK);
+    // SAFETY: the manager's table: `nrows * nstride` ids and `nrows` lengths, read
+    // between calls.
+    let (t, l) = unsafe {
+        (
+            std::slice::from_raw_parts(t, (nrows * nstride) as usize),
+            std::slice::from_raw_parts(l, nrows as usize),
+        )
+    };
+    for (&id, (blocks, len)) in ids.iter().zip(rows) {
+        let mut row = u32::MAX;
+        // SAFETY: a writable out-parameter.
+        assert_eq!(
+            unsafe { kvpage_manager_seq_row(c.m, id, &mut row, null_mut()) },
+            KVPAGE_OK
+        );
+        let at = (row * nstride) as usize;
+        assert_eq!(&t[at..at + blocks.len()], &blocks[..]);
+        assert_eq!(l[row as usize], *len);
+    }
+}
+
+fn config(block_size: u32, prefix_cache: bool, instance: u32) -> kvpage_manager_config {
+    kvpage_manager_config {
+        num_blocks: 28,
+        block_size,
+        max_seqs: 8,
+        max_blocks_per_seq: 12,
+        instance,
+        prefix_cache: u32::from(prefix_cache),
+        hash_key: 0x1234_5678,
+        host_blocks: 20,
+    }
+}
+
+/// One random operation on both managers, compared.
+fn step(p: &mut Pair, rng: &mut StdRng, prefixes: &[Vec<u32>]) {
+    let bs = p.r.m.config().block_size;
+    let pick = |p: &Pair, rng: &mut StdRng| -> Option<(kvpage_seq, SeqId)> {
+        if !p.dead.is_empty() && rng.random_ratio(1, 12) {
+            return Some(p.dead[rng.random_range(0..p.dead.len())]);
+        }
+        (!p.live.is_empty()).then(|| p.live[rng.random_range(0..p.live.len())])
+    };
+    // Sometimes a buffer one short of what is needed.
+    let short = |rng: &mut StdRng, n: usize| n.saturating_sub(usize::from(rng.random_ratio(1, 10)));
+    let m = p.c.m;
+    match rng.random_range(0..15u32) {
+        0 => {
+            let ns = rng.random_range(0..2u64);
+            let mut s = KVPAGE_SEQ_NONE;
+            // SAFETY: live manager, writable out-parameter.
+            let c = ok(unsafe { kvpage_manager_create(m, ns, &mut s, null_mut()) }).map(|_| s);
+            let r = p.r.m.create(ns);
+            if let Some(s) = same(&mut p.seen, "create", c, r, |_| s) {
+                p.issued(s, r.unwrap());
+            }
+        }
+        1 | 2 => {
+            let ns = rng.random_range(0..2u64);
+            let pre = &prefixes[rng.random_range(0..prefixes.len())];
+            let keep = match rng.random_bool(0.5) {
+                true => pre.len(),
+                false => rng.random_range(0..=pre.len()),
+            };
+            let mut prompt = pre[..keep].to_vec();
+            prompt.extend((0..rng.random_range(0..10)).map(|_| rng.random_range(0..50u32)));
+            let slots_len = short(rng, prompt.len());
+            let (mut cs, mut rs) = (vec![SENTINEL; slots_len], vec![SENTINEL; slots_len]);
+            let mut out = kvpage_prompt_start::default();
+            // SAFETY: buffers of the lengths passed.
+            let c = ok(unsafe {
+                kvpage_manager_create_with_prompt(
+                    m,
+                    ns,
+                    prompt.as_ptr(),
+                    prompt.len(),
+                    cs.as_mut_ptr(),
+                    cs.len(),
+                    &mut out,
+                    null_mut(),
+                )
+            });
+            let r = p.r.m.create_with_prompt(ns, &prompt, &mut rs);
+            assert_eq!(cs, rs, "prompt slots");
+            match (c, r) {
+                (Ok(()), Ok(r)) => {
+                    assert_eq!(out.reused_tokens, r.reused_tokens);
+                    assert_eq!(
+                        out.slots_written as usize,
+                        prompt.len() - r.reused_tokens as usize
+                    );
+                    let a = appended_c(&r.appended);
+                    assert_eq!(
+                        (out.has_copy, out.copy, out.new_blocks),
+                        (a.has_copy, a.copy, a.new_blocks)
+                    );
+                    p.issued(out.seq, r.seq);
+                    *p.seen.entry("prompt".into()).or_default() += 1;
+                }
+                (Err(c), Err(r)) => {
+                    assert_eq!(c, code(r));
+                    assert!(
+                        cs.iter().all(|&x| x == SENTINEL),
+                        "slots written on failure"
+                    );
+                }
+                (c, r) => panic!("create_with_prompt: C {c:?}, Rust {r:?}"),
+            }
+        }
+        3 | 4 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let n = rng.random_range(0..16u32);
+            let with_ids = rng.random_bool(0.5);
+            let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..50)).collect();
+            let slots_len = short(rng, n as usize);
+            let (mut cs, mut rs) = (vec![SENTINEL; slots_len], vec![SENTINEL; slots_len]);
+            let mut a = kvpage_appended::default();
+            // SAFETY: buffers of the lengths passed.
+            let c = ok(unsafe {
+                if with_ids {
+                    kvpage_manager_append_tokens(
+                        m,
+                        c_id,
+                        tokens.as_ptr(),
+                        tokens.len(),
+                        cs.as_mut_ptr(),
+                        cs.len(),
+                        &mut a,
+                        null_mut(),
+                    )
+                } else {
+                    kvpage_manager_append(m, c_id, n, cs.as_mut_ptr(), cs.len(), &mut a, null_mut())
+                }
+            })
+            .map(|_| a);
+            let r = if with_ids {
+                p.r.m.append_tokens(r_id, &tokens, &mut rs)
+            } else {
+                p.r.m.append(r_id, n, &mut rs)
+            };
+            if let Some(a) = same(&mut p.seen, "append", c, r, appended_c) {
+                if a.has_copy != 0 {
+                    *p.seen.entry("copy".into()).or_default() += 1;
+                }
+            }
+            assert_eq!(cs, rs, "append slots");
+        }
+        5 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let len = p.r.m.len(r_id).unwrap_or(0);
+            let computed = match rng.random_bool(0.5) {
+                true => len,
+                false => rng.random_range(0..=len + 1),
+            };
+            let mut newly = SENTINEL;
+            // SAFETY: writable out-parameter.
+            let c = ok(unsafe { kvpage_manager_commit(m, c_id, computed, &mut newly, null_mut()) })
+                .map(|_| newly);
+            same(
+                &mut p.seen,
+                "commit",
+                c,
+                p.r.m.commit(r_id, computed),
+                |&x| x,
+            );
+        }
+        6 | 10 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let mut s = KVPAGE_SEQ_NONE;
+            // SAFETY: writable out-parameter.
+            let c = ok(unsafe { kvpage_manager_fork(m, c_id, &mut s, null_mut()) }).map(|_| s);
+            let r = p.r.m.fork(r_id);
+            if let Some(s) = same(&mut p.seen, "fork", c, r, |_| s) {
+                p.issued(s, r.unwrap());
+            }
+        }
+        7 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let len = p.r.m.len(r_id).unwrap_or(0);
+            let to = rng.random_range(0..=len + 1);
+            // SAFETY: live manager.
+            let c = ok(unsafe { kvpage_manager_truncate(m, c_id, to, null_mut()) });
+            same(&mut p.seen, "truncate", c, p.r.m.truncate(r_id, to), |_| ());
+        }
+        8 | 13 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let swapped = p.r.m.is_swapped(r_id).unwrap_or(false);
+            let c = ok(unsafe {
+                // SAFETY: live manager.
+                if swapped {
+                    kvpage_manager_release_swapped(m, c_id, null_mut())
+                } else {
+                    kvpage_manager_release(m, c_id, null_mut())
+                }
+            });
+            let r = if swapped {
+                p.r.m.release_swapped(r_id, &mut p.r.host)
+            } else {
+                p.r.m.release(r_id)
+            };
+            if same(&mut p.seen, "release", c, r, |_| ()).is_some() {
+                p.retire(c_id);
+            }
+        }
+        9 => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let swap_in = rng.random_bool(match p.r.m.is_swapped(r_id) {
+                Ok(true) => 0.9,
+                _ => 0.1,
+            });
+            let need = p.r.m.blocks(r_id).map_or(12, |b| b.len());
+            let len = short(rng, need);
+            let mut cc = vec![
+                kvpage_block_copy {
+                    src: SENTINEL,
+                    dst: SENTINEL
+                };
+                len
+            ];
+            let mut rc = vec![
+                BlockCopy {
+                    src: SENTINEL,
+                    dst: SENTINEL
+                };
+                len
+            ];
+            let mut n = usize::MAX;
+            // SAFETY: buffers of the lengths passed.
+            let c = ok(unsafe {
+                if swap_in {
+                    kvpage_manager_swap_in(m, c_id, cc.as_mut_ptr(), cc.len(), &mut n, null_mut())
+                } else {
+                    kvpage_manager_swap_out(m, c_id, cc.as_mut_ptr(), cc.len(), &mut n, null_mut())
+                }
+            })
+            .map(|_| n);
+            let r = if swap_in {
+                p.r.m.swap_in(r_id, &mut p.r.host, &mut rc)
+            } else {
+                p.r.m.swap_out(r_id, &mut p.r.host, &mut rc)
+            };
+            same(
+                &mut p.seen,
+                if swap_in { "swap_in" } else { "swap_out" },
+                c,
+                r,
+                |&x| x as usize,
+            );
+            assert!(copies_eq(&cc, &rc), "swap plans differ");
+        }
+        11 => {
+            let max = rng.random_range(0..4);
+            let mut evicted = SENTINEL;
+            // SAFETY: writable out-parameter.
+            assert_eq!(
+                unsafe { kvpage_manager_evict_cached(m, max, &mut evicted, null_mut()) },
+                KVPAGE_OK
+            );
+            assert_eq!(evicted, p.r.m.evict_cached(max));
+        }
+        12 => {
+            let ns = rng.random_range(0..2u64);
+            let pre = &prefixes[rng.random_range(0..prefixes.len())];
+            let mut hit = kvpage_prefix_hit::default();
+            // SAFETY: buffers of the lengths passed.
+            let r = unsafe {
+                kvpage_manager_prefix_lookup(m, ns, pre.as_ptr(), pre.len(), &mut hit, null_mut())
+            };
+            assert_eq!(r, KVPAGE_OK);
+            let want = p.r.m.prefix_lookup(ns, pre);
+            assert_eq!(
+                (hit.tokens, hit.idle_blocks),
+                (want.tokens, want.idle_blocks)
+            );
+            assert_eq!(hit.tokens % bs, 0);
+        }
+        _ => {}
+    }
+}
+
+type Seen = std::collections::BTreeMap<String, u32>;
+
+/// `ops` random operations on a C and a Rust manager, compared one by one; returns
+/// the outcomes seen.
+fn random_ops(seed: u64, block_size: u32, prefix_cache: bool, ops: usize) -> Seen {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut p = Pair::new(config(block_size, prefix_cache, 7));
+    // Shared system prompts: prompts take a random prefix of one plus a random tail.
+    let prefixes: Vec<Vec<u32>> = (0..3)
+        .map(|_| {
+            (0..3 * block_size + 5)
+                .map(|_| rng.random_range(0..50))
+                .collect()
+        })
+        .collect();
+    for _ in 0..ops {
+        step(&mut p, &mut rng, &prefixes);
+        p.check();
+    }
+    if prefix_cache {
+        assert!(
+            p.r.m.stats().prefix_hit_tokens > 0,
+            "no prefix hit in {ops} ops (seed {seed}, block size {block_size})"
+        );
+    }
+    if std::env::var_os("KVPAGE_TEST_VERBOSE").is_some() {
+        eprintln!(
+            "seed {seed} bs {block_size} prefix {prefix_cache}: {:?}",
+            p.seen
+        );
+    }
+    p.seen
+}
+
+#[test]
+fn the_c_manager_makes_the_rust_managers_slots_copies_and_plans() {
+    let mut seen = Seen::new();
+    for seed in 0..6 {
+        for (bs, prefix) in [(4, true), (16, true), (3, true), (4, false)] {
+            for (k, v) in random_ops(seed, bs, prefix, 400) {
+                *seen.entry(k).or_default() += v;
+            }
+        }
+    }
+    // The runs exercised every operation and every failure the manager can give.
+    for what in [
+        "create", "prompt", "append", "commit", "fork", "truncate", "release", "swap_in",
+        "swap_out", "copy",
+    ] {
+        assert!(
+            seen.get(what).copied().unwrap_or(0) > 10,
+            "few {what}: {seen:?}"
+        );
+    }
+    for code in [
+        "STALE_SEQ",
+        "NO_FREE_SEQ",
+        "OUT_OF_BLOCKS",
+        "BUFFER_TOO_SMALL",
+        "SEQ_SWAPPED",
+        "SEQ_NOT_SWAPPED",
+        "SEQ_TOO_LONG",
+        "HOST_FULL",
+        "BEYOND_LENGTH",
+    ] {
+        assert!(seen.keys().any(|k| k.contains(code)), "no {code}: {seen:?}");
+    }
+}
+
+#[test]
+fn last_page_len_follows_flashinfer_at_block_boundaries_and_for_empty_sequences() {
+    let c = CManager::new(config(4, true, 1));
+    let lens = [0u32, 1, 3, 4, 5, 8, 9, 0];
+    let ids: Vec<_> = lens
+        .iter()
+        .map(|&n| {
+            let s = c.create(0);
+            if n > 0 {
+                c.append(s, n);
+            }
+            s
+        })
+        .collect();
+    let rows: Vec<_> = ids
+        .iter()
+        .map(|&s| (c.blocks(s).unwrap(), c.len(s).unwrap()))
+        .collect();
+    check_exports(&c, &ids, &rows, 4);
+    let mut last = [SENTINEL; 8];
+    let mut indptr = [SENTINEL; 9];
+    let mut indices = [SENTINEL; 16];
+    // SAFETY: buffers of the lengths passed.
+    let r = unsafe {
+        kvpage_manager_block_table_csr(
+            c.m,
+            ids.as_ptr(),
+            ids.len(),
+            indptr.as_mut_ptr(),
+            indptr.len(),
+            indices.as_mut_ptr(),
+            indices.len(),
+            last.as_mut_ptr(),
+            last.len(),
+            null_mut(),
+        )
+    };
+    assert_eq!(r, KVPAGE_OK);
+    assert_eq!(last, [0, 1, 3, 4, 1, 4, 1, 0]);
+    assert_eq!(indptr, [0, 0, 1, 2, 3, 5, 7, 10, 10]);
+    // A repeated id and an empty batch are fine.
+    check_exports(
+        &c,
+        &[ids[4], ids[4]],
+        &[rows[4].clone(), rows[4].clone()],
+        4,
+    );
+    check_exports(&c, &[], &[], 4);
+}
