@@ -781,3 +781,505 @@ fn last_page_len_follows_flashinfer_at_block_boundaries_and_for_empty_sequences(
     );
     check_exports(&c, &[], &[], 4);
 }
+
+fn zeroed_error() -> kvpage_error {
+    // SAFETY: all-zero is a valid kvpage_error (code 0 = KVPAGE_OK, empty message).
+    unsafe { std::mem::zeroed() }
+}
+
+/// Runs `call` with an error struct; checks the code, that the manager's observable
+/// state is unchanged, and returns the struct.
+fn refused(
+    c: &CManager,
+    seqs: &[kvpage_seq],
+    want: kvpage_result,
+    call: impl FnOnce(*mut kvpage_error) -> kvpage_result,
+) -> kvpage_error {
+    let before = c.snapshot(seqs);
+    let mut e = zeroed_error();
+    let got = call(&mut e);
+    assert_eq!(got, want);
+    assert_eq!(e.code, want);
+    assert_ne!(e.message[0], 0, "no message");
+    assert_eq!(
+        c.snapshot(seqs),
+        before,
+        "a failed call changed the manager"
+    );
+    e
+}
+
+#[test]
+fn bad_configs_and_storage_are_refused_with_the_numbers() {
+    let good = config(4, true, 1);
+    let mut bytes = usize::MAX;
+    let mut e = zeroed_error();
+    // SAFETY: each pointer is null or valid.
+    unsafe {
+        assert_eq!(
+            kvpage_manager_storage_size(null(), &mut bytes, &mut e),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            kvpage_manager_storage_size(&good, null_mut(), null_mut()),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        for bad in [
+            kvpage_manager_config {
+                num_blocks: 0,
+                ..good
+            },
+            kvpage_manager_config {
+                block_size: 0,
+                ..good
+            },
+            kvpage_manager_config {
+                max_seqs: 0,
+                ..good
+            },
+            kvpage_manager_config {
+                max_seqs: u32::MAX,
+                max_blocks_per_seq: u32::MAX,
+                block_size: u32::MAX,
+                ..good
+            },
+        ] {
+            assert_eq!(
+                kvpage_manager_storage_size(&bad, &mut bytes, &mut e),
+                KVPAGE_ERR_BAD_CONFIG,
+                "{bad:?}"
+            );
+        }
+    }
+    assert_eq!(bytes, usize::MAX, "out-parameter written on failure");
+
+    let needed = storage_bytes(&good);
+    let mut storage = vec![0u64; needed.div_ceil(8) + 1];
+    let sentinel = 0x10 as *mut kvpage_manager;
+    let mut m = sentinel;
+    let base = storage.as_mut_ptr();
+    // SAFETY: every storage pointer is inside `storage` with the length passed.
+    unsafe {
+        let mp: *mut *mut kvpage_manager = &mut m;
+        let init = |ptr: *mut u64, len: usize, e: &mut kvpage_error| {
+            kvpage_manager_init(&good, ptr.cast(), len, mp, e)
+        };
+        assert_eq!(init(null_mut(), needed, &mut e), KVPAGE_ERR_NULL_POINTER);
+        let odd = base.cast::<u8>().add(4).cast::<u64>();
+        assert_eq!(init(odd, needed, &mut e), KVPAGE_ERR_MISALIGNED);
+        assert_eq!(init(base, needed - 1, &mut e), KVPAGE_ERR_STORAGE_TOO_SMALL);
+        assert_eq!((e.needed, e.available), (needed as u64, needed as u64 - 1));
+        assert_eq!(init(base, 0, &mut e), KVPAGE_ERR_STORAGE_TOO_SMALL);
+        assert_eq!((e.needed, e.available), (needed as u64, 0));
+        let bad = kvpage_manager_config {
+            num_blocks: 0,
+            ..good
+        };
+        assert_eq!(
+            kvpage_manager_init(&bad, base.cast(), needed, mp, &mut e),
+            KVPAGE_ERR_BAD_CONFIG
+        );
+        assert_eq!(
+            kvpage_manager_init(null(), base.cast(), needed, mp, &mut e),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(
+            kvpage_manager_init(&good, base.cast(), needed, null_mut(), &mut e),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        assert_eq!(*mp, sentinel, "out_manager written on failure");
+        // Exactly `needed` bytes suffice.
+        assert_eq!(init(base, needed, &mut e), KVPAGE_OK);
+        assert_eq!((*mp).cast::<u64>(), base);
+    }
+
+    // Something that is not a manager (zeroed memory) and a null manager.
+    let mut junk = vec![0u64; 64];
+    let mut s = KVPAGE_SEQ_NONE;
+    // SAFETY: `junk` is readable memory larger than a manager.
+    unsafe {
+        let jm = junk.as_mut_ptr().cast::<kvpage_manager>();
+        assert_eq!(
+            kvpage_manager_create(jm, 0, &mut s, &mut e),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            kvpage_manager_create(null_mut(), 0, &mut s, &mut e),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        let mut st = kvpage_stats::default();
+        assert_eq!(
+            kvpage_manager_stats(jm, &mut st, null_mut()),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+    }
+    assert_eq!(s, KVPAGE_SEQ_NONE);
+}
+
+#[test]
+fn bad_ids_and_short_buffers_change_nothing_and_the_manager_works_after() {
+    let c = CManager::new(config(4, true, 1));
+    let other = CManager::new(config(4, true, 2));
+    let a = c.create(0);
+    c.append(a, 6);
+    let b = c.create(0);
+    let gone = c.create(0);
+    c.append(gone, 3);
+    // SAFETY: live manager.
+    assert_eq!(
+        unsafe { kvpage_manager_release(c.m, gone, null_mut()) },
+        KVPAGE_OK
+    );
+    let foreign = other.create(0);
+    other.append(foreign, 5);
+    let live = [a, b];
+    let never = (99u64 << 32) | 5;
+
+    // Stale, never-issued, foreign and "none" ids, through every kind of call.
+    for bad in [gone, never, foreign, KVPAGE_SEQ_NONE, a ^ (1 << 40)] {
+        let e = refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| unsafe {
+            // SAFETY: live manager, buffers of the lengths passed.
+            let mut slots = [0u32; 2];
+            let mut ap = kvpage_appended::default();
+            kvpage_manager_append(c.m, bad, 2, slots.as_mut_ptr(), 2, &mut ap, e)
+        });
+        assert_eq!(e.value, 0);
+        // SAFETY: as above.
+        unsafe {
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_release(c.m, bad, e)
+            });
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_truncate(c.m, bad, 0, e)
+            });
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_commit(c.m, bad, 0, null_mut(), e)
+            });
+            let mut s = KVPAGE_SEQ_NONE;
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_fork(c.m, bad, &mut s, e)
+            });
+            let mut copies = [kvpage_block_copy::default(); 4];
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_swap_out(c.m, bad, copies.as_mut_ptr(), 4, null_mut(), e)
+            });
+            // A bad id anywhere in a batch fails the export, naming it, writing nothing.
+            let ids = [a, bad, b];
+            let (mut ip, mut ix, mut lp) = ([SENTINEL; 4], [SENTINEL; 8], [SENTINEL; 3]);
+            let e = refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_block_table_csr(
+                    c.m,
+                    ids.as_ptr(),
+                    3,
+                    ip.as_mut_ptr(),
+                    4,
+                    ix.as_mut_ptr(),
+                    8,
+                    lp.as_mut_ptr(),
+                    3,
+                    e,
+                )
+            });
+            assert_eq!(e.value, bad);
+            assert!(ip.iter().chain(&ix).chain(&lp).all(|&x| x == SENTINEL));
+            let mut t = [SENTINEL; 12];
+            refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_manager_block_table_dense(
+                    c.m,
+                    ids.as_ptr(),
+                    3,
+                    4,
+                    0,
+                    t.as_mut_ptr(),
+                    12,
+                    null_mut(),
+                    0,
+                    e,
+                )
+            });
+            assert!(t.iter().all(|&x| x == SENTINEL));
+        }
+    }
+    // Double release.
+    // SAFETY: live manager.
+    unsafe {
+        refused(&c, &live, KVPAGE_ERR_STALE_SEQ, |e| {
+            kvpage_manager_release(c.m, gone, e)
+        });
+    }
+
+    // Short buffers and null pointers.
+    // SAFETY: every buffer has the length passed (or is null with length 0 / refused).
+    unsafe {
+        let mut slots = [SENTINEL; 3];
+        let mut ap = kvpage_appended::default();
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_append(c.m, a, 4, slots.as_mut_ptr(), 3, &mut ap, e)
+        });
+        assert_eq!((e.needed, e.available), (4, 3));
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_append(c.m, a, 1, null_mut(), 1, &mut ap, e)
+        });
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_append(c.m, a, 1, slots.as_mut_ptr(), 3, null_mut(), e)
+        });
+        let tokens = [1u32, 2, 3, 4];
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_append_tokens(c.m, a, null(), 4, slots.as_mut_ptr(), 3, &mut ap, e)
+        });
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_append_tokens(
+                c.m,
+                a,
+                tokens.as_ptr(),
+                4,
+                slots.as_mut_ptr(),
+                3,
+                &mut ap,
+                e,
+            )
+        });
+        assert_eq!((e.needed, e.available), (4, 3));
+        assert_eq!(slots, [SENTINEL; 3]);
+        let odd = slots.as_mut_ptr().cast::<u8>().add(1).cast::<u32>();
+        refused(&c, &live, KVPAGE_ERR_MISALIGNED, |e| {
+            kvpage_manager_append(c.m, a, 1, odd, 1, &mut ap, e)
+        });
+        let mut start = kvpage_prompt_start::default();
+        let prompt: Vec<u32> = (0..9).collect();
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_create_with_prompt(
+                c.m,
+                0,
+                prompt.as_ptr(),
+                9,
+                slots.as_mut_ptr(),
+                3,
+                &mut start,
+                e,
+            )
+        });
+        assert_eq!((e.needed, e.available), (9, 3));
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_create_with_prompt(
+                c.m,
+                0,
+                null(),
+                9,
+                slots.as_mut_ptr(),
+                3,
+                &mut start,
+                e,
+            )
+        });
+        let mut blocks = [SENTINEL; 1];
+        let mut n = usize::MAX;
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_blocks(c.m, a, blocks.as_mut_ptr(), 1, &mut n, e)
+        });
+        assert_eq!((e.needed, e.available, n), (2, 1, usize::MAX));
+        // Length 0 with NULL asks the size.
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_blocks(c.m, a, null_mut(), 0, &mut n, e)
+        });
+        assert_eq!(e.needed, 2);
+        refused(&c, &live, KVPAGE_ERR_BEYOND_LENGTH, |e| {
+            kvpage_manager_truncate(c.m, a, 7, e)
+        });
+        refused(&c, &live, KVPAGE_ERR_BEYOND_LENGTH, |e| {
+            kvpage_manager_commit(c.m, a, 7, null_mut(), e)
+        });
+
+        // Exports: a = 2 blocks, b = 0 blocks.
+        let ids = [a, b];
+        let (mut ip, mut ix, mut lp) = ([SENTINEL; 3], [SENTINEL; 2], [SENTINEL; 2]);
+        let (ipp, ixp, lpp) = (ip.as_mut_ptr(), ix.as_mut_ptr(), lp.as_mut_ptr());
+        let csr = |ip_len: usize, ix_len: usize, lp_len: usize, e| {
+            kvpage_manager_block_table_csr(
+                c.m,
+                ids.as_ptr(),
+                2,
+                ipp,
+                ip_len,
+                ixp,
+                ix_len,
+                lpp,
+                lp_len,
+                e,
+            )
+        };
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| csr(3, 1, 2, e));
+        assert_eq!((e.needed, e.available), (2, 1));
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| csr(2, 2, 2, e));
+        assert_eq!((e.needed, e.available), (3, 2));
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| csr(3, 2, 1, e));
+        assert_eq!((e.needed, e.available), (2, 1));
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_block_table_csr(
+                c.m,
+                null(),
+                2,
+                ip.as_mut_ptr(),
+                3,
+                ix.as_mut_ptr(),
+                2,
+                lp.as_mut_ptr(),
+                2,
+                e,
+            )
+        });
+        assert!(ip.iter().chain(&ix).chain(&lp).all(|&x| x == SENTINEL));
+        assert_eq!(csr(3, 2, 2, null_mut()), KVPAGE_OK);
+        assert_eq!((ip, lp), ([0, 2, 2], [2, 0]));
+
+        let mut t = [SENTINEL; 8];
+        let mut lens = [SENTINEL; 2];
+        let (tp, lensp) = (t.as_mut_ptr(), lens.as_mut_ptr());
+        let dense = |stride: u32, t_len: usize, lens_len: usize, e| {
+            kvpage_manager_block_table_dense(
+                c.m,
+                ids.as_ptr(),
+                2,
+                stride,
+                7,
+                tp,
+                t_len,
+                lensp,
+                lens_len,
+                e,
+            )
+        };
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            dense(1, 8, 2, e)
+        });
+        assert_eq!((e.needed, e.available), (2, 1));
+        refused(&c, &live, KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            dense(0, 8, 2, e)
+        });
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            dense(4, 7, 2, e)
+        });
+        assert_eq!((e.needed, e.available), (8, 7));
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            dense(3, 8, 1, e)
+        });
+        assert_eq!((e.needed, e.available), (2, 1));
+        assert!(t.iter().chain(&lens).all(|&x| x == SENTINEL));
+        assert_eq!(dense(3, 8, 2, null_mut()), KVPAGE_OK);
+        assert_eq!(&t[3..6], &[7, 7, 7]);
+        assert_eq!(lens, [6, 0]);
+        assert_eq!(t[6], SENTINEL);
+
+        let mut table = null();
+        refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_manager_block_table(c.m, null_mut(), null_mut(), null_mut(), null_mut(), e)
+        });
+        assert_eq!(
+            kvpage_manager_block_table(
+                c.m,
+                &mut table,
+                null_mut(),
+                null_mut(),
+                null_mut(),
+                null_mut()
+            ),
+            KVPAGE_OK
+        );
+        assert!(!table.is_null());
+
+        // Swaps: a short copy array, and a manager without a host tier.
+        let mut copies = [kvpage_block_copy {
+            src: SENTINEL,
+            dst: SENTINEL,
+        }; 1];
+        let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| {
+            kvpage_manager_swap_out(c.m, a, copies.as_mut_ptr(), 1, null_mut(), e)
+        });
+        assert_eq!((e.needed, e.available), (2, 1));
+        refused(&c, &live, KVPAGE_ERR_SEQ_NOT_SWAPPED, |e| {
+            kvpage_manager_swap_in(c.m, a, copies.as_mut_ptr(), 1, null_mut(), e)
+        });
+        refused(&c, &live, KVPAGE_ERR_SEQ_NOT_SWAPPED, |e| {
+            kvpage_manager_release_swapped(c.m, a, e)
+        });
+        assert_eq!(copies[0].src, SENTINEL);
+        let no_host = CManager::new(kvpage_manager_config {
+            host_blocks: 0,
+            ..config(4, true, 3)
+        });
+        let s = no_host.create(0);
+        no_host.append(s, 2);
+        refused(&no_host, &[s], KVPAGE_ERR_NO_HOST_POOL, |e| {
+            kvpage_manager_swap_out(no_host.m, s, copies.as_mut_ptr(), 1, null_mut(), e)
+        });
+        refused(&no_host, &[s], KVPAGE_ERR_NO_HOST_POOL, |e| {
+            kvpage_manager_host_blocks(no_host.m, null_mut(), null_mut(), e)
+        });
+        let mut sw = 9;
+        assert_eq!(
+            kvpage_manager_is_swapped(no_host.m, s, &mut sw, null_mut()),
+            KVPAGE_OK
+        );
+        assert_eq!(sw, 0);
+    }
+
+    // Out of sequences and out of blocks.
+    let full = CManager::new(kvpage_manager_config {
+        num_blocks: 2,
+        max_seqs: 2,
+        ..config(4, true, 4)
+    });
+    let x = full.create(0);
+    let _y = full.create(0);
+    // SAFETY: live manager, writable out-parameters and buffers.
+    unsafe {
+        let mut s = KVPAGE_SEQ_NONE;
+        refused(&full, &[x], KVPAGE_ERR_NO_FREE_SEQ, |e| {
+            kvpage_manager_create(full.m, 0, &mut s, e)
+        });
+        let mut slots = [0u32; 12];
+        let mut ap = kvpage_appended::default();
+        let e = refused(&full, &[x], KVPAGE_ERR_OUT_OF_BLOCKS, |e| {
+            kvpage_manager_append(full.m, x, 12, slots.as_mut_ptr(), 12, &mut ap, e)
+        });
+        assert_eq!((e.needed, e.available), (3, 2));
+        // SAFETY: the message is NUL-terminated.
+        let msg = std::ffi::CStr::from_ptr(e.message.as_ptr());
+        assert_eq!(msg.to_str().unwrap(), "out of blocks: need 3, 2 available");
+    }
+
+    // Everything still works: the same sequences grow, fork, export and release.
+    let slots = c.append(a, 3);
+    assert_eq!(slots.len(), 3);
+    assert_eq!(c.len(a), Ok(9));
+    let mut f = KVPAGE_SEQ_NONE;
+    // SAFETY: live manager, writable out-parameters.
+    unsafe {
+        assert_eq!(kvpage_manager_fork(c.m, a, &mut f, null_mut()), KVPAGE_OK);
+        let mut ap = kvpage_appended::default();
+        let mut slot = [0u32; 1];
+        assert_eq!(
+            kvpage_manager_append(c.m, f, 1, slot.as_mut_ptr(), 1, &mut ap, null_mut()),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            ap.has_copy, 1,
+            "a fork appending into a shared partial block copies it"
+        );
+        assert_eq!(ap.copy.src, c.blocks(a).unwrap()[2]);
+        assert_eq!(ap.copy.dst, c.blocks(f).unwrap()[2]);
+    }
+    let rows: Vec<_> = [a, b, f]
+        .iter()
+        .map(|&s| (c.blocks(s).unwrap(), c.len(s).unwrap()))
+        .collect();
+    check_exports(&c, &[a, b, f], &rows, 4);
+    for s in [a, b, f] {
+        // SAFETY: live manager.
+        assert_eq!(
+            unsafe { kvpage_manager_release(c.m, s, null_mut()) },
+            KVPAGE_OK
+        );
+    }
+    assert_eq!(c.stats().live_seqs, 0);
+}
