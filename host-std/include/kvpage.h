@@ -685,7 +685,8 @@ kvpage_result kvpage_manager_host_blocks(const struct kvpage_manager *manager,
 // logical order, then `pad` up to `stride` columns (vLLM's `block_tables`, which pads
 // with 0: pass any id, the kernels read only `ceil(len / block_size)` columns). When
 // `out_seq_lens` is non-null, `out_seq_lens[k]` receives the length of `seqs[k]` in
-// tokens. O(n_seqs * stride).
+// tokens. vLLM's and FlashInfer's `int32` tensors take these `uint32_t` values bit for
+// bit (every block id is below 2^31 for any pool they can address). O(n_seqs * stride).
 //
 // # Errors
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
@@ -714,7 +715,11 @@ kvpage_result kvpage_manager_block_table_dense(const struct kvpage_manager *mana
 // `out_indptr[0..=n_seqs]` (`indptr[0] = 0`, `indptr[k + 1] - indptr[k]` = blocks of
 // `seqs[k]`), `out_indices[0..indptr[n_seqs]]` (the blocks of each sequence in order)
 // and `out_last_page_len[0..n_seqs]` (tokens in the sequence's last block, in
-// `1..=block_size`; 0 for an empty sequence, which has no blocks). O(total blocks).
+// `1..=block_size`; 0 for an empty sequence, which has no blocks, a case FlashInfer's
+// kernels do not take: leave such sequences out of its batches). FlashInfer's `int32`
+// tensors take these `uint32_t` values bit for bit while they are below 2^31 (block
+// ids always are for a pool it can address; offsets are below the total). The ids are
+// validated first, then the arrays written in one pass. O(total blocks).
 //
 // # Errors
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`

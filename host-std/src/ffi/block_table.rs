@@ -18,28 +18,55 @@
 //! (`KVPAGE_ERR_SEQ_SWAPPED`): their blocks are on the host.
 
 use super::args::{out, out_opt, slice, slice_mut};
-use super::ids::kvpage_seq;
+use super::ids::{kvpage_seq, seq_from_c};
 use super::manager::{kvpage_manager, manager_ref};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
 
-/// The blocks and length of sequence `id`, its failure naming the id.
-fn row(m: &kvpage_manager, id: kvpage_seq) -> Result<(&[u32], u32), Fail> {
-    let seq = m.seq(id);
-    let blocks = m
-        .manager
-        .blocks(seq)
-        .map_err(|e| Fail::from(e).with_value(id))?;
-    // `blocks` validated the id, so its row is in range.
-    Ok((blocks, m.manager.seq_lens()[seq.index() as usize]))
+/// The rows of sequences [`check_batch`] validated, read straight from the manager's
+/// dense table: a live sequence of `len` tokens holds the first `ceil(len /
+/// block_size)` entries of its row (an invariant of the core manager). The write passes
+/// use it, so validation costs the only per-id checks.
+struct Rows<'a> {
+    table: &'a [u32],
+    lens: &'a [u32],
+    stride: usize,
+    block_size: u32,
+    instance: u32,
+}
+
+impl<'a> Rows<'a> {
+    fn new(m: &'a kvpage_manager) -> Self {
+        let config = m.manager.config();
+        Self {
+            table: m.manager.block_table(),
+            lens: m.manager.seq_lens(),
+            stride: config.max_blocks_per_seq as usize,
+            block_size: config.block_size,
+            instance: config.instance,
+        }
+    }
+
+    /// Blocks and length of validated sequence `id`.
+    #[inline]
+    fn get(&self, id: kvpage_seq) -> (&'a [u32], u32) {
+        let i = seq_from_c(id, self.instance).index() as usize;
+        let len = self.lens[i];
+        let n = len.div_ceil(self.block_size) as usize;
+        (&self.table[i * self.stride..][..n], len)
+    }
 }
 
 /// Validates every id of a batch: `(total blocks, most blocks of one sequence)`.
 fn check_batch(m: &kvpage_manager, seqs: &[kvpage_seq]) -> Result<(usize, usize), Fail> {
     let (mut total, mut longest) = (0usize, 0usize);
     for &id in seqs {
-        let n = row(m, id)?.0.len();
-        total += n;
-        longest = longest.max(n);
+        match m.manager.blocks(m.seq(id)) {
+            Ok(b) => {
+                total += b.len();
+                longest = longest.max(b.len());
+            }
+            Err(e) => return Err(Fail::from(e).with_value(id)),
+        }
     }
     Ok((total, longest))
 }
@@ -49,7 +76,8 @@ fn check_batch(m: &kvpage_manager, seqs: &[kvpage_seq]) -> Result<(usize, usize)
 /// logical order, then `pad` up to `stride` columns (vLLM's `block_tables`, which pads
 /// with 0: pass any id, the kernels read only `ceil(len / block_size)` columns). When
 /// `out_seq_lens` is non-null, `out_seq_lens[k]` receives the length of `seqs[k]` in
-/// tokens. O(n_seqs * stride).
+/// tokens. vLLM's and FlashInfer's `int32` tensors take these `uint32_t` values bit for
+/// bit (every block id is below 2^31 for any pool they can address). O(n_seqs * stride).
 ///
 /// # Errors
 /// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
@@ -110,8 +138,9 @@ pub unsafe extern "C" fn kvpage_manager_block_table_dense(
                 ))?),
                 None => None,
             };
+            let rows = Rows::new(m);
             for (k, (&id, dst)) in seqs.iter().zip(table.chunks_exact_mut(stride)).enumerate() {
-                let (blocks, len) = row(m, id)?;
+                let (blocks, len) = rows.get(id);
                 let (used, rest) = dst.split_at_mut(blocks.len());
                 used.copy_from_slice(blocks);
                 rest.fill(pad);
@@ -128,7 +157,11 @@ pub unsafe extern "C" fn kvpage_manager_block_table_dense(
 /// `out_indptr[0..=n_seqs]` (`indptr[0] = 0`, `indptr[k + 1] - indptr[k]` = blocks of
 /// `seqs[k]`), `out_indices[0..indptr[n_seqs]]` (the blocks of each sequence in order)
 /// and `out_last_page_len[0..n_seqs]` (tokens in the sequence's last block, in
-/// `1..=block_size`; 0 for an empty sequence, which has no blocks). O(total blocks).
+/// `1..=block_size`; 0 for an empty sequence, which has no blocks, a case FlashInfer's
+/// kernels do not take: leave such sequences out of its batches). FlashInfer's `int32`
+/// tensors take these `uint32_t` values bit for bit while they are below 2^31 (block
+/// ids always are for a pool it can address; offsets are below the total). The ids are
+/// validated first, then the arrays written in one pass. O(total blocks).
 ///
 /// # Errors
 /// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
@@ -186,18 +219,19 @@ pub unsafe extern "C" fn kvpage_manager_block_table_csr(
                 n,
                 out_last_page_len_len,
             ))?;
-            let bs = m.manager.config().block_size;
+            let rows = Rows::new(m);
             let mut at = 0usize;
             indptr[0] = 0;
             for (k, &id) in seqs.iter().enumerate() {
-                let (blocks, len) = row(m, id)?;
+                let (blocks, len) = rows.get(id);
                 indices[at..at + blocks.len()].copy_from_slice(blocks);
                 at += blocks.len();
                 // `total` fits in u32, so every offset does.
                 indptr[k + 1] = at as u32;
-                last[k] = match len {
+                // The tokens past the full blocks (a multiply, not a division).
+                last[k] = match blocks.len() as u32 {
                     0 => 0,
-                    len => (len - 1) % bs + 1,
+                    n => len - (n - 1) * rows.block_size,
                 };
             }
             Ok(())
