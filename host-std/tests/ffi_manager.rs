@@ -4,7 +4,8 @@
 //!    core `BlockManager` over a few hundred random operations per seed;
 //! 2. the dense and CSR exports and the in-place table agree with the blocks of every
 //!    sequence (FlashInfer's `last_page_len` convention included);
-//! 3. bad input gets its code, changes nothing, and the manager works afterwards.
+//! 3. bad input gets its code, changes nothing, and the manager works afterwards;
+//! 4. nothing allocates after init, failures included.
 
 use std::ptr::{null, null_mut};
 
@@ -14,6 +15,42 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use kvpage_result::*;
+
+/// The system allocator, counting the allocations of a thread while it is armed.
+struct Counting;
+
+thread_local! {
+    static ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ALLOCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator; the counters are const-initialised
+// thread-locals, which allocate nothing.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        if ARMED.with(|a| a.get()) {
+            ALLOCS.with(|n| n.set(n.get() + 1));
+        }
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Allocations `f` makes on this thread.
+fn allocations(f: impl FnOnce()) -> u64 {
+    ALLOCS.with(|n| n.set(0));
+    ARMED.with(|a| a.set(true));
+    f();
+    ARMED.with(|a| a.set(false));
+    ALLOCS.with(|n| n.get())
+}
 
 /// A manager inside a `Vec<u64>` (8-aligned, as the storage needs).
 struct CManager {
@@ -1282,4 +1319,135 @@ fn bad_ids_and_short_buffers_change_nothing_and_the_manager_works_after() {
         );
     }
     assert_eq!(c.stats().live_seqs, 0);
+}
+
+#[test]
+fn nothing_allocates_after_init() {
+    let c = CManager::new(config(4, true, 1));
+    let prompt: Vec<u32> = (0..11).collect();
+    let mut slots = [0u32; 16];
+    let mut copies = [kvpage_block_copy::default(); 8];
+    let (mut indptr, mut indices, mut last) = ([0u32; 4], [0u32; 16], [0u32; 3]);
+    let mut table = [0u32; 3 * 12];
+    let mut e = zeroed_error();
+    let n = allocations(|| {
+        // SAFETY: a live manager; every buffer has the length passed.
+        unsafe {
+            let mut f = 0;
+            let mut start = kvpage_prompt_start::default();
+            let mut ap = kvpage_appended::default();
+            let m = c.m;
+            assert_eq!(
+                kvpage_manager_create_with_prompt(
+                    m,
+                    0,
+                    prompt.as_ptr(),
+                    11,
+                    slots.as_mut_ptr(),
+                    16,
+                    &mut start,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            let a = start.seq;
+            assert_eq!(
+                kvpage_manager_commit(m, a, 11, null_mut(), &mut e),
+                KVPAGE_OK
+            );
+            assert_eq!(
+                kvpage_manager_create_with_prompt(
+                    m,
+                    0,
+                    prompt.as_ptr(),
+                    11,
+                    slots.as_mut_ptr(),
+                    16,
+                    &mut start,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            let b = start.seq;
+            assert_eq!(start.reused_tokens, 8);
+            assert_eq!(kvpage_manager_fork(m, a, &mut f, &mut e), KVPAGE_OK);
+            assert_eq!(
+                kvpage_manager_append(m, f, 1, slots.as_mut_ptr(), 16, &mut ap, &mut e),
+                KVPAGE_OK
+            );
+            assert_eq!(ap.has_copy, 1);
+            assert_eq!(
+                kvpage_manager_append_tokens(
+                    m,
+                    b,
+                    prompt.as_ptr(),
+                    5,
+                    slots.as_mut_ptr(),
+                    16,
+                    &mut ap,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert_eq!(kvpage_manager_truncate(m, b, 12, &mut e), KVPAGE_OK);
+            let ids = [a, b, f];
+            assert_eq!(
+                kvpage_manager_block_table_csr(
+                    m,
+                    ids.as_ptr(),
+                    3,
+                    indptr.as_mut_ptr(),
+                    4,
+                    indices.as_mut_ptr(),
+                    16,
+                    last.as_mut_ptr(),
+                    3,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert_eq!(
+                kvpage_manager_block_table_dense(
+                    m,
+                    ids.as_ptr(),
+                    3,
+                    12,
+                    0,
+                    table.as_mut_ptr(),
+                    36,
+                    null_mut(),
+                    0,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert_eq!(
+                kvpage_manager_swap_out(m, b, copies.as_mut_ptr(), 8, null_mut(), &mut e),
+                KVPAGE_OK
+            );
+            assert_eq!(
+                kvpage_manager_swap_in(m, b, copies.as_mut_ptr(), 8, null_mut(), &mut e),
+                KVPAGE_OK
+            );
+            // Failures write their message into the caller's struct, allocating nothing.
+            assert_eq!(
+                kvpage_manager_append(m, b, 9, slots.as_mut_ptr(), 1, &mut ap, &mut e),
+                KVPAGE_ERR_BUFFER_TOO_SMALL
+            );
+            assert_eq!(
+                kvpage_manager_truncate(m, b, 99, &mut e),
+                KVPAGE_ERR_BEYOND_LENGTH
+            );
+            for s in ids {
+                assert_eq!(kvpage_manager_release(m, s, &mut e), KVPAGE_OK);
+            }
+            assert_eq!(kvpage_manager_release(m, a, &mut e), KVPAGE_ERR_STALE_SEQ);
+            let mut st = kvpage_stats::default();
+            assert_eq!(kvpage_manager_stats(m, &mut st, &mut e), KVPAGE_OK);
+            assert_eq!(st.live_seqs, 0);
+        }
+    });
+    assert_eq!(n, 0, "allocations after init");
+    // The counter counts.
+    assert_eq!(allocations(|| drop(std::hint::black_box(vec![0u8; 8]))), 1);
 }
