@@ -33,7 +33,7 @@ use std::ptr::null_mut;
 use std::time::Instant;
 
 use kvpage::ffi::*;
-use kvpage_core::{BlockManager, Config, SeqId};
+use kvpage_core::{BlockManager, SeqId};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -53,18 +53,6 @@ fn c_config() -> kvpage_manager_config {
         prefix_cache: 1,
         hash_key: 0,
         host_blocks: 0,
-    }
-}
-
-fn core_config(c: &kvpage_manager_config) -> Config {
-    Config {
-        num_blocks: c.num_blocks,
-        block_size: c.block_size,
-        max_seqs: c.max_seqs,
-        max_blocks_per_seq: c.max_blocks_per_seq,
-        instance: c.instance,
-        hash_key: c.hash_key,
-        prefix_cache: c.prefix_cache != 0,
     }
 }
 
@@ -106,7 +94,7 @@ fn time(units: u32, mut f: impl FnMut()) -> f64 {
 fn append_one_token() {
     let config = c_config();
     let (_storage, cm) = c_manager(&config);
-    let core = core_config(&config);
+    let core = config.to_core();
     let mut words = vec![0u64; core.storage_words()];
     let mut rm = BlockManager::new(core, &mut words).unwrap();
     let mut cs = KVPAGE_SEQ_NONE;
@@ -164,7 +152,7 @@ fn append_one_token() {
 fn csr_export() {
     let config = c_config();
     let (_storage, cm) = c_manager(&config);
-    let core = core_config(&config);
+    let core = config.to_core();
     let mut words = vec![0u64; core.storage_words()];
     let mut rm = BlockManager::new(core, &mut words).unwrap();
     let mut rng = StdRng::seed_from_u64(1);

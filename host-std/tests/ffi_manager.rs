@@ -10,7 +10,7 @@
 use std::ptr::{null, null_mut};
 
 use kvpage::ffi::*;
-use kvpage_core::{BlockCopy, BlockManager, Config, HostPool, SeqError, SeqId};
+use kvpage_core::{BlockCopy, BlockManager, HostPool, SeqError, SeqId};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -171,21 +171,9 @@ struct RustManager {
     host: HostPool<'static>,
 }
 
-fn core_config(c: &kvpage_manager_config) -> Config {
-    Config {
-        num_blocks: c.num_blocks,
-        block_size: c.block_size,
-        max_seqs: c.max_seqs,
-        max_blocks_per_seq: c.max_blocks_per_seq,
-        instance: c.instance,
-        hash_key: c.hash_key,
-        prefix_cache: c.prefix_cache != 0,
-    }
-}
-
 impl RustManager {
     fn new(c: &kvpage_manager_config) -> Self {
-        let config = core_config(c);
+        let config = c.to_core();
         let storage = Box::leak(vec![0u64; config.storage_words()].into_boxed_slice());
         let host_storage =
             Box::leak(vec![0u32; HostPool::storage_words(c.host_blocks)].into_boxed_slice());

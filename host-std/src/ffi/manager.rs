@@ -40,8 +40,9 @@ pub struct kvpage_manager_config {
 }
 
 impl kvpage_manager_config {
-    /// The core configuration.
-    pub(crate) fn to_core(self) -> Config {
+    /// The core configuration (for a Rust program that builds the same manager with
+    /// `kvpage_core::BlockManager`; the host tier is not part of it).
+    pub fn to_core(self) -> Config {
         Config {
             num_blocks: self.num_blocks,
             block_size: self.block_size,
