@@ -434,6 +434,46 @@ typedef struct kvpage_manager_config {
   uint32_t host_blocks;
 } kvpage_manager_config;
 
+// A sequence created from a prompt (`kvpage_manager_create_with_prompt`).
+typedef struct kvpage_prompt_start {
+  // The new sequence, holding the whole prompt.
+  kvpage_seq seq;
+  // Leading prompt tokens whose K/V is in the prefix cache already (a multiple of
+  // the block size, less than the prompt's length): compute only the rest.
+  uint32_t reused_tokens;
+  // Slots written: `prompt_len - reused_tokens`, one per token after the reused ones.
+  uint32_t slots_written;
+  // Non-zero when `copy` must be executed before writing K/V (as
+  // `kvpage_appended::has_copy`; a prompt never needs one today).
+  uint32_t has_copy;
+  // The copy-on-write; `{0, 0}` when `has_copy` is 0.
+  struct kvpage_block_copy copy;
+  // Blocks newly allocated for the tokens after the reused ones.
+  uint32_t new_blocks;
+} kvpage_prompt_start;
+
+// What an append did besides writing the slots.
+typedef struct kvpage_appended {
+  // Non-zero when `copy` is set: the sequence's last block was partly filled and
+  // shared (after a fork or a prefix hit), so it was copied. Execute the copy (all
+  // layers' K and V of block `copy.src` into `copy.dst`) before writing K/V into the
+  // new slots.
+  uint32_t has_copy;
+  // The copy-on-write; `{0, 0}` when `has_copy` is 0.
+  struct kvpage_block_copy copy;
+  // Blocks newly allocated for the tokens (not counting the copy's destination).
+  uint32_t new_blocks;
+} kvpage_appended;
+
+// What the prefix cache holds for a prompt (`kvpage_manager_prefix_lookup`).
+typedef struct kvpage_prefix_hit {
+  // Leading prompt tokens found cached (a multiple of the block size).
+  uint32_t tokens;
+  // Blocks of them that no sequence references now: they count as available until a
+  // sequence takes them.
+  uint32_t idle_blocks;
+} kvpage_prefix_hit;
+
 // What a tier-3 scheduler is sized for, next to its manager's configuration.
 typedef struct kvpage_scheduler_config {
   // Requests in flight at once (waiting, running, swapped out); > 0.
@@ -1086,6 +1126,436 @@ kvpage_result kvpage_manager_init(const struct kvpage_manager_config *config,
                                   size_t storage_bytes,
                                   struct kvpage_manager **out_manager,
                                   struct kvpage_error *err);
+
+// Blocks an allocation can take now: free plus cached (evictable) ones, to
+// `*out_blocks`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_blocks` is null or
+// writable.
+kvpage_result kvpage_manager_available_blocks(const struct kvpage_manager *manager,
+                                              uint32_t *out_blocks,
+                                              struct kvpage_error *err);
+
+// Evicts up to `max_blocks` blocks of the prefix cache that no sequence references,
+// least recently cached first, making them free; writes how many were evicted to
+// `*out_evicted` (NULL to ignore). Allocation evicts on its own when no block is free;
+// this is for a caller that wants free blocks now. O(evicted).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (manager), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a manager).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_evicted` is null or
+// writable.
+kvpage_result kvpage_manager_evict_cached(struct kvpage_manager *manager,
+                                          uint32_t max_blocks,
+                                          uint32_t *out_evicted,
+                                          struct kvpage_error *err);
+
+// Counters of the pool and the sequences, to `*out_stats`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_stats` is null or
+// writable.
+kvpage_result kvpage_manager_stats(const struct kvpage_manager *manager,
+                                   struct kvpage_stats *out_stats,
+                                   struct kvpage_error *err);
+
+// Creates an empty sequence whose blocks are shared through the prefix cache only with
+// sequences of the same `namespace` (a tenant, a model adapter), and writes its id to
+// `*out_seq`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager), `KVPAGE_ERR_NO_FREE_SEQ`.
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_seq` is null or
+// writable.
+kvpage_result kvpage_manager_create(struct kvpage_manager *manager,
+                                    uint64_t namespace_,
+                                    kvpage_seq *out_seq,
+                                    struct kvpage_error *err);
+
+// Creates a sequence holding the prompt `prompt[0..prompt_len]`, sharing the longest
+// run of whole leading blocks already committed to the prefix cache of `namespace`
+// (verified token by token; at least one prompt token is always left to compute) and
+// allocating the rest. `slots[0..out->slots_written]` receives the slot of each prompt
+// token after the reused ones; `slots_len >= prompt_len` always suffices. Commit the
+// blocks (`kvpage_manager_commit`) once their K/V is written to share them.
+// O(prompt_len).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (`prompt` with `prompt_len > 0`, `slots` with
+// `slots_len > 0`, `out`), `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_NO_FREE_SEQ`, `KVPAGE_ERR_SEQ_TOO_LONG` (`needed` tokens, `available`
+// maximum), `KVPAGE_ERR_OUT_OF_BLOCKS` (`needed`, `available`),
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` slots, `available` = `slots_len`).
+//
+// # Safety
+// `manager` is null or a manager; `prompt` is readable for `prompt_len` values and
+// `slots` writable for `slots_len` (either may be null when its length is 0); `out` is
+// null or writable.
+kvpage_result kvpage_manager_create_with_prompt(struct kvpage_manager *manager,
+                                                uint64_t namespace_,
+                                                const uint32_t *prompt,
+                                                size_t prompt_len,
+                                                uint32_t *slots,
+                                                size_t slots_len,
+                                                struct kvpage_prompt_start *out_start,
+                                                struct kvpage_error *err);
+
+// Appends `n` tokens whose ids are not known (they never enter the prefix cache, nor do
+// later blocks of this sequence until it is truncated before them): allocates blocks as
+// needed, writes each new token's slot to `slots[0..n]`, and describes a copy-on-write
+// in `*out_appended`. The one-token decode append into an unshared block is O(1);
+// otherwise O(n).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_SEQ_TOO_LONG`,
+// `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` = n,
+// `available` = `slots_len`).
+//
+// # Safety
+// `manager` is null or a manager; `slots` is writable for `slots_len` values (null
+// when 0); `out_appended` is null or writable. It is required: a copy the caller does
+// not execute would corrupt the sequence.
+kvpage_result kvpage_manager_append(struct kvpage_manager *manager,
+                                    kvpage_seq seq,
+                                    uint32_t n,
+                                    uint32_t *slots,
+                                    size_t slots_len,
+                                    struct kvpage_appended *out_appended,
+                                    struct kvpage_error *err);
+
+// Appends the tokens `tokens[0..n]`, as `kvpage_manager_append`, keeping their ids so
+// that full blocks enter the prefix cache once `kvpage_manager_commit` says their K/V
+// is written. O(n).
+//
+// # Errors
+// As `kvpage_manager_append`.
+//
+// # Safety
+// As `kvpage_manager_append`; `tokens` is readable for `n` values (null when 0).
+kvpage_result kvpage_manager_append_tokens(struct kvpage_manager *manager,
+                                           kvpage_seq seq,
+                                           const uint32_t *tokens,
+                                           size_t n,
+                                           uint32_t *slots,
+                                           size_t slots_len,
+                                           struct kvpage_appended *out_appended,
+                                           struct kvpage_error *err);
+
+// Declares the K/V of the first `computed_tokens` tokens of `seq` written: their full
+// blocks with known token ids become shareable through the prefix cache (before that
+// no other sequence can hit them, so nobody reads K/V that is not there yet). Writes
+// the number of blocks committed by this call to `*out_newly_cached` (NULL to ignore).
+// O(block_size) per newly committed block; committing the same tokens again is O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (manager), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT`, `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (`needed` = computed_tokens, `available` = length).
+//
+// # Safety
+// `manager` is null or a manager; `out_newly_cached` is null or writable.
+kvpage_result kvpage_manager_commit(struct kvpage_manager *manager,
+                                    kvpage_seq seq,
+                                    uint32_t computed_tokens,
+                                    uint32_t *out_newly_cached,
+                                    struct kvpage_error *err);
+
+// Creates a sequence sharing every block of `seq` (reference counts go up; a shared
+// partial block is copied on the first append to it, reported by that append) and
+// writes its id to `*out_seq`. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_NO_FREE_SEQ`.
+//
+// # Safety
+// `manager` is null or a manager; `out_seq` is null or writable.
+kvpage_result kvpage_manager_fork(struct kvpage_manager *manager,
+                                  kvpage_seq seq,
+                                  kvpage_seq *out_seq,
+                                  struct kvpage_error *err);
+
+// Shortens `seq` to `new_len` tokens (rejected speculative tokens, a rewind),
+// releasing the blocks no longer needed. O(released blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BEYOND_LENGTH`
+// (`needed` = new_len, `available` = length).
+//
+// # Safety
+// `manager` is null or a manager.
+kvpage_result kvpage_manager_truncate(struct kvpage_manager *manager,
+                                      kvpage_seq seq,
+                                      uint32_t new_len,
+                                      struct kvpage_error *err);
+
+// Releases `seq`: its id (and every copy of it) becomes stale; full committed blocks
+// nobody else holds stay in the prefix cache for later prompts. A second release is
+// `KVPAGE_ERR_STALE_SEQ`. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED` (use
+// `kvpage_manager_release_swapped`).
+//
+// # Safety
+// `manager` is null or a manager.
+kvpage_result kvpage_manager_release(struct kvpage_manager *manager,
+                                     kvpage_seq seq,
+                                     struct kvpage_error *err);
+
+// Tokens held by `seq`, to `*out_len`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`.
+//
+// # Safety
+// `manager` is null or a manager; `out_len` is null or writable.
+kvpage_result kvpage_manager_len(const struct kvpage_manager *manager,
+                                 kvpage_seq seq,
+                                 uint32_t *out_len,
+                                 struct kvpage_error *err);
+
+// Physical block ids of `seq` in logical order (`ceil(len / block_size)` of them) into
+// `out_blocks[0..]`, their number to `*out_n` (NULL to ignore). O(blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BUFFER_TOO_SMALL`
+// (`needed` blocks, `available` = `out_blocks_len`: call with length 0 to learn it).
+//
+// # Safety
+// `manager` is null or a manager; `out_blocks` is writable for `out_blocks_len`
+// values (null when 0); `out_n` is null or writable.
+kvpage_result kvpage_manager_blocks(const struct kvpage_manager *manager,
+                                    kvpage_seq seq,
+                                    uint32_t *out_blocks,
+                                    size_t out_blocks_len,
+                                    size_t *out_n,
+                                    struct kvpage_error *err);
+
+// What `kvpage_manager_create_with_prompt` would reuse from the prefix cache of
+// `namespace` for `prompt[0..prompt_len]` now, to `*out_hit`. Changes nothing.
+// O(prompt_len).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`.
+//
+// # Safety
+// `manager` is null or a manager; `prompt` is readable for `prompt_len` values (null
+// when 0); `out_hit` is null or writable.
+kvpage_result kvpage_manager_prefix_lookup(const struct kvpage_manager *manager,
+                                           uint64_t namespace_,
+                                           const uint32_t *prompt,
+                                           size_t prompt_len,
+                                           struct kvpage_prefix_hit *out_hit,
+                                           struct kvpage_error *err);
+
+// Moves `seq` to the host tier: each of its blocks gets a host block, and the copies
+// (`src` = device block, `dst` = host block), one per block in logical order, are
+// written to `copies[0..*out_n]` for the caller to execute before the device blocks are
+// reused (by the next allocating call). The id stays valid; until
+// `kvpage_manager_swap_in` every other operation on it is `KVPAGE_ERR_SEQ_SWAPPED`.
+// Committed blocks stay cached on the device. `*out_n` (NULL to ignore) receives the
+// number of copies (`ceil(len / block_size)`). O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_NO_HOST_POOL`, `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`,
+// `KVPAGE_ERR_HOST_FULL` (`needed`, `available` host blocks),
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` copies, `available` = `copies_len`).
+//
+// # Safety
+// `manager` is null or a manager; `copies` writable for `copies_len` records (null
+// when 0); `out_n` null or writable.
+kvpage_result kvpage_manager_swap_out(struct kvpage_manager *manager,
+                                      kvpage_seq seq,
+                                      struct kvpage_block_copy *copies,
+                                      size_t copies_len,
+                                      size_t *out_n,
+                                      struct kvpage_error *err);
+
+// Brings swapped-out `seq` back: a device block per host block, the copies (`src` =
+// host block, `dst` = device block) written to `copies[0..*out_n]` in logical order for
+// the caller to execute before the sequence's K/V is read; the host blocks are free
+// again. The blocks come back unshared and outside the prefix cache. O(blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_NO_HOST_POOL`, `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_NOT_SWAPPED`,
+// `KVPAGE_ERR_OUT_OF_BLOCKS` (`needed`, `available`), `KVPAGE_ERR_BUFFER_TOO_SMALL`
+// (`needed` copies, `available` = `copies_len`).
+//
+// # Safety
+// As `kvpage_manager_swap_out`.
+kvpage_result kvpage_manager_swap_in(struct kvpage_manager *manager,
+                                     kvpage_seq seq,
+                                     struct kvpage_block_copy *copies,
+                                     size_t copies_len,
+                                     size_t *out_n,
+                                     struct kvpage_error *err);
+
+// Releases swapped-out `seq`, returning its host blocks; the id becomes stale.
+// O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_NO_HOST_POOL`, `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_NOT_SWAPPED` (use
+// `kvpage_manager_release`).
+//
+// # Safety
+// `manager` is null or a manager.
+kvpage_result kvpage_manager_release_swapped(struct kvpage_manager *manager,
+                                             kvpage_seq seq,
+                                             struct kvpage_error *err);
+
+// Whether `seq` is swapped out (1) or on the device (0), to `*out_swapped`. Works
+// without a host tier (always 0 there). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`.
+//
+// # Safety
+// `manager` is null or a manager; `out_swapped` is null or writable.
+kvpage_result kvpage_manager_is_swapped(const struct kvpage_manager *manager,
+                                        kvpage_seq seq,
+                                        uint32_t *out_swapped,
+                                        struct kvpage_error *err);
+
+// Free and total blocks of the host tier, to `*out_free` and `*out_total` (each NULL
+// to ignore). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (manager), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT`, `KVPAGE_ERR_NO_HOST_POOL`.
+//
+// # Safety
+// `manager` is null or a manager; each out-parameter is null or writable.
+kvpage_result kvpage_manager_host_blocks(const struct kvpage_manager *manager,
+                                         uint32_t *out_free,
+                                         uint32_t *out_total,
+                                         struct kvpage_error *err);
+
+// Writes the dense block table of the batch `seqs[0..n_seqs]` into
+// `out_table[0..n_seqs * stride]`, row-major: row `k` holds the blocks of `seqs[k]` in
+// logical order, then `pad` up to `stride` columns (vLLM's `block_tables`, which pads
+// with 0: pass any id, the kernels read only `ceil(len / block_size)` columns). When
+// `out_seq_lens` is non-null, `out_seq_lens[k]` receives the length of `seqs[k]` in
+// tokens. vLLM's and FlashInfer's `int32` tensors take these `uint32_t` values bit for
+// bit (every block id is below 2^31 for any pool they can address). O(n_seqs * stride).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager; `stride` 0; `n_seqs * stride` overflows), `KVPAGE_ERR_STALE_SEQ` /
+// `KVPAGE_ERR_SEQ_SWAPPED` (`value` = the id), `KVPAGE_ERR_BUFFER_TOO_SMALL`: `stride`
+// below the longest sequence's block count (`needed` = that count, `available` =
+// stride), or `out_table_len` / `out_seq_lens_len` short (`needed`, `available`
+// elements).
+//
+// # Safety
+// `manager` is null or a manager; `seqs` readable for `n_seqs` ids, `out_table`
+// writable for `out_table_len` values, `out_seq_lens` null or writable for
+// `out_seq_lens_len` values.
+kvpage_result kvpage_manager_block_table_dense(const struct kvpage_manager *manager,
+                                               const kvpage_seq *seqs,
+                                               size_t n_seqs,
+                                               uint32_t stride,
+                                               uint32_t pad,
+                                               uint32_t *out_table,
+                                               size_t out_table_len,
+                                               uint32_t *out_seq_lens,
+                                               size_t out_seq_lens_len,
+                                               struct kvpage_error *err);
+
+// Writes the block table of the batch `seqs[0..n_seqs]` as FlashInfer's CSR triple:
+// `out_indptr[0..=n_seqs]` (`indptr[0] = 0`, `indptr[k + 1] - indptr[k]` = blocks of
+// `seqs[k]`), `out_indices[0..indptr[n_seqs]]` (the blocks of each sequence in order)
+// and `out_last_page_len[0..n_seqs]` (tokens in the sequence's last block, in
+// `1..=block_size`; 0 for an empty sequence, which has no blocks, a case FlashInfer's
+// kernels do not take: leave such sequences out of its batches). FlashInfer's `int32`
+// tensors take these `uint32_t` values bit for bit while they are below 2^31 (block
+// ids always are for a pool it can address; offsets are below the total). The ids are
+// validated first, then the arrays written in one pass. O(total blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager; more than 2^32-1 blocks in all), `KVPAGE_ERR_STALE_SEQ` /
+// `KVPAGE_ERR_SEQ_SWAPPED` (`value` = the id), `KVPAGE_ERR_BUFFER_TOO_SMALL`
+// (`needed` / `available` elements: `n_seqs + 1` for `out_indptr`, the total block
+// count for `out_indices`, `n_seqs` for `out_last_page_len`).
+//
+// # Safety
+// `manager` is null or a manager; `seqs` readable for `n_seqs` ids; each out array
+// writable for its length (null when 0).
+kvpage_result kvpage_manager_block_table_csr(const struct kvpage_manager *manager,
+                                             const kvpage_seq *seqs,
+                                             size_t n_seqs,
+                                             uint32_t *out_indptr,
+                                             size_t out_indptr_len,
+                                             uint32_t *out_indices,
+                                             size_t out_indices_len,
+                                             uint32_t *out_last_page_len,
+                                             size_t out_last_page_len_len,
+                                             struct kvpage_error *err);
+
+// The manager's own dense block table, read in place (zero copy, e.g. for one upload
+// per step): `*out_table` receives a pointer to `rows * stride` block ids, row-major,
+// row `r` for the sequence whose row is `r` (`kvpage_manager_seq_row`); columns past a
+// sequence's `ceil(len / block_size)` blocks, and rows of free or swapped-out
+// sequences, hold stale values. `*out_seq_lens` (NULL to ignore) receives a pointer to
+// `rows` lengths in tokens (0 for free rows and swapped-out sequences). `rows` =
+// `max_seqs`, `stride` = `max_blocks_per_seq` (each NULL to ignore). O(1).
+//
+// Ownership: both arrays live in the manager's storage, at addresses that never
+// change; they are valid until the storage is freed and read-only to the caller. Their
+// contents change with every call that changes a sequence: read them between calls,
+// never during one.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (manager, `out_table`), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a manager).
+//
+// # Safety
+// `manager` is null or a manager; each out-parameter is null or writable.
+kvpage_result kvpage_manager_block_table(const struct kvpage_manager *manager,
+                                         const uint32_t **out_table,
+                                         const uint32_t **out_seq_lens,
+                                         uint32_t *out_rows,
+                                         uint32_t *out_stride,
+                                         struct kvpage_error *err);
+
+// The row of `seq` in the table of `kvpage_manager_block_table`, to `*out_row`. A
+// row is reused by a later sequence once `seq` is released. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`.
+//
+// # Safety
+// `manager` is null or a manager; `out_row` is null or writable.
+kvpage_result kvpage_manager_seq_row(const struct kvpage_manager *manager,
+                                     kvpage_seq seq,
+                                     uint32_t *out_row,
+                                     struct kvpage_error *err);
 
 // A static, NUL-terminated English message for `code`, e.g. "out of blocks". Unknown
 // codes give "unknown result code". Never null; the string lives forever.

@@ -8,11 +8,13 @@
 use core::ffi::c_void;
 use core::mem::{align_of, size_of};
 
-use kvpage_core::{BlockManager, Config, HostPool};
+use kvpage_core::{BlockManager, Config, HostPool, SeqId};
 
-use super::args::{obj, obj_mut, out};
+use super::args::{obj, obj_mut, out, out_opt};
 use super::geometry::kvpage_geometry;
+use super::ids::{kvpage_seq, seq_from_c};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
+use super::stats::kvpage_stats;
 
 /// What a tier-2 manager is sized for (see the Rust `kvpage_core::Config`).
 #[repr(C)]
@@ -38,8 +40,9 @@ pub struct kvpage_manager_config {
 }
 
 impl kvpage_manager_config {
-    /// The core configuration.
-    pub(crate) fn to_core(self) -> Config {
+    /// The core configuration (for a Rust program that builds the same manager with
+    /// `kvpage_core::BlockManager`; the host tier is not part of it).
+    pub fn to_core(self) -> Config {
         Config {
             num_blocks: self.num_blocks,
             block_size: self.block_size,
@@ -62,6 +65,14 @@ pub struct kvpage_manager {
     pub(crate) manager: BlockManager<'static>,
     /// The host tier's free set, when `host_blocks > 0`.
     pub(crate) host: Option<HostPool<'static>>,
+}
+
+impl kvpage_manager {
+    /// The core handle the C id `id` names in this manager (checked by every core
+    /// operation: an id of another manager reads as stale here).
+    pub(crate) fn seq(&self, id: kvpage_seq) -> SeqId {
+        seq_from_c(id, self.manager.config().instance)
+    }
 }
 
 /// Bytes of the struct at the start of the storage, rounded to whole `u64` words.
@@ -273,5 +284,91 @@ pub(crate) unsafe fn manager_ref<'a>(
             ));
         }
         Ok(&*ptr)
+    }
+}
+
+/// Blocks an allocation can take now: free plus cached (evictable) ones, to
+/// `*out_blocks`. O(1).
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+/// (not a manager).
+///
+/// # Safety
+/// `manager` is null or a manager from `kvpage_manager_init`; `out_blocks` is null or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_available_blocks(
+    manager: *const kvpage_manager,
+    out_blocks: *mut u32,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `manager_ref` / `out`.
+    unsafe {
+        run(err, || {
+            let m = manager_ref(manager)?;
+            let dst = out(out_blocks, "out_blocks")?;
+            dst.set(m.manager.available_blocks());
+            Ok(())
+        })
+    }
+}
+
+/// Evicts up to `max_blocks` blocks of the prefix cache that no sequence references,
+/// least recently cached first, making them free; writes how many were evicted to
+/// `*out_evicted` (NULL to ignore). Allocation evicts on its own when no block is free;
+/// this is for a caller that wants free blocks now. O(evicted).
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER` (manager), `KVPAGE_ERR_MISALIGNED`,
+/// `KVPAGE_ERR_INVALID_ARGUMENT` (not a manager).
+///
+/// # Safety
+/// `manager` is null or a manager from `kvpage_manager_init`; `out_evicted` is null or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_evict_cached(
+    manager: *mut kvpage_manager,
+    max_blocks: u32,
+    out_evicted: *mut u32,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `manager_mut` / `out_opt`.
+    unsafe {
+        run(err, || {
+            let m = manager_mut(manager)?;
+            let dst = out_opt(out_evicted, "out_evicted")?;
+            let evicted = m.manager.evict_cached(max_blocks);
+            if let Some(dst) = dst {
+                dst.set(evicted);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Counters of the pool and the sequences, to `*out_stats`. O(1).
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+/// (not a manager).
+///
+/// # Safety
+/// `manager` is null or a manager from `kvpage_manager_init`; `out_stats` is null or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_manager_stats(
+    manager: *const kvpage_manager,
+    out_stats: *mut kvpage_stats,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `manager_ref` / `out`.
+    unsafe {
+        run(err, || {
+            let m = manager_ref(manager)?;
+            let dst = out(out_stats, "out_stats")?;
+            dst.set(m.manager.stats().into());
+            Ok(())
+        })
     }
 }

@@ -16,9 +16,13 @@
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
-//! as C sees it, shared by [`engine`] (tier 1) and [`scheduler`] (tier 3)), the tiers
-//! [`cache`] (1, the owned cache), [`engine`] (1), [`manager`] (2, caller memory) and
-//! [`scheduler`] (3), and argument checks.
+//! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
+//! 1. [`cache`] (the owned cache) and [`engine`] (its engine step);
+//! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
+//!    queries), [`manager_seqs`] (sequence operations and slot mappings),
+//!    [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap
+//!    plans);
+//! 3. [`scheduler`] (the engine step over a tier-2 manager).
 
 #![allow(non_camel_case_types)]
 
@@ -28,6 +32,10 @@ pub mod engine;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
+pub mod manager_seqs;
+pub mod manager_swap;
+// After the manager's modules, so the header lists its block-table exports after them.
+pub mod block_table;
 pub mod plan;
 pub mod result;
 pub mod scheduler;
@@ -35,11 +43,14 @@ pub mod stats;
 pub mod step;
 pub mod version;
 
+pub use block_table::*;
 pub use cache::*;
 pub use engine::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
+pub use manager_seqs::*;
+pub use manager_swap::*;
 pub use plan::*;
 pub use result::*;
 pub use scheduler::*;
