@@ -32,16 +32,6 @@ pub(crate) unsafe fn obj<'a, T>(ptr: *const T, what: &'static str) -> Result<&'a
     Ok(unsafe { &*ptr })
 }
 
-/// `&mut T` from a pointer the caller promised is valid when non-null.
-///
-/// # Safety
-/// A non-null `ptr` points to a live `T` used by nothing else during `'a`.
-pub(crate) unsafe fn obj_mut<'a, T>(ptr: *mut T, what: &'static str) -> Result<&'a mut T, Fail> {
-    check_ptr(ptr, what)?;
-    // SAFETY: non-null and aligned here; live and exclusive by the caller's contract.
-    Ok(unsafe { &mut *ptr })
-}
-
 /// An input array of `len` elements; `len == 0` gives an empty slice whatever `ptr`
 /// is (NULL allowed).
 ///

@@ -10,7 +10,7 @@ use core::mem::{align_of, size_of};
 
 use kvpage_core::{BlockManager, Config, HostPool, SeqId};
 
-use super::args::{obj, obj_mut, out, out_opt};
+use super::args::{obj, out, out_opt, tagged, tagged_mut, Tagged};
 use super::geometry::kvpage_geometry;
 use super::ids::{kvpage_seq, seq_from_c};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
@@ -246,26 +246,24 @@ pub unsafe extern "C" fn kvpage_manager_init(
     }
 }
 
+// SAFETY: `magic` is a u64 field holding MAGIC from `kvpage_manager_init` on.
+unsafe impl Tagged for kvpage_manager {
+    const MAGIC: u64 = MAGIC;
+    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_manager, magic);
+    const WHAT: &'static str = "manager";
+    const NOT_LIVE: &'static str = "not a kvpage_manager (uninitialised or corrupted)";
+}
+
 /// The manager behind a C pointer, checked for null, alignment and the magic word.
 ///
 /// # Safety
-/// A non-null, aligned `ptr` points to readable memory of at least the struct's size
-/// (a manager from `kvpage_manager_init` whose storage is live, used by no other call
-/// now).
+/// A non-null, aligned `ptr` points to memory readable for the struct (a manager from
+/// `kvpage_manager_init` whose storage is live, used by no other call now).
 pub(crate) unsafe fn manager_mut<'a>(
     ptr: *mut kvpage_manager,
 ) -> Result<&'a mut kvpage_manager, Fail> {
-    // SAFETY: forwarded contract; the magic is read through a raw pointer first, so a
-    // pointer to something else is refused before a reference to it is made.
-    unsafe {
-        obj_mut(ptr, "manager")?;
-        if core::ptr::addr_of!((*ptr).magic).read() != MAGIC {
-            return Err(Fail::invalid(
-                "not a kvpage_manager (uninitialised or corrupted)",
-            ));
-        }
-        Ok(&mut *ptr)
-    }
+    // SAFETY: forwarded contract.
+    unsafe { tagged_mut(ptr) }
 }
 
 /// Read-only [`manager_mut`].
@@ -275,16 +273,8 @@ pub(crate) unsafe fn manager_mut<'a>(
 pub(crate) unsafe fn manager_ref<'a>(
     ptr: *const kvpage_manager,
 ) -> Result<&'a kvpage_manager, Fail> {
-    // SAFETY: as in `manager_mut`.
-    unsafe {
-        obj(ptr, "manager")?;
-        if core::ptr::addr_of!((*ptr).magic).read() != MAGIC {
-            return Err(Fail::invalid(
-                "not a kvpage_manager (uninitialised or corrupted)",
-            ));
-        }
-        Ok(&*ptr)
-    }
+    // SAFETY: forwarded contract.
+    unsafe { tagged(ptr) }
 }
 
 /// Blocks an allocation can take now: free plus cached (evictable) ones, to
