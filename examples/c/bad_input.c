@@ -93,8 +93,10 @@ static void result_codes(void) {
   unsigned before = checks, code, other;
   for (code = 0; code <= KVPAGE_ERR_INTERNAL; code++) {
     const char *s = kvpage_result_str(code);
-    EXPECT_TRUE(s != NULL && strcmp(s, "unknown result code") != 0);
-    for (other = 0; other < code; other++) EXPECT_TRUE(strcmp(s, kvpage_result_str(other)) != 0);
+    int distinct = s != NULL && strcmp(s, "unknown result code") != 0;
+    for (other = 0; distinct && other < code; other++)
+      distinct = strcmp(s, kvpage_result_str(other)) != 0;
+    EXPECT_TRUE(distinct);
   }
   EXPECT_TRUE(strcmp(kvpage_result_str(9999), "unknown result code") == 0);
   EXPECT_TRUE(kvpage_version() == KVPAGE_VERSION_MAJOR * 10000 + KVPAGE_VERSION_MINOR * 100 +
@@ -146,8 +148,8 @@ static void cache_calls(void) {
   kvpage_seq s, gone, foreign, child = KVPAGE_SEQ_NONE;
   kvpage_stats st0, st1;
   uint32_t prompt[5] = {1, 2, 3, 4, 5}, len = 0, tokens[40] = {0};
-  float k[5 * ROW] = {0}, v[5 * ROW] = {0}, q[2 * Q_HEADS * HEAD_DIM] = {0};
-  float out[2 * Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
+  float k[5 * ROW] = {0}, v[5 * ROW] = {0}, q[6 * Q_HEADS * HEAD_DIM] = {0};
+  float out[6 * Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
   uint16_t raw[5 * ROW] = {0};
   kvpage_seq batch[5];
   uint32_t nq[5] = {1, 1, 1, 1, 1};
@@ -215,7 +217,7 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, nan_scale, &err));
   EXPECT(KVPAGE_ERR_NOT_WRITABLE, kvpage_cache_write_kv(c, s, 0, 3, 5, k, 5 * ROW, v, 5 * ROW, &err));
   nq[0] = 6;
-  EXPECT(KVPAGE_ERR_QUERIES_EXCEED_CONTEXT, kvpage_cache_prefill(c, 0, &s, nq, 1, q, 2 * Q_HEADS * HEAD_DIM, out, 2 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_QUERIES_EXCEED_CONTEXT, kvpage_cache_prefill(c, 0, &s, nq, 1, q, 6 * Q_HEADS * HEAD_DIM, out, 6 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_SEQ_TOO_LONG, kvpage_cache_append_tokens(c, s, tokens, 40, &err));
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_truncate(c, s, 6, &err));
   batch[0] = batch[1] = batch[2] = batch[3] = batch[4] = s;
@@ -396,12 +398,91 @@ static void manager_and_scheduler_calls(void) {
   section("manager and scheduler calls", before);
 }
 
+/* Tier 2: sequence operations, exports and swaps of a manager in caller memory. */
+static void manager_seq_calls(void) {
+  unsigned before = checks;
+  kvpage_manager_config mc;
+  kvpage_manager *m = NULL;
+  size_t bytes = 0, n = 0;
+  uint64_t *storage;
+  kvpage_seq s, gone, child = KVPAGE_SEQ_NONE;
+  kvpage_prompt_start start;
+  kvpage_appended app;
+  kvpage_stats st0, st1;
+  kvpage_block_copy copies[8];
+  uint32_t prompt[6] = {1, 2, 3, 4, 5, 6}, slots[64], blocks[8], len = 0, swapped = 9;
+  uint32_t table[16], indptr[3], indices[8], last[2];
+  kvpage_seq pair[2];
+
+  EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 8, 4, 32, &mc, &err));
+  mc.host_blocks = 0; /* no host tier: swaps are refused */
+  EXPECT(KVPAGE_OK, kvpage_manager_storage_size(&mc, &bytes, &err));
+  storage = malloc(bytes); /* malloc aligns to 8 or more */
+  if (!storage) exit(1);
+  EXPECT(KVPAGE_OK, kvpage_manager_init(&mc, storage, bytes, &m, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_create_with_prompt(m, 1, prompt, 6, slots, 64, &start, &err));
+  s = start.seq;
+  EXPECT(KVPAGE_OK, kvpage_manager_create(m, 1, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_release(m, gone, &err));
+  /* Another sequence holds 2 of the 8 blocks. */
+  EXPECT(KVPAGE_OK, kvpage_manager_create_with_prompt(m, 2, prompt, 6, slots, 64, &start, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st0, &err));
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_create(NULL, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_create((kvpage_manager *)table, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_create_with_prompt(m, 1, NULL, 6, slots, 64, &start, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_append(m, s, 1, slots, 64, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_append_tokens(m, s, NULL, 2, slots, 64, &app, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_fork(m, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_len(m, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_block_table_csr(m, NULL, 1, indptr, 3, indices, 8, last, 2, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_create_with_prompt(m, 1, prompt, 6, slots, 5, &start, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_append(m, s, 3, slots, 2, &app, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_blocks(m, s, blocks, 1, &n, &err));
+  pair[0] = pair[1] = s;
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_block_table_csr(m, pair, 2, indptr, 3, indices, 3, last, 2, &err));
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_block_table_dense(m, pair, 2, 1, 0, table, 16, NULL, 0, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_block_table_dense(m, pair, 2, 0, 0, table, 16, NULL, 0, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_release(m, gone, &err)); /* double release */
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_append(m, gone, 1, slots, 64, &app, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_commit(m, KVPAGE_SEQ_NONE, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_fork(m, 4242, &child, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_truncate(m, gone, 0, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_len(m, gone, &len, &err));
+  pair[1] = gone;
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_block_table_csr(m, pair, 2, indptr, 3, indices, 8, last, 2, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_truncate(m, s, 7, &err));
+  EXPECT(KVPAGE_ERR_SEQ_TOO_LONG, kvpage_manager_append(m, s, 40, slots, 64, &app, &err));
+  EXPECT_TRUE(kvpage_manager_append(m, s, 26, slots, 64, &app, &err) == KVPAGE_ERR_OUT_OF_BLOCKS && err.needed == 6 && err.available == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_NO_HOST_POOL, kvpage_manager_swap_out(m, s, copies, 8, &n, &err));
+  EXPECT(KVPAGE_ERR_NO_HOST_POOL, kvpage_manager_swap_in(m, s, copies, 8, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_is_swapped(m, s, &swapped, &err));
+  EXPECT_TRUE(swapped == 0);
+  EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
+
+  EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+  EXPECT(KVPAGE_OK, kvpage_manager_len(m, s, &len, &err));
+  EXPECT_TRUE(len == 6);
+  /* Works afterwards: an append reports its slots, the CSR export agrees with blocks(). */
+  EXPECT(KVPAGE_OK, kvpage_manager_append(m, s, 3, slots, 64, &app, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_blocks(m, s, blocks, 8, &n, &err));
+  EXPECT_TRUE(n == 3 && slots[0] == blocks[1] * BLOCK + 2 && slots[2] == blocks[2] * BLOCK);
+  pair[1] = s;
+  EXPECT(KVPAGE_OK, kvpage_manager_block_table_csr(m, pair, 2, indptr, 3, indices, 8, last, 2, &err));
+  EXPECT_TRUE(indptr[0] == 0 && indptr[1] == 3 && indptr[2] == 6 && indices[4] == blocks[1] && last[0] == 1);
+  free(storage);
+  section("manager sequence calls", before);
+}
+
 int main(void) {
   result_codes();
   cache_configs();
   cache_calls();
   engine_calls();
   manager_and_scheduler_calls();
+  manager_seq_calls();
   if (failures) {
     printf("%u of %u checks failed\n", failures, checks);
     return 1;
