@@ -54,7 +54,7 @@
 // The sequence is full; the last sampled token was reported but not stored.
 #define KVPAGE_FINISH_LENGTH 2
 
-// Bytes of [`kvpage_error::message`], the terminating NUL included.
+// Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
 
 // The request waits: not admitted yet, or preempted by recompute.
@@ -77,7 +77,7 @@
 
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
-// codes get new numbers). [`kvpage_result_str`] gives a static message for each.
+// codes get new numbers). `kvpage_result_str` gives a static message for each.
 enum kvpage_result
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : uint32_t

@@ -13,7 +13,7 @@ use crate::error::KernelError;
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
-/// codes get new numbers). [`kvpage_result_str`] gives a static message for each.
+/// codes get new numbers). `kvpage_result_str` gives a static message for each.
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
@@ -145,7 +145,7 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
     s.as_ptr()
 }
 
-/// Bytes of [`kvpage_error::message`], the terminating NUL included.
+/// Bytes of `kvpage_error.message`, the terminating NUL included.
 pub const KVPAGE_ERROR_MESSAGE_LEN: usize = 160;
 
 /// Details of a failure, written by a function that fails when the caller passes a
