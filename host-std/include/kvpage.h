@@ -21,6 +21,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Opaque objects. Create and free them only through their functions. */
+/* Tier 1: the owned cache (kvpage_cache_new / kvpage_cache_free). */
+typedef struct kvpage_cache kvpage_cache;
+/* Tier 1: the engine step over an owned cache (kvpage_engine_new / _free). */
+typedef struct kvpage_engine kvpage_engine;
+/* Tier 2: the block manager inside caller storage (kvpage_manager_init). */
+typedef struct kvpage_manager kvpage_manager;
+/* Tier 3: the engine step over a tier-2 manager, in caller storage. */
+typedef struct kvpage_scheduler kvpage_scheduler;
+
 // Default arena size of `kvpage_cache_default_params`: 256 MiB.
 #define KVPAGE_CACHE_DEFAULT_BYTES (256 << 20)
 
@@ -167,20 +177,6 @@ typedef enum kvpage_result kvpage_result;
 typedef uint32_t kvpage_result;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
-
-// The owned cache: opaque to C, created by `kvpage_cache_new`, freed by
-// `kvpage_cache_free`.
-typedef struct kvpage_cache kvpage_cache;
-
-// The tier-1 engine: opaque to C, created by `kvpage_engine_new`, freed by
-// `kvpage_engine_free`.
-typedef struct kvpage_engine kvpage_engine;
-
-// The tier-2 manager: opaque to C, placed at the start of the caller's storage.
-typedef struct kvpage_manager kvpage_manager;
-
-// The tier-3 scheduler: opaque to C, placed at the start of the caller's storage.
-typedef struct kvpage_scheduler kvpage_scheduler;
 
 // The KV geometry of a model: every dimension non-zero. Block `b` of the arena holds
 // `[layer][k|v][kv_head][token][head_dim]` elements of `dtype`, contiguous.
@@ -516,7 +512,7 @@ struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry ge
 // # Safety
 // `params` is null or readable; `out_cache` is null or writable.
 kvpage_result kvpage_cache_new(const struct kvpage_cache_params *params,
-                               struct kvpage_cache **out_cache,
+                               kvpage_cache **out_cache,
                                struct kvpage_error *err);
 
 // Frees `cache` and everything it owns (arena, tables, joins its threads); every id
@@ -532,7 +528,7 @@ kvpage_result kvpage_cache_new(const struct kvpage_cache_params *params,
 // # Safety
 // `cache` is null or a cache from `kvpage_cache_new` not yet freed, used by no other
 // call now or later.
-kvpage_result kvpage_cache_free(struct kvpage_cache *cache, struct kvpage_error *err);
+kvpage_result kvpage_cache_free(kvpage_cache *cache, struct kvpage_error *err);
 
 // Writes the cache's geometry to `*out_geometry`. O(1).
 //
@@ -542,7 +538,7 @@ kvpage_result kvpage_cache_free(struct kvpage_cache *cache, struct kvpage_error 
 //
 // # Safety
 // `cache` is null or a live cache; `out_geometry` is null or writable.
-kvpage_result kvpage_cache_geometry(const struct kvpage_cache *cache,
+kvpage_result kvpage_cache_geometry(const kvpage_cache *cache,
                                     struct kvpage_geometry *out_geometry,
                                     struct kvpage_error *err);
 
@@ -554,7 +550,7 @@ kvpage_result kvpage_cache_geometry(const struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_stats` is null or writable.
-kvpage_result kvpage_cache_stats(const struct kvpage_cache *cache,
+kvpage_result kvpage_cache_stats(const kvpage_cache *cache,
                                  struct kvpage_stats *out_stats,
                                  struct kvpage_error *err);
 
@@ -568,7 +564,7 @@ kvpage_result kvpage_cache_stats(const struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_evicted` is null or writable.
-kvpage_result kvpage_cache_evict_cached(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_evict_cached(kvpage_cache *cache,
                                         uint32_t max_blocks,
                                         uint32_t *out_evicted,
                                         struct kvpage_error *err);
@@ -583,7 +579,7 @@ kvpage_result kvpage_cache_evict_cached(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_seq` is null or writable.
-kvpage_result kvpage_cache_create(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_create(kvpage_cache *cache,
                                   uint64_t namespace_,
                                   kvpage_seq *out_seq,
                                   struct kvpage_error *err);
@@ -603,7 +599,7 @@ kvpage_result kvpage_cache_create(struct kvpage_cache *cache,
 // # Safety
 // `cache` is null or a live cache; `prompt` is null or readable for `prompt_len`
 // tokens; `out_seq` and `out_reused` are null or writable.
-kvpage_result kvpage_cache_create_with_prompt(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_create_with_prompt(kvpage_cache *cache,
                                               uint64_t namespace_,
                                               const uint32_t *prompt,
                                               size_t prompt_len,
@@ -623,7 +619,7 @@ kvpage_result kvpage_cache_create_with_prompt(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `tokens` is null or readable for `n_tokens` ids.
-kvpage_result kvpage_cache_append_tokens(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_append_tokens(kvpage_cache *cache,
                                          kvpage_seq seq,
                                          const uint32_t *tokens,
                                          size_t n_tokens,
@@ -637,7 +633,7 @@ kvpage_result kvpage_cache_append_tokens(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache.
-kvpage_result kvpage_cache_append(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_append(kvpage_cache *cache,
                                   kvpage_seq seq,
                                   uint32_t n,
                                   struct kvpage_error *err);
@@ -654,7 +650,7 @@ kvpage_result kvpage_cache_append(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_blocks` is null or writable.
-kvpage_result kvpage_cache_commit(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_commit(kvpage_cache *cache,
                                   kvpage_seq seq,
                                   uint32_t *out_blocks,
                                   struct kvpage_error *err);
@@ -670,7 +666,7 @@ kvpage_result kvpage_cache_commit(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_child` is null or writable.
-kvpage_result kvpage_cache_fork(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_fork(kvpage_cache *cache,
                                 kvpage_seq seq,
                                 kvpage_seq *out_child,
                                 struct kvpage_error *err);
@@ -685,7 +681,7 @@ kvpage_result kvpage_cache_fork(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache.
-kvpage_result kvpage_cache_truncate(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_truncate(kvpage_cache *cache,
                                     kvpage_seq seq,
                                     uint32_t new_len,
                                     struct kvpage_error *err);
@@ -700,9 +696,7 @@ kvpage_result kvpage_cache_truncate(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache.
-kvpage_result kvpage_cache_release(struct kvpage_cache *cache,
-                                   kvpage_seq seq,
-                                   struct kvpage_error *err);
+kvpage_result kvpage_cache_release(kvpage_cache *cache, kvpage_seq seq, struct kvpage_error *err);
 
 // Writes the number of tokens `seq` holds to `*out_len`. O(1).
 //
@@ -712,7 +706,7 @@ kvpage_result kvpage_cache_release(struct kvpage_cache *cache,
 //
 // # Safety
 // `cache` is null or a live cache; `out_len` is null or writable.
-kvpage_result kvpage_cache_len(const struct kvpage_cache *cache,
+kvpage_result kvpage_cache_len(const kvpage_cache *cache,
                                kvpage_seq seq,
                                uint32_t *out_len,
                                struct kvpage_error *err);
@@ -734,7 +728,7 @@ kvpage_result kvpage_cache_len(const struct kvpage_cache *cache,
 // # Safety
 // `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /
 // `v_len` floats.
-kvpage_result kvpage_cache_write_kv(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_write_kv(kvpage_cache *cache,
                                     kvpage_seq seq,
                                     uint32_t layer,
                                     uint32_t first,
@@ -758,7 +752,7 @@ kvpage_result kvpage_cache_write_kv(struct kvpage_cache *cache,
 // # Safety
 // `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /
 // `v_len` elements of `dtype`.
-kvpage_result kvpage_cache_write_kv_raw(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_write_kv_raw(kvpage_cache *cache,
                                         kvpage_seq seq,
                                         uint32_t layer,
                                         uint32_t first,
@@ -789,7 +783,7 @@ kvpage_result kvpage_cache_write_kv_raw(struct kvpage_cache *cache,
 // # Safety
 // `cache` is null or a live cache; `seqs`, `q` are null or readable and `out` null or
 // writable for their lengths; `out` overlaps neither `q` nor `seqs`.
-kvpage_result kvpage_cache_decode(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_decode(kvpage_cache *cache,
                                   uint32_t layer,
                                   const kvpage_seq *seqs,
                                   size_t n_seqs,
@@ -815,7 +809,7 @@ kvpage_result kvpage_cache_decode(struct kvpage_cache *cache,
 //
 // # Safety
 // As `kvpage_cache_decode`; `n_queries` is null or readable for `n_seqs` counts.
-kvpage_result kvpage_cache_prefill(struct kvpage_cache *cache,
+kvpage_result kvpage_cache_prefill(kvpage_cache *cache,
                                    uint32_t layer,
                                    const kvpage_seq *seqs,
                                    const uint32_t *n_queries,
@@ -847,7 +841,7 @@ struct kvpage_engine_params kvpage_engine_default_params(struct kvpage_geometry 
 // # Safety
 // `params` is null or readable; `out_engine` is null or writable.
 kvpage_result kvpage_engine_new(const struct kvpage_engine_params *params,
-                                struct kvpage_engine **out_engine,
+                                kvpage_engine **out_engine,
                                 struct kvpage_error *err);
 
 // Frees an engine and everything it allocated (joins its kernel threads). NULL is a
@@ -863,7 +857,7 @@ kvpage_result kvpage_engine_new(const struct kvpage_engine_params *params,
 // # Safety
 // `engine` is null or from `kvpage_engine_new` and not freed yet, used by no other
 // call now or later.
-kvpage_result kvpage_engine_free(struct kvpage_engine *engine, struct kvpage_error *err);
+kvpage_result kvpage_engine_free(kvpage_engine *engine, struct kvpage_error *err);
 
 // Queues a request: `prompt` (`n` token ids, copied), its prefix-cache namespace
 // `ns` (requests share cached prompt blocks only within one namespace), and at most
@@ -879,7 +873,7 @@ kvpage_result kvpage_engine_free(struct kvpage_engine *engine, struct kvpage_err
 // # Safety
 // `engine` is null or a live engine; `prompt` null or readable for `n` ids;
 // `out_request` null or writable.
-kvpage_result kvpage_engine_add_request(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_add_request(kvpage_engine *engine,
                                         uint64_t ns,
                                         const uint32_t *prompt,
                                         size_t n,
@@ -902,7 +896,7 @@ kvpage_result kvpage_engine_add_request(struct kvpage_engine *engine,
 //
 // # Safety
 // `engine` is null or a live engine; `out_step` null or writable.
-kvpage_result kvpage_engine_step(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_step(kvpage_engine *engine,
                                  struct kvpage_step *out_step,
                                  struct kvpage_error *err);
 
@@ -917,7 +911,7 @@ kvpage_result kvpage_engine_step(struct kvpage_engine *engine,
 // # Safety
 // `engine` is null or a live engine; `out` null or writable for `out_len` records;
 // `n_out` null or writable.
-kvpage_result kvpage_engine_step_seqs(const struct kvpage_engine *engine,
+kvpage_result kvpage_engine_step_seqs(const kvpage_engine *engine,
                                       struct kvpage_step_seq *out_seqs,
                                       size_t out_len,
                                       size_t *n_out,
@@ -935,7 +929,7 @@ kvpage_result kvpage_engine_step_seqs(const struct kvpage_engine *engine,
 //
 // # Safety
 // `engine` is null or a live engine; `k`, `v` null or readable for their lengths.
-kvpage_result kvpage_engine_write_kv(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_write_kv(kvpage_engine *engine,
                                      uint32_t layer,
                                      const float *k,
                                      size_t k_len,
@@ -958,7 +952,7 @@ kvpage_result kvpage_engine_write_kv(struct kvpage_engine *engine,
 // # Safety
 // `engine` is null or a live engine; `q` null or readable for `q_len` floats; `out`
 // null or writable for `out_len` floats, not overlapping `q`.
-kvpage_result kvpage_engine_attention(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_attention(kvpage_engine *engine,
                                       uint32_t layer,
                                       const float *q,
                                       size_t q_len,
@@ -986,7 +980,7 @@ kvpage_result kvpage_engine_attention(struct kvpage_engine *engine,
 // # Safety
 // `engine` is null or a live engine; `sampled` null or readable for `n` records;
 // `finished` null or writable for `out_len` records; `n_finished` null or writable.
-kvpage_result kvpage_engine_commit_step(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_commit_step(kvpage_engine *engine,
                                         const struct kvpage_sampled *sampled,
                                         size_t n,
                                         struct kvpage_finished *finished,
@@ -1003,7 +997,7 @@ kvpage_result kvpage_engine_commit_step(struct kvpage_engine *engine,
 //
 // # Safety
 // `engine` is null or a live engine.
-kvpage_result kvpage_engine_cancel(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_cancel(kvpage_engine *engine,
                                    kvpage_request request,
                                    struct kvpage_error *err);
 
@@ -1022,7 +1016,7 @@ kvpage_result kvpage_engine_cancel(struct kvpage_engine *engine,
 //
 // # Safety
 // `engine` is null or a live engine; `out_request` null or writable.
-kvpage_result kvpage_engine_fork(struct kvpage_engine *engine,
+kvpage_result kvpage_engine_fork(kvpage_engine *engine,
                                  kvpage_request request,
                                  uint32_t has_last_token,
                                  uint32_t last_token,
@@ -1038,7 +1032,7 @@ kvpage_result kvpage_engine_fork(struct kvpage_engine *engine,
 //
 // # Safety
 // `engine` is null or a live engine; `out_state` null or writable.
-kvpage_result kvpage_engine_request_state(const struct kvpage_engine *engine,
+kvpage_result kvpage_engine_request_state(const kvpage_engine *engine,
                                           kvpage_request request,
                                           uint32_t *out_state,
                                           struct kvpage_error *err);
@@ -1054,7 +1048,7 @@ kvpage_result kvpage_engine_request_state(const struct kvpage_engine *engine,
 // # Safety
 // `engine` is null or a live engine; `out` null or writable for `out_len` ids;
 // `n_out` null or writable.
-kvpage_result kvpage_engine_request_tokens(const struct kvpage_engine *engine,
+kvpage_result kvpage_engine_request_tokens(const kvpage_engine *engine,
                                            kvpage_request request,
                                            uint32_t *out_tokens,
                                            size_t out_len,
@@ -1070,7 +1064,7 @@ kvpage_result kvpage_engine_request_tokens(const struct kvpage_engine *engine,
 // # Safety
 // `engine` is null or a live engine; `out_stats` null or writable; `cache_stats` null
 // or writable.
-kvpage_result kvpage_engine_stats(const struct kvpage_engine *engine,
+kvpage_result kvpage_engine_stats(const kvpage_engine *engine,
                                   struct kvpage_engine_counters *out_stats,
                                   struct kvpage_stats *cache_stats,
                                   struct kvpage_error *err);
@@ -1124,7 +1118,7 @@ kvpage_result kvpage_manager_storage_size(const struct kvpage_manager_config *co
 kvpage_result kvpage_manager_init(const struct kvpage_manager_config *config,
                                   void *storage,
                                   size_t storage_bytes,
-                                  struct kvpage_manager **out_manager,
+                                  kvpage_manager **out_manager,
                                   struct kvpage_error *err);
 
 // Blocks an allocation can take now: free plus cached (evictable) ones, to
@@ -1137,7 +1131,7 @@ kvpage_result kvpage_manager_init(const struct kvpage_manager_config *config,
 // # Safety
 // `manager` is null or a manager from `kvpage_manager_init`; `out_blocks` is null or
 // writable.
-kvpage_result kvpage_manager_available_blocks(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_available_blocks(const kvpage_manager *manager,
                                               uint32_t *out_blocks,
                                               struct kvpage_error *err);
 
@@ -1153,7 +1147,7 @@ kvpage_result kvpage_manager_available_blocks(const struct kvpage_manager *manag
 // # Safety
 // `manager` is null or a manager from `kvpage_manager_init`; `out_evicted` is null or
 // writable.
-kvpage_result kvpage_manager_evict_cached(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_evict_cached(kvpage_manager *manager,
                                           uint32_t max_blocks,
                                           uint32_t *out_evicted,
                                           struct kvpage_error *err);
@@ -1167,7 +1161,7 @@ kvpage_result kvpage_manager_evict_cached(struct kvpage_manager *manager,
 // # Safety
 // `manager` is null or a manager from `kvpage_manager_init`; `out_stats` is null or
 // writable.
-kvpage_result kvpage_manager_stats(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_stats(const kvpage_manager *manager,
                                    struct kvpage_stats *out_stats,
                                    struct kvpage_error *err);
 
@@ -1182,7 +1176,7 @@ kvpage_result kvpage_manager_stats(const struct kvpage_manager *manager,
 // # Safety
 // `manager` is null or a manager from `kvpage_manager_init`; `out_seq` is null or
 // writable.
-kvpage_result kvpage_manager_create(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_create(kvpage_manager *manager,
                                     uint64_t namespace_,
                                     kvpage_seq *out_seq,
                                     struct kvpage_error *err);
@@ -1206,7 +1200,7 @@ kvpage_result kvpage_manager_create(struct kvpage_manager *manager,
 // `manager` is null or a manager; `prompt` is readable for `prompt_len` values and
 // `slots` writable for `slots_len` (either may be null when its length is 0); `out` is
 // null or writable.
-kvpage_result kvpage_manager_create_with_prompt(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_create_with_prompt(kvpage_manager *manager,
                                                 uint64_t namespace_,
                                                 const uint32_t *prompt,
                                                 size_t prompt_len,
@@ -1231,7 +1225,7 @@ kvpage_result kvpage_manager_create_with_prompt(struct kvpage_manager *manager,
 // `manager` is null or a manager; `slots` is writable for `slots_len` values (null
 // when 0); `out_appended` is null or writable. It is required: a copy the caller does
 // not execute would corrupt the sequence.
-kvpage_result kvpage_manager_append(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_append(kvpage_manager *manager,
                                     kvpage_seq seq,
                                     uint32_t n,
                                     uint32_t *slots,
@@ -1248,7 +1242,7 @@ kvpage_result kvpage_manager_append(struct kvpage_manager *manager,
 //
 // # Safety
 // As `kvpage_manager_append`; `tokens` is readable for `n` values (null when 0).
-kvpage_result kvpage_manager_append_tokens(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_append_tokens(kvpage_manager *manager,
                                            kvpage_seq seq,
                                            const uint32_t *tokens,
                                            size_t n,
@@ -1270,7 +1264,7 @@ kvpage_result kvpage_manager_append_tokens(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; `out_newly_cached` is null or writable.
-kvpage_result kvpage_manager_commit(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_commit(kvpage_manager *manager,
                                     kvpage_seq seq,
                                     uint32_t computed_tokens,
                                     uint32_t *out_newly_cached,
@@ -1286,7 +1280,7 @@ kvpage_result kvpage_manager_commit(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; `out_seq` is null or writable.
-kvpage_result kvpage_manager_fork(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_fork(kvpage_manager *manager,
                                   kvpage_seq seq,
                                   kvpage_seq *out_seq,
                                   struct kvpage_error *err);
@@ -1301,7 +1295,7 @@ kvpage_result kvpage_manager_fork(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager.
-kvpage_result kvpage_manager_truncate(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_truncate(kvpage_manager *manager,
                                       kvpage_seq seq,
                                       uint32_t new_len,
                                       struct kvpage_error *err);
@@ -1317,7 +1311,7 @@ kvpage_result kvpage_manager_truncate(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager.
-kvpage_result kvpage_manager_release(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_release(kvpage_manager *manager,
                                      kvpage_seq seq,
                                      struct kvpage_error *err);
 
@@ -1329,7 +1323,7 @@ kvpage_result kvpage_manager_release(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; `out_len` is null or writable.
-kvpage_result kvpage_manager_len(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_len(const kvpage_manager *manager,
                                  kvpage_seq seq,
                                  uint32_t *out_len,
                                  struct kvpage_error *err);
@@ -1345,7 +1339,7 @@ kvpage_result kvpage_manager_len(const struct kvpage_manager *manager,
 // # Safety
 // `manager` is null or a manager; `out_blocks` is writable for `out_blocks_len`
 // values (null when 0); `out_n` is null or writable.
-kvpage_result kvpage_manager_blocks(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_blocks(const kvpage_manager *manager,
                                     kvpage_seq seq,
                                     uint32_t *out_blocks,
                                     size_t out_blocks_len,
@@ -1362,7 +1356,7 @@ kvpage_result kvpage_manager_blocks(const struct kvpage_manager *manager,
 // # Safety
 // `manager` is null or a manager; `prompt` is readable for `prompt_len` values (null
 // when 0); `out_hit` is null or writable.
-kvpage_result kvpage_manager_prefix_lookup(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_prefix_lookup(const kvpage_manager *manager,
                                            uint64_t namespace_,
                                            const uint32_t *prompt,
                                            size_t prompt_len,
@@ -1386,7 +1380,7 @@ kvpage_result kvpage_manager_prefix_lookup(const struct kvpage_manager *manager,
 // # Safety
 // `manager` is null or a manager; `copies` writable for `copies_len` records (null
 // when 0); `out_n` null or writable.
-kvpage_result kvpage_manager_swap_out(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_swap_out(kvpage_manager *manager,
                                       kvpage_seq seq,
                                       struct kvpage_block_copy *copies,
                                       size_t copies_len,
@@ -1406,7 +1400,7 @@ kvpage_result kvpage_manager_swap_out(struct kvpage_manager *manager,
 //
 // # Safety
 // As `kvpage_manager_swap_out`.
-kvpage_result kvpage_manager_swap_in(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_swap_in(kvpage_manager *manager,
                                      kvpage_seq seq,
                                      struct kvpage_block_copy *copies,
                                      size_t copies_len,
@@ -1423,7 +1417,7 @@ kvpage_result kvpage_manager_swap_in(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager.
-kvpage_result kvpage_manager_release_swapped(struct kvpage_manager *manager,
+kvpage_result kvpage_manager_release_swapped(kvpage_manager *manager,
                                              kvpage_seq seq,
                                              struct kvpage_error *err);
 
@@ -1436,7 +1430,7 @@ kvpage_result kvpage_manager_release_swapped(struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; `out_swapped` is null or writable.
-kvpage_result kvpage_manager_is_swapped(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_is_swapped(const kvpage_manager *manager,
                                         kvpage_seq seq,
                                         uint32_t *out_swapped,
                                         struct kvpage_error *err);
@@ -1450,7 +1444,7 @@ kvpage_result kvpage_manager_is_swapped(const struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; each out-parameter is null or writable.
-kvpage_result kvpage_manager_host_blocks(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_host_blocks(const kvpage_manager *manager,
                                          uint32_t *out_free,
                                          uint32_t *out_total,
                                          struct kvpage_error *err);
@@ -1475,7 +1469,7 @@ kvpage_result kvpage_manager_host_blocks(const struct kvpage_manager *manager,
 // `manager` is null or a manager; `seqs` readable for `n_seqs` ids, `out_table`
 // writable for `out_table_len` values, `out_seq_lens` null or writable for
 // `out_seq_lens_len` values.
-kvpage_result kvpage_manager_block_table_dense(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_block_table_dense(const kvpage_manager *manager,
                                                const kvpage_seq *seqs,
                                                size_t n_seqs,
                                                uint32_t stride,
@@ -1506,7 +1500,7 @@ kvpage_result kvpage_manager_block_table_dense(const struct kvpage_manager *mana
 // # Safety
 // `manager` is null or a manager; `seqs` readable for `n_seqs` ids; each out array
 // writable for its length (null when 0).
-kvpage_result kvpage_manager_block_table_csr(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_block_table_csr(const kvpage_manager *manager,
                                              const kvpage_seq *seqs,
                                              size_t n_seqs,
                                              uint32_t *out_indptr,
@@ -1536,7 +1530,7 @@ kvpage_result kvpage_manager_block_table_csr(const struct kvpage_manager *manage
 //
 // # Safety
 // `manager` is null or a manager; each out-parameter is null or writable.
-kvpage_result kvpage_manager_block_table(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_block_table(const kvpage_manager *manager,
                                          const uint32_t **out_table,
                                          const uint32_t **out_seq_lens,
                                          uint32_t *out_rows,
@@ -1552,7 +1546,7 @@ kvpage_result kvpage_manager_block_table(const struct kvpage_manager *manager,
 //
 // # Safety
 // `manager` is null or a manager; `out_row` is null or writable.
-kvpage_result kvpage_manager_seq_row(const struct kvpage_manager *manager,
+kvpage_result kvpage_manager_seq_row(const kvpage_manager *manager,
                                      kvpage_seq seq,
                                      uint32_t *out_row,
                                      struct kvpage_error *err);
@@ -1600,11 +1594,11 @@ kvpage_result kvpage_scheduler_storage_size(const struct kvpage_manager_config *
 // `manager` is null or a live manager; `config` null or readable; `storage` null or
 // writable for `storage_bytes` bytes, used by nothing else while the scheduler lives;
 // `out_scheduler` null or writable.
-kvpage_result kvpage_scheduler_init(const struct kvpage_manager *manager,
+kvpage_result kvpage_scheduler_init(const kvpage_manager *manager,
                                     const struct kvpage_scheduler_config *config,
                                     void *storage,
                                     size_t storage_bytes,
-                                    struct kvpage_scheduler **out_scheduler,
+                                    kvpage_scheduler **out_scheduler,
                                     struct kvpage_error *err);
 
 // Queues a request: `prompt` (`n` token ids, copied into the scheduler's storage),
@@ -1619,7 +1613,7 @@ kvpage_result kvpage_scheduler_init(const struct kvpage_manager *manager,
 // # Safety
 // `scheduler` is null or a live scheduler; `prompt` null or readable for `n` ids;
 // `out_request` null or writable.
-kvpage_result kvpage_scheduler_add_request(struct kvpage_scheduler *scheduler,
+kvpage_result kvpage_scheduler_add_request(kvpage_scheduler *scheduler,
                                            uint64_t ns,
                                            const uint32_t *prompt,
                                            size_t n,
@@ -1643,8 +1637,8 @@ kvpage_result kvpage_scheduler_add_request(struct kvpage_scheduler *scheduler,
 // # Safety
 // `scheduler` is null or a live scheduler; `manager` null or a live manager;
 // `out_step` null or writable.
-kvpage_result kvpage_scheduler_step(struct kvpage_scheduler *scheduler,
-                                    struct kvpage_manager *manager,
+kvpage_result kvpage_scheduler_step(kvpage_scheduler *scheduler,
+                                    kvpage_manager *manager,
                                     struct kvpage_step *out_step,
                                     struct kvpage_error *err);
 
@@ -1659,7 +1653,7 @@ kvpage_result kvpage_scheduler_step(struct kvpage_scheduler *scheduler,
 // # Safety
 // `scheduler` is null or a live scheduler; `out` null or writable for `out_len`
 // records; `n_out` null or writable.
-kvpage_result kvpage_scheduler_step_seqs(const struct kvpage_scheduler *scheduler,
+kvpage_result kvpage_scheduler_step_seqs(const kvpage_scheduler *scheduler,
                                          struct kvpage_step_seq *out_seqs,
                                          size_t out_len,
                                          size_t *n_out,
@@ -1685,8 +1679,8 @@ kvpage_result kvpage_scheduler_step_seqs(const struct kvpage_scheduler *schedule
 // `scheduler` is null or a live scheduler; `manager` null or a live manager;
 // `sampled` null or readable for `n` records; `finished` null or writable for
 // `out_len` records; `n_finished` null or writable.
-kvpage_result kvpage_scheduler_commit_step(struct kvpage_scheduler *scheduler,
-                                           struct kvpage_manager *manager,
+kvpage_result kvpage_scheduler_commit_step(kvpage_scheduler *scheduler,
+                                           kvpage_manager *manager,
                                            const struct kvpage_sampled *sampled,
                                            size_t n,
                                            struct kvpage_finished *finished,
@@ -1704,8 +1698,8 @@ kvpage_result kvpage_scheduler_commit_step(struct kvpage_scheduler *scheduler,
 //
 // # Safety
 // `scheduler` is null or a live scheduler; `manager` null or a live manager.
-kvpage_result kvpage_scheduler_cancel(struct kvpage_scheduler *scheduler,
-                                      struct kvpage_manager *manager,
+kvpage_result kvpage_scheduler_cancel(kvpage_scheduler *scheduler,
+                                      kvpage_manager *manager,
                                       kvpage_request request,
                                       struct kvpage_error *err);
 
@@ -1722,8 +1716,8 @@ kvpage_result kvpage_scheduler_cancel(struct kvpage_scheduler *scheduler,
 // # Safety
 // `scheduler` is null or a live scheduler; `manager` null or a live manager;
 // `out_request` null or writable.
-kvpage_result kvpage_scheduler_fork(struct kvpage_scheduler *scheduler,
-                                    struct kvpage_manager *manager,
+kvpage_result kvpage_scheduler_fork(kvpage_scheduler *scheduler,
+                                    kvpage_manager *manager,
                                     kvpage_request request,
                                     uint32_t has_last_token,
                                     uint32_t last_token,
@@ -1737,7 +1731,7 @@ kvpage_result kvpage_scheduler_fork(struct kvpage_scheduler *scheduler,
 //
 // # Safety
 // `scheduler` is null or a live scheduler; `out_state` null or writable.
-kvpage_result kvpage_scheduler_request_state(const struct kvpage_scheduler *scheduler,
+kvpage_result kvpage_scheduler_request_state(const kvpage_scheduler *scheduler,
                                              kvpage_request request,
                                              uint32_t *out_state,
                                              struct kvpage_error *err);
@@ -1752,7 +1746,7 @@ kvpage_result kvpage_scheduler_request_state(const struct kvpage_scheduler *sche
 // # Safety
 // `scheduler` is null or a live scheduler; `out` null or writable for `out_len` ids;
 // `n_out` null or writable.
-kvpage_result kvpage_scheduler_request_tokens(const struct kvpage_scheduler *scheduler,
+kvpage_result kvpage_scheduler_request_tokens(const kvpage_scheduler *scheduler,
                                               kvpage_request request,
                                               uint32_t *out_tokens,
                                               size_t out_len,
@@ -1767,7 +1761,7 @@ kvpage_result kvpage_scheduler_request_tokens(const struct kvpage_scheduler *sch
 //
 // # Safety
 // `scheduler` is null or a live scheduler; `out_stats` null or writable.
-kvpage_result kvpage_scheduler_stats(const struct kvpage_scheduler *scheduler,
+kvpage_result kvpage_scheduler_stats(const kvpage_scheduler *scheduler,
                                      struct kvpage_engine_counters *out_stats,
                                      struct kvpage_error *err);
 

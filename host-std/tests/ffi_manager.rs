@@ -707,7 +707,7 @@ fn random_ops(seed: u64, block_size: u32, prefix_cache: bool, ops: usize) -> See
         step(&mut p, &mut rng, &prefixes);
         p.check();
     }
-    if prefix_cache {
+    if prefix_cache && !cfg!(miri) {
         assert!(
             p.r.m.stats().prefix_hit_tokens > 0,
             "no prefix hit in {ops} ops (seed {seed}, block size {block_size})"
@@ -725,12 +725,17 @@ fn random_ops(seed: u64, block_size: u32, prefix_cache: bool, ops: usize) -> See
 #[test]
 fn the_c_manager_makes_the_rust_managers_slots_copies_and_plans() {
     let mut seen = Seen::new();
-    for seed in 0..6 {
+    // Under Miri (which checks the unsafe code of the C API on these calls) a short run.
+    let (seeds, ops) = if cfg!(miri) { (1, 200) } else { (6, 400) };
+    for seed in 0..seeds {
         for (bs, prefix) in [(4, true), (16, true), (3, true), (4, false)] {
-            for (k, v) in random_ops(seed, bs, prefix, 400) {
+            for (k, v) in random_ops(seed, bs, prefix, ops) {
                 *seen.entry(k).or_default() += v;
             }
         }
+    }
+    if cfg!(miri) {
+        return;
     }
     // The runs exercised every operation and every failure the manager can give.
     for what in [

@@ -112,13 +112,11 @@ pub(crate) unsafe fn out_opt<T>(ptr: *mut T, what: &'static str) -> Result<Optio
 /// refused before a reference to it is made.
 ///
 /// # Safety
-/// `MAGIC_OFFSET` is the offset of a `u64` field of `Self` (`core::mem::offset_of!`)
-/// that holds `MAGIC` in every live object of the type.
+/// `Self` is `#[repr(C)]` and its first field is a `u64` that holds `MAGIC` in every
+/// live object of the type, so checking a pointer reads only its first 8 bytes.
 pub(crate) unsafe trait Tagged {
     /// The magic word of live objects.
     const MAGIC: u64;
-    /// Offset of the magic field.
-    const MAGIC_OFFSET: usize;
     /// The argument name in error messages.
     const WHAT: &'static str;
     /// The message when the magic word is missing.
@@ -128,13 +126,12 @@ pub(crate) unsafe trait Tagged {
 /// Checks `ptr` for null, alignment and the magic word.
 ///
 /// # Safety
-/// A non-null, aligned `ptr` points to memory readable for one `T`.
+/// A non-null, aligned `ptr` points to at least 8 readable bytes.
 unsafe fn check_tagged<T: Tagged>(ptr: *const T) -> Result<(), Fail> {
     check_ptr(ptr, T::WHAT)?;
-    let magic = ptr.cast::<u8>().wrapping_add(T::MAGIC_OFFSET).cast::<u64>();
-    // SAFETY: non-null and aligned; readable for one `T` by the caller's contract; the
-    // offset is a u64 field's (the trait's contract), so the read is aligned and inside.
-    if unsafe { magic.read() } != T::MAGIC {
+    // SAFETY: non-null and aligned for `T`, hence for the `u64` at its offset 0 (the
+    // trait's contract); 8 bytes readable by the caller's contract.
+    if unsafe { ptr.cast::<u64>().read() } != T::MAGIC {
         return Err(Fail::invalid(T::NOT_LIVE));
     }
     Ok(())
@@ -143,7 +140,7 @@ unsafe fn check_tagged<T: Tagged>(ptr: *const T) -> Result<(), Fail> {
 /// `&T` of a [`Tagged`] object, checked for null, alignment and the magic word.
 ///
 /// # Safety
-/// A non-null, aligned `ptr` points to memory readable for one `T`; when it holds the
+/// A non-null, aligned `ptr` points to at least 8 readable bytes; when they hold the
 /// magic word it is a live `T` not mutated during `'a`.
 pub(crate) unsafe fn tagged<'a, T: Tagged>(ptr: *const T) -> Result<&'a T, Fail> {
     // SAFETY: forwarded contract; a live `T` once the magic word matched.

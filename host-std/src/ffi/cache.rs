@@ -84,6 +84,12 @@ const MAGIC: u64 = u64::from_le_bytes(*b"kvpgCACH");
 
 /// The owned cache: opaque to C, created by `kvpage_cache_new`, freed by
 /// `kvpage_cache_free`.
+///
+/// `repr(C)` with the magic word first, so a pointer to any 8 readable bytes is
+/// checked safely; declared opaque in the header (cbindgen.toml), its fields are not
+/// C types.
+/// cbindgen:ignore
+#[repr(C)]
 pub struct kvpage_cache {
     magic: u64,
     cache: KvCache,
@@ -93,10 +99,9 @@ pub struct kvpage_cache {
     prefill: Vec<(Seq, u32)>,
 }
 
-// SAFETY: `magic` is a u64 field holding MAGIC from `_new` until `_free` clears it.
+// SAFETY: `repr(C)` with `magic: u64` first, holding MAGIC in every live object.
 unsafe impl Tagged for kvpage_cache {
     const MAGIC: u64 = MAGIC;
-    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_cache, magic);
     const WHAT: &'static str = "cache";
     const NOT_LIVE: &'static str = "not a kvpage_cache (freed, uninitialised or corrupted)";
 }

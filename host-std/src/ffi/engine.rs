@@ -91,6 +91,12 @@ const MAGIC: u64 = u64::from_le_bytes(*b"kvpgENG1");
 
 /// The tier-1 engine: opaque to C, created by `kvpage_engine_new`, freed by
 /// `kvpage_engine_free`.
+///
+/// `repr(C)` with the magic word first, so a pointer to any 8 readable bytes is
+/// checked safely; declared opaque in the header (cbindgen.toml), its fields are not
+/// C types.
+/// cbindgen:ignore
+#[repr(C)]
 pub struct kvpage_engine {
     magic: u64,
     engine: Engine,
@@ -98,12 +104,11 @@ pub struct kvpage_engine {
     samples: Vec<Sampled>,
 }
 
-// SAFETY: `magic` is a u64 field that holds MAGIC in every live object.
+// SAFETY: `repr(C)` with `magic: u64` first, holding MAGIC in every live object.
 unsafe impl Tagged for kvpage_engine {
     const MAGIC: u64 = MAGIC;
     const WHAT: &'static str = "engine";
     const NOT_LIVE: &'static str = "not a kvpage_engine (uninitialised, freed or corrupted)";
-    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_engine, magic);
 }
 
 /// Allocates an engine: its cache (arena, tables, kernel threads), host tier and

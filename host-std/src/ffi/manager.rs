@@ -59,6 +59,12 @@ impl kvpage_manager_config {
 const MAGIC: u64 = u64::from_le_bytes(*b"kvpgMGR2");
 
 /// The tier-2 manager: opaque to C, placed at the start of the caller's storage.
+///
+/// `repr(C)` with the magic word first, so a pointer to any 8 readable bytes is
+/// checked safely; declared opaque in the header (cbindgen.toml), its fields are not
+/// C types.
+/// cbindgen:ignore
+#[repr(C)]
 pub struct kvpage_manager {
     magic: u64,
     /// The block manager over the storage after this struct.
@@ -246,10 +252,9 @@ pub unsafe extern "C" fn kvpage_manager_init(
     }
 }
 
-// SAFETY: `magic` is a u64 field holding MAGIC from `kvpage_manager_init` on.
+// SAFETY: `repr(C)` with `magic: u64` first, holding MAGIC in every live object.
 unsafe impl Tagged for kvpage_manager {
     const MAGIC: u64 = MAGIC;
-    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_manager, magic);
     const WHAT: &'static str = "manager";
     const NOT_LIVE: &'static str = "not a kvpage_manager (uninitialised or corrupted)";
 }

@@ -43,6 +43,12 @@ pub struct kvpage_scheduler_config {
 const MAGIC: u64 = u64::from_le_bytes(*b"kvpgSCH3");
 
 /// The tier-3 scheduler: opaque to C, placed at the start of the caller's storage.
+///
+/// `repr(C)` with the magic word first, so a pointer to any 8 readable bytes is
+/// checked safely; declared opaque in the header (cbindgen.toml), its fields are not
+/// C types.
+/// cbindgen:ignore
+#[repr(C)]
 pub struct kvpage_scheduler {
     magic: u64,
     /// The core engine over the storage after this struct.
@@ -53,12 +59,11 @@ pub struct kvpage_scheduler {
     samples: &'static mut [Sampled],
 }
 
-// SAFETY: `magic` is a u64 field that holds MAGIC in every live object.
+// SAFETY: `repr(C)` with `magic: u64` first, holding MAGIC in every live object.
 unsafe impl Tagged for kvpage_scheduler {
     const MAGIC: u64 = MAGIC;
     const WHAT: &'static str = "scheduler";
     const NOT_LIVE: &'static str = "not a kvpage_scheduler (uninitialised or corrupted)";
-    const MAGIC_OFFSET: usize = core::mem::offset_of!(kvpage_scheduler, magic);
 }
 
 /// Bytes of the struct at the start of the storage, rounded to whole `u64` words.
