@@ -186,6 +186,17 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, NULL, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefill(c, 0, &s, NULL, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
 
+  /* Pointers to something that is not a cache (here 16 zero bytes). */
+  {
+    uint64_t garbage[2] = {0, 0};
+    kvpage_step step;
+    kvpage_engine_counters counters;
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_stats((kvpage_cache *)garbage, &st1, &err));
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_free((kvpage_cache *)garbage, &err));
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_step((kvpage_engine *)garbage, &step, &err));
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_scheduler_stats((kvpage_scheduler *)garbage, &counters, &err));
+  }
+
   /* Stale (released), never-issued and foreign ids; double release. */
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_release(c, gone, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_len(c, gone, &len, &err));
@@ -413,6 +424,7 @@ static void manager_seq_calls(void) {
   uint32_t prompt[6] = {1, 2, 3, 4, 5, 6}, slots[64], blocks[8], len = 0, swapped = 9;
   uint32_t table[16], indptr[3], indices[8], last[2];
   kvpage_seq pair[2];
+  uint64_t garbage[4] = {1, 2, 3, 4}; /* not a manager */
 
   EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 8, 4, 32, &mc, &err));
   mc.host_blocks = 0; /* no host tier: swaps are refused */
@@ -429,7 +441,7 @@ static void manager_seq_calls(void) {
   EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st0, &err));
 
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_create(NULL, 0, &child, &err));
-  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_create((kvpage_manager *)table, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_create((kvpage_manager *)garbage, 0, &child, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_create_with_prompt(m, 1, NULL, 6, slots, 64, &start, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_append(m, s, 1, slots, 64, NULL, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_append_tokens(m, s, NULL, 2, slots, 64, &app, &err));
