@@ -1,7 +1,7 @@
 //! A set of small integers `0..universe` as a hierarchical bitset over caller words.
 //!
-//! Words are `u32` so that `bitvec` serves every target, 32-bit microcontrollers
-//! included. Level 0 holds one bit per index (set = member). Each higher level holds one
+//! Words are `u32` so that every target, 32-bit microcontrollers included, works on its
+//! native word; all bit operations are plain shifts and masks on those words. Level 0 holds one bit per index (set = member). Each higher level holds one
 //! bit per word of the level below, set while that word is non-zero; the top level is a
 //! single word. Finding the lowest member descends from the top with one `trailing_zeros` per
 //! level: at most [`MAX_LEVELS`] steps for any `u32` universe. A hint remembers the lowest
@@ -11,8 +11,6 @@
 //! Invariants: a bit of level `l + 1` is set iff the word it stands for at level `l` is
 //! non-zero; `count` equals the number of set bits at level 0; no level-0 word below
 //! `hint` has a set bit.
-
-use bitvec::prelude::{BitSlice, Lsb0};
 
 /// Bits per word.
 const BITS: usize = 32;
@@ -32,6 +30,16 @@ pub const fn words_for(universe: u32) -> usize {
             return total;
         }
         n = words;
+    }
+}
+
+/// Sets bits `0..bits` of `words` (bit `i` is bit `i % 32` of word `i / 32`); the words
+/// are zero before. O(bits / 32).
+fn set_low_bits(words: &mut [u32], bits: usize) {
+    let (full, rest) = (bits / BITS, bits % BITS);
+    words[..full].fill(u32::MAX);
+    if rest != 0 {
+        words[full] = (1 << rest) - 1;
     }
 }
 
@@ -77,10 +85,7 @@ impl<'a> IndexSet<'a> {
             let mut members = universe as usize;
             for level in 0..levels {
                 let begin = level_start[level] as usize;
-                let bits = BitSlice::<u32, Lsb0>::from_slice_mut(
-                    &mut words[begin..begin + level_words[level]],
-                );
-                bits[..members].fill(true);
+                set_low_bits(&mut words[begin..begin + level_words[level]], members);
                 members = level_words[level];
             }
         }
@@ -118,8 +123,6 @@ impl<'a> IndexSet<'a> {
         if i >= self.universe {
             return false;
         }
-        // Raw word operations on the hot paths: `BitSlice::set` measured ~7 ns a call in
-        // the allocation benchmark and dominated it. bitvec fills the levels in `new`.
         let word_index = i / BITS as u32;
         let word = &mut self.words[word_index as usize];
         let mask = 1 << (i % BITS as u32);
