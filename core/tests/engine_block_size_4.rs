@@ -5,4 +5,5 @@
 //! must read back every running request's own K/V through its block table.
 
 const BLOCK_SIZE: u32 = 4;
+mod common;
 include!("engine/body.rs");

@@ -9,4 +9,5 @@
 
 const BLOCK_SIZE: u32 = 4;
 const PREFIX_CACHE: bool = false;
+mod common;
 include!("model/body.rs");

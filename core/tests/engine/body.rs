@@ -59,7 +59,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 2u32..=max_bps.max(2),
                 1u32..48,
                 1u32..9,
-                prop::collection::vec(op(), 1..200),
+                prop::collection::vec(op(), 1..common::max_ops(200)),
             )
         })
         .prop_map(
@@ -301,7 +301,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
 
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(300))]
 
     #[test]
     fn every_plan_executes_and_every_request_finishes_once(w in workload()) {

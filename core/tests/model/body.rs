@@ -436,10 +436,10 @@ fn run(ops: &[Op]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(400))]
 
     #[test]
-    fn random_operations_match_the_model(ops in proptest::collection::vec(op(), 1..120)) {
+    fn random_operations_match_the_model(ops in proptest::collection::vec(op(), 1..common::max_ops(120))) {
         run(&ops);
     }
 }

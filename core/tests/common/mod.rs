@@ -1,0 +1,31 @@
+//! Shared by the core's property tests.
+
+use proptest::test_runner::Config as ProptestConfig;
+
+/// `cases` random cases natively; under Miri a handful (it runs each case thousands of
+/// times slower), and no failure persistence, which would read and write regression
+/// files that Miri's isolation forbids.
+pub fn proptest_config(cases: u32) -> ProptestConfig {
+    if cfg!(miri) {
+        ProptestConfig {
+            cases: 2,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    } else {
+        ProptestConfig {
+            cases,
+            ..ProptestConfig::default()
+        }
+    }
+}
+
+/// The longest operation sequence a property test draws: `native` natively, at most 30
+/// under Miri.
+pub fn max_ops(native: usize) -> usize {
+    if cfg!(miri) {
+        native.min(30)
+    } else {
+        native
+    }
+}
