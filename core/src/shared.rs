@@ -2,12 +2,22 @@
 //!
 //! The core itself is `&mut self` and has no global state; this wrapper is for callers
 //! that must share one manager. A spin lock suits the short critical sections of the
-//! manager (every operation is O(blocks touched)) and needs no operating system.
+//! manager (every operation is O(blocks touched)) and needs no operating system, which
+//! is why bare metal gets this one.
+//!
+//! Under an operating system that preempts threads, use `kvpage::SharedManager` (the
+//! `std` crate) instead: the same wrapper over a blocking `std::sync::Mutex`. A spin
+//! lock inverts priority there: when the holder is preempted, every waiter spins away its
+//! time slice, delaying the holder further. On bare metal, share the manager only between
+//! contexts that cannot preempt a holder forever (threads of one priority, or a lock taken
+//! with the interrupts that also take it masked): an interrupt handler that spins on a
+//! lock its own core holds never returns.
 
 use crate::manager::BlockManager;
 use spin::{Mutex, MutexGuard};
 
-/// A manager behind a spin lock. `Sync` when shared by reference.
+/// A manager behind a spin lock, for bare metal (see the module docs; on `std`, the
+/// `kvpage` crate's blocking `SharedManager`). `Sync` when shared by reference.
 #[derive(Debug)]
 pub struct SharedManager<'a> {
     inner: Mutex<BlockManager<'a>>,

@@ -9,6 +9,8 @@
 //! - [`kernels`]: write K/V through the slot mapping, paged decode / chunked-prefill
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
 //!   a [`WorkerPool`] of threads started once (a cache owns one).
+//! - [`SharedManager`]: the core's block manager shared between threads behind a
+//!   blocking [`std::sync::Mutex`] (the core's own wrapper spins, for bare metal).
 //!
 //! ```
 //! use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache};
@@ -58,6 +60,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod kernels;
+mod shared;
 mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
@@ -72,3 +75,4 @@ pub use kvpage_core::{
     GeometryError, Preemption, RequestId, RequestState, Sampled, ScheduledSeq, SchedulerConfig,
     SeqError, Stats, Step,
 };
+pub use shared::SharedManager;
