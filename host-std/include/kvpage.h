@@ -13,6 +13,9 @@
  *  - No panic crosses into C (a caught one is KVPAGE_ERR_INTERNAL).
  *  - Objects are not synchronised: calls on one object must not overlap; distinct
  *    objects are independent. Functions that take no object are thread-safe.
+ *  - That includes the kernels: K/V writes and attention on different sequences of
+ *    one cache must not overlap either. Batch the sequences into one decode or
+ *    prefill call instead; the cache spreads it over its own threads.
  */
 
 #ifndef KVPAGE_H

@@ -210,6 +210,20 @@ const _: fn() = || {
 };
 
 /// The owned paged KV cache. See the module docs for what it enforces.
+///
+/// # Threads
+/// `Send + Sync`. Every operation that changes the cache takes `&mut self`, and so do
+/// the kernels: [`KvCache::write_kv`] writes the arena, and [`KvCache::decode`] /
+/// [`KvCache::prefill`] fill the cache's batch buffer. So one thread at a time writes
+/// K/V or runs the cache's attention, even on different sequences; to run many
+/// sequences at once, put them in one `decode` / `prefill` call, which the cache's
+/// [`WorkerPool`] spreads over its threads. To share a cache between threads, guard it
+/// with a mutex. Through `&KvCache` any number of threads may read at once: the
+/// statistics and lengths, and attention by the free kernel
+/// [`kernels::paged_attention`] over [`KvCache::layout`], [`KvCache::arena`] and
+/// `block_manager().block_table()` (on [`KvCache::workers`] if you like: a call that
+/// finds the pool busy runs on its own thread), whose results equal the cache's own
+/// calls bit for bit (tested in `tests/concurrent_kernels.rs`).
 pub struct KvCache {
     pub(crate) tables: Tables,
     pub(crate) arena: Arena,

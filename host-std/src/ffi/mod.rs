@@ -13,6 +13,10 @@
 //! - Objects are not synchronised: calls on one object must not overlap (guard it with
 //!   a mutex to share it); distinct objects are independent. Functions that take no
 //!   object are thread-safe.
+//! - That includes the kernels: K/V writes and attention calls on different sequences of
+//!   one cache must not overlap either (they share the cache's arena, batch buffer and
+//!   worker threads). Batch the sequences into one decode or prefill call instead: the
+//!   cache spreads it over its own threads (`threads` in its parameters).
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
