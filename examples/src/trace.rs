@@ -206,7 +206,12 @@ pub fn parse_timestamp(s: &str) -> Option<f64> {
     let y: i64 = d.next()?.parse().ok()?;
     let mo: u32 = d.next()?.parse().ok()?;
     let day: u32 = d.next()?.parse().ok()?;
-    if d.next().is_some() || !(1..=12).contains(&mo) || !(1..=31).contains(&day) {
+    // A four-digit year, as the format says: larger ones overflowed the day count.
+    if d.next().is_some()
+        || !(0..=9999).contains(&y)
+        || !(1..=12).contains(&mo)
+        || !(1..=31).contains(&day)
+    {
         return None;
     }
     let mut t = time.split(':');
@@ -313,6 +318,18 @@ mod tests {
         assert_eq!(parse_timestamp("-1"), None);
         assert_eq!(parse_timestamp("2023-11-16 25:00:00"), None);
         assert_eq!(parse_timestamp("TIMESTAMP"), None);
+    }
+
+    /// Found by the `trace_parser` fuzz target: a year of more than four digits
+    /// overflowed the day count (a panic in debug builds, a wrong time in release).
+    #[test]
+    fn years_past_four_digits_are_refused() {
+        assert_eq!(parse_timestamp("9999-12-31 23:59:59"), Some(253_402_300_799.0));
+        assert_eq!(parse_timestamp("10000-01-01 00:00:00"), None);
+        assert_eq!(parse_timestamp("9223372036854775807-01-01 00:00:00"), None);
+        assert_eq!(parse_timestamp("+99999999999999-03-01 00:00:00"), None);
+        let e = parse_trace("h\n1,2,3\n99999999999999-01-01 00:00:00,1,1\n").unwrap_err();
+        assert!(matches!(e, TraceError::Line { line: 3, .. }), "{e}");
     }
 
     #[test]
