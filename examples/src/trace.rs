@@ -324,7 +324,10 @@ mod tests {
     /// overflowed the day count (a panic in debug builds, a wrong time in release).
     #[test]
     fn years_past_four_digits_are_refused() {
-        assert_eq!(parse_timestamp("9999-12-31 23:59:59"), Some(253_402_300_799.0));
+        assert_eq!(
+            parse_timestamp("9999-12-31 23:59:59"),
+            Some(253_402_300_799.0)
+        );
         assert_eq!(parse_timestamp("10000-01-01 00:00:00"), None);
         assert_eq!(parse_timestamp("9223372036854775807-01-01 00:00:00"), None);
         assert_eq!(parse_timestamp("+99999999999999-03-01 00:00:00"), None);
