@@ -301,6 +301,16 @@ fn new_err() -> kvpage_error {
     e
 }
 
+/// Cache stats, (code, length) of every cache id, manager stats, the same for every
+/// manager id, and the host tier's (free, total) blocks.
+type Snapshot = (
+    Option<kvpage_stats>,
+    Vec<(u32, u32)>,
+    Option<kvpage_stats>,
+    Vec<(u32, u32)>,
+    (u32, u32),
+);
+
 struct World {
     cache: *mut kvpage_cache,
     cache_ids: Vec<u64>,
@@ -334,15 +344,7 @@ impl World {
     }
 
     /// Everything a failed call must leave unchanged.
-    fn snapshot(
-        &self,
-    ) -> (
-        Option<kvpage_stats>,
-        Vec<(u32, u32)>,
-        Option<kvpage_stats>,
-        Vec<(u32, u32)>,
-        (u32, u32),
-    ) {
+    fn snapshot(&self) -> Snapshot {
         // SAFETY: the objects are live (or null); out-parameters are locals.
         unsafe {
             let mut cs = kvpage_stats::default();
@@ -631,7 +633,7 @@ fuzz_target!(|data: &[u8]| {
                     let dtype = u32::from(dtype % 4);
                     // Elements of the call's dtype (f32 or 16-bit; an unknown dtype is
                     // refused before any read).
-                    let c = if dtype == 0 {
+                    if dtype == 0 {
                         let k = Arg::<f32>::new(k, exact, |i| i as f32);
                         let v = Arg::<f32>::new(v, exact, |i| i as f32);
                         kvpage_cache_write_kv_raw(
@@ -663,8 +665,7 @@ fuzz_target!(|data: &[u8]| {
                             v.len,
                             err,
                         )
-                    };
-                    c
+                    }
                 }
                 Call::CacheDecode {
                     layer,

@@ -173,6 +173,14 @@ fn snapshot(cache: &KvCache, issued: &[Seq]) -> Snapshot {
     }
 }
 
+/// A call's result, whether an error is one the method documents, and the caller's
+/// output buffer before and after (attention calls).
+type Outcome = (
+    Result<(), CacheError>,
+    fn(&CacheError) -> bool,
+    Option<(Vec<f32>, Vec<f32>)>,
+);
+
 fn scale(x: u8) -> f32 {
     match x % 5 {
         0 => 0.5,
@@ -270,280 +278,279 @@ fuzz_target!(|data: &[u8]| {
         let before = snapshot(&cache, &issued);
         // Result of the call, whether a failure is one it documents, and the caller's
         // output buffer (before, after) for the attention calls.
-        let (result, documented, out): (Result<(), CacheError>, fn(&CacheError) -> bool, _) =
-            match op {
-                Op::Create { ns } => {
-                    let r = cache.create(u64::from(ns % 2));
-                    if let Ok(s) = r {
-                        assert_eq!(cache.len(s), Ok(0));
-                        issued.push(s);
-                    }
-                    (
-                        r.map(|_| ()),
-                        |e| matches!(e, CacheError::Seq(SeqError::NoFreeSequence)),
-                        None,
-                    )
+        let (result, documented, out): Outcome = match op {
+            Op::Create { ns } => {
+                let r = cache.create(u64::from(ns % 2));
+                if let Ok(s) = r {
+                    assert_eq!(cache.len(s), Ok(0));
+                    issued.push(s);
                 }
-                Op::CreatePrompt { ns, len, base } => {
-                    let prompt: Vec<u32> = (0..u32::from(len % 50))
+                (
+                    r.map(|_| ()),
+                    |e| matches!(e, CacheError::Seq(SeqError::NoFreeSequence)),
+                    None,
+                )
+            }
+            Op::CreatePrompt { ns, len, base } => {
+                let prompt: Vec<u32> = (0..u32::from(len % 50))
+                    .map(|i| u32::from(base % 3) * 100 + i % 5)
+                    .collect();
+                let r = cache.create_with_prompt(u64::from(ns % 2), &prompt);
+                if let Ok(p) = r {
+                    assert_eq!(cache.len(p.seq), Ok(prompt.len() as u32));
+                    assert!(p.reused_tokens < prompt.len() as u32 || p.reused_tokens == 0);
+                    assert_eq!(p.reused_tokens % geometry.block_size(), 0);
+                    issued.push(p.seq);
+                }
+                (
+                    r.map(|_| ()),
+                    |e| {
+                        matches!(
+                            e,
+                            CacheError::Seq(
+                                SeqError::NoFreeSequence
+                                    | SeqError::TooLong { .. }
+                                    | SeqError::OutOfBlocks { .. }
+                            )
+                        )
+                    },
+                    None,
+                )
+            }
+            Op::AppendTokens { seq, len, base } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let tokens: Vec<u32> = (0..u32::from(len % 20))
                         .map(|i| u32::from(base % 3) * 100 + i % 5)
                         .collect();
-                    let r = cache.create_with_prompt(u64::from(ns % 2), &prompt);
-                    if let Ok(p) = r {
-                        assert_eq!(cache.len(p.seq), Ok(prompt.len() as u32));
-                        assert!(p.reused_tokens < prompt.len() as u32 || p.reused_tokens == 0);
-                        assert_eq!(p.reused_tokens % geometry.block_size(), 0);
-                        issued.push(p.seq);
+                    let old = cache.len(s);
+                    let r = cache.append_tokens(s, &tokens);
+                    if r.is_ok() {
+                        assert_eq!(cache.len(s), Ok(old.unwrap() + tokens.len() as u32));
+                    }
+                    (
+                        r,
+                        |e| {
+                            handle_error(e)
+                                || matches!(
+                                    e,
+                                    CacheError::Seq(
+                                        SeqError::TooLong { .. } | SeqError::OutOfBlocks { .. }
+                                    )
+                                )
+                        },
+                        None,
+                    )
+                }
+            },
+            Op::Append { seq, n } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let old = cache.len(s);
+                    let r = cache.append(s, n.get());
+                    if r.is_ok() {
+                        assert_eq!(cache.len(s), Ok(old.unwrap() + n.get()));
+                    }
+                    (
+                        r,
+                        |e| {
+                            handle_error(e)
+                                || matches!(
+                                    e,
+                                    CacheError::Seq(
+                                        SeqError::TooLong { .. } | SeqError::OutOfBlocks { .. }
+                                    )
+                                )
+                        },
+                        None,
+                    )
+                }
+            },
+            Op::Commit { seq } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => (cache.commit(s).map(|_| ()), handle_error, None),
+            },
+            Op::Fork { seq } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let r = cache.fork(s);
+                    if let Ok(c) = r {
+                        assert_eq!(cache.len(c), cache.len(s));
+                        issued.push(c);
                     }
                     (
                         r.map(|_| ()),
                         |e| {
-                            matches!(
-                                e,
-                                CacheError::Seq(
-                                    SeqError::NoFreeSequence
-                                        | SeqError::TooLong { .. }
-                                        | SeqError::OutOfBlocks { .. }
-                                )
-                            )
+                            handle_error(e)
+                                || matches!(e, CacheError::Seq(SeqError::NoFreeSequence))
                         },
                         None,
                     )
                 }
-                Op::AppendTokens { seq, len, base } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let tokens: Vec<u32> = (0..u32::from(len % 20))
-                            .map(|i| u32::from(base % 3) * 100 + i % 5)
-                            .collect();
-                        let old = cache.len(s);
-                        let r = cache.append_tokens(s, &tokens);
-                        if r.is_ok() {
-                            assert_eq!(cache.len(s), Ok(old.unwrap() + tokens.len() as u32));
-                        }
-                        (
-                            r,
-                            |e| {
-                                handle_error(e)
-                                    || matches!(
-                                        e,
-                                        CacheError::Seq(
-                                            SeqError::TooLong { .. } | SeqError::OutOfBlocks { .. }
-                                        )
-                                    )
-                            },
-                            None,
-                        )
+            },
+            Op::Truncate { seq, to } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let r = cache.truncate(s, to.get());
+                    if r.is_ok() {
+                        assert_eq!(cache.len(s), Ok(to.get()));
                     }
-                },
-                Op::Append { seq, n } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let old = cache.len(s);
-                        let r = cache.append(s, n.get());
-                        if r.is_ok() {
-                            assert_eq!(cache.len(s), Ok(old.unwrap() + n.get()));
-                        }
-                        (
-                            r,
-                            |e| {
-                                handle_error(e)
-                                    || matches!(
-                                        e,
-                                        CacheError::Seq(
-                                            SeqError::TooLong { .. } | SeqError::OutOfBlocks { .. }
-                                        )
-                                    )
-                            },
-                            None,
-                        )
-                    }
-                },
-                Op::Commit { seq } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => (cache.commit(s).map(|_| ()), handle_error, None),
-                },
-                Op::Fork { seq } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let r = cache.fork(s);
-                        if let Ok(c) = r {
-                            assert_eq!(cache.len(c), cache.len(s));
-                            issued.push(c);
-                        }
-                        (
-                            r.map(|_| ()),
-                            |e| {
-                                handle_error(e)
-                                    || matches!(e, CacheError::Seq(SeqError::NoFreeSequence))
-                            },
-                            None,
-                        )
-                    }
-                },
-                Op::Truncate { seq, to } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let r = cache.truncate(s, to.get());
-                        if r.is_ok() {
-                            assert_eq!(cache.len(s), Ok(to.get()));
-                        }
-                        (
-                            r,
-                            |e| {
-                                handle_error(e)
-                                    || matches!(e, CacheError::Seq(SeqError::BeyondLength { .. }))
-                            },
-                            None,
-                        )
-                    }
-                },
-                Op::Release { seq } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let r = cache.release(s);
-                        if r.is_ok() {
-                            assert_eq!(cache.len(s), Err(CacheError::Seq(SeqError::StaleHandle)));
-                        }
-                        (r, handle_error, None)
-                    }
-                },
-                Op::Evict { n } => {
-                    let cached = cache.stats().cached_blocks;
-                    let evicted = cache.evict_cached(n.get());
-                    assert_eq!(evicted, cached.min(n.get()));
-                    (Ok(()), |_| false, None)
-                }
-                Op::WriteKv {
-                    seq,
-                    layer,
-                    first,
-                    tokens,
-                    k,
-                    v,
-                    as_dtype,
-                } => match pick(&issued, seq) {
-                    None => continue,
-                    Some(s) => {
-                        let exact = usize::from(tokens % 12) * row;
-                        let (k, v) = (k.get(exact), v.get(exact));
-                        let (layer, first) = (layer.get() % 5, first.get());
-                        let r = match as_dtype % 4 {
-                            0 => {
-                                let kb: Vec<f32> = (0..k).map(|i| i as f32).collect();
-                                let vb: Vec<f32> = (0..v).map(|i| -(i as f32)).collect();
-                                cache.write_kv(s, layer, first, &kb, &vb)
-                            }
-                            1 => write::<f32>(&mut cache, s, layer, first, k, v, |x| x),
-                            2 => write::<f16>(&mut cache, s, layer, first, k, v, f16::from_f32),
-                            _ => write::<bf16>(&mut cache, s, layer, first, k, v, bf16::from_f32),
-                        };
-                        (
-                            r,
-                            |e| {
-                                handle_error(e)
-                                    || kernel_input_error(e)
-                                    || matches!(
-                                        e,
-                                        CacheError::NotWritable { .. }
-                                            | CacheError::Kernel(KernelError::DTypeMismatch { .. })
-                                    )
-                            },
-                            None,
-                        )
-                    }
-                },
-                Op::Decode {
-                    layer,
-                    seqs,
-                    q,
-                    out,
-                    q_heads,
-                    scale: sc,
-                } => {
-                    let seqs: Vec<Seq> = seqs
-                        .iter()
-                        .take(8)
-                        .filter_map(|&k| pick(&issued, k))
-                        .collect();
-                    let q_heads = u32::from(q_heads % 9);
-                    let exact = seqs.len() * q_heads as usize * hd;
-                    let qb: Vec<f32> = (0..q.get(exact)).map(|i| (i % 7) as f32).collect();
-                    let mut ob = vec![f32::from_bits(0x7fc0_1234); out.get(exact)];
-                    let before_out = ob.clone();
-                    let r = cache.decode(layer.get() % 5, &seqs, &qb, &mut ob, q_heads, scale(sc));
                     (
                         r,
                         |e| {
                             handle_error(e)
-                                || kernel_input_error(e)
-                                || matches!(e, CacheError::BatchTooLarge { .. })
+                                || matches!(e, CacheError::Seq(SeqError::BeyondLength { .. }))
                         },
-                        Some((before_out, ob)),
+                        None,
                     )
                 }
-                Op::Prefill {
-                    layer,
-                    seqs,
-                    q,
-                    out,
-                    q_heads,
-                    scale: sc,
-                } => {
-                    let seqs: Vec<(Seq, u32)> = seqs
-                        .iter()
-                        .take(8)
-                        .filter_map(|&(k, n)| pick(&issued, k).map(|s| (s, u32::from(n % 10))))
-                        .collect();
-                    let q_heads = u32::from(q_heads % 9);
-                    let tokens: usize = seqs.iter().map(|&(_, n)| n as usize).sum();
-                    let exact = tokens * q_heads as usize * hd;
-                    let qb: Vec<f32> = (0..q.get(exact)).map(|i| (i % 5) as f32 * 0.1).collect();
-                    let mut ob = vec![f32::from_bits(0x7fc0_1234); out.get(exact)];
-                    let before_out = ob.clone();
-                    let r = cache.prefill(layer.get() % 5, &seqs, &qb, &mut ob, q_heads, scale(sc));
-                    (
-                        r,
-                        |e| {
-                            handle_error(e)
-                                || kernel_input_error(e)
-                                || matches!(e, CacheError::BatchTooLarge { .. })
-                        },
-                        Some((before_out, ob)),
-                    )
-                }
-                Op::Foreign { op } => {
-                    // A handle of another cache is refused by every operation.
-                    if other.is_none() {
-                        let mut c = KvCache::new(CacheConfig {
-                            geometry,
-                            capacity: Capacity::Blocks(4),
-                            max_seqs: 2,
-                            max_seq_len: 8,
-                            threads: 1,
-                        })
-                        .expect("a small cache");
-                        let s = c.create(0).expect("a sequence");
-                        c.append(s, 3).expect("three tokens");
-                        other = Some((c, s));
+            },
+            Op::Release { seq } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let r = cache.release(s);
+                    if r.is_ok() {
+                        assert_eq!(cache.len(s), Err(CacheError::Seq(SeqError::StaleHandle)));
                     }
-                    let s = other.as_ref().unwrap().1;
-                    let r = match op % 6 {
-                        0 => cache.append(s, 1),
-                        1 => cache.len(s).map(|_| ()),
-                        2 => cache.fork(s).map(|_| ()),
-                        3 => cache.release(s),
-                        4 => cache.write_kv(s, 0, 0, &vec![0.0; row], &vec![0.0; row]),
-                        _ => cache.commit(s).map(|_| ()),
+                    (r, handle_error, None)
+                }
+            },
+            Op::Evict { n } => {
+                let cached = cache.stats().cached_blocks;
+                let evicted = cache.evict_cached(n.get());
+                assert_eq!(evicted, cached.min(n.get()));
+                (Ok(()), |_| false, None)
+            }
+            Op::WriteKv {
+                seq,
+                layer,
+                first,
+                tokens,
+                k,
+                v,
+                as_dtype,
+            } => match pick(&issued, seq) {
+                None => continue,
+                Some(s) => {
+                    let exact = usize::from(tokens % 12) * row;
+                    let (k, v) = (k.get(exact), v.get(exact));
+                    let (layer, first) = (layer.get() % 5, first.get());
+                    let r = match as_dtype % 4 {
+                        0 => {
+                            let kb: Vec<f32> = (0..k).map(|i| i as f32).collect();
+                            let vb: Vec<f32> = (0..v).map(|i| -(i as f32)).collect();
+                            cache.write_kv(s, layer, first, &kb, &vb)
+                        }
+                        1 => write::<f32>(&mut cache, s, layer, first, k, v, |x| x),
+                        2 => write::<f16>(&mut cache, s, layer, first, k, v, f16::from_f32),
+                        _ => write::<bf16>(&mut cache, s, layer, first, k, v, bf16::from_f32),
                     };
-                    assert!(r.is_err(), "a foreign handle was accepted");
                     (
                         r,
-                        |e| matches!(e, CacheError::Seq(SeqError::ForeignHandle)),
+                        |e| {
+                            handle_error(e)
+                                || kernel_input_error(e)
+                                || matches!(
+                                    e,
+                                    CacheError::NotWritable { .. }
+                                        | CacheError::Kernel(KernelError::DTypeMismatch { .. })
+                                )
+                        },
                         None,
                     )
                 }
-            };
+            },
+            Op::Decode {
+                layer,
+                seqs,
+                q,
+                out,
+                q_heads,
+                scale: sc,
+            } => {
+                let seqs: Vec<Seq> = seqs
+                    .iter()
+                    .take(8)
+                    .filter_map(|&k| pick(&issued, k))
+                    .collect();
+                let q_heads = u32::from(q_heads % 9);
+                let exact = seqs.len() * q_heads as usize * hd;
+                let qb: Vec<f32> = (0..q.get(exact)).map(|i| (i % 7) as f32).collect();
+                let mut ob = vec![f32::from_bits(0x7fc0_1234); out.get(exact)];
+                let before_out = ob.clone();
+                let r = cache.decode(layer.get() % 5, &seqs, &qb, &mut ob, q_heads, scale(sc));
+                (
+                    r,
+                    |e| {
+                        handle_error(e)
+                            || kernel_input_error(e)
+                            || matches!(e, CacheError::BatchTooLarge { .. })
+                    },
+                    Some((before_out, ob)),
+                )
+            }
+            Op::Prefill {
+                layer,
+                seqs,
+                q,
+                out,
+                q_heads,
+                scale: sc,
+            } => {
+                let seqs: Vec<(Seq, u32)> = seqs
+                    .iter()
+                    .take(8)
+                    .filter_map(|&(k, n)| pick(&issued, k).map(|s| (s, u32::from(n % 10))))
+                    .collect();
+                let q_heads = u32::from(q_heads % 9);
+                let tokens: usize = seqs.iter().map(|&(_, n)| n as usize).sum();
+                let exact = tokens * q_heads as usize * hd;
+                let qb: Vec<f32> = (0..q.get(exact)).map(|i| (i % 5) as f32 * 0.1).collect();
+                let mut ob = vec![f32::from_bits(0x7fc0_1234); out.get(exact)];
+                let before_out = ob.clone();
+                let r = cache.prefill(layer.get() % 5, &seqs, &qb, &mut ob, q_heads, scale(sc));
+                (
+                    r,
+                    |e| {
+                        handle_error(e)
+                            || kernel_input_error(e)
+                            || matches!(e, CacheError::BatchTooLarge { .. })
+                    },
+                    Some((before_out, ob)),
+                )
+            }
+            Op::Foreign { op } => {
+                // A handle of another cache is refused by every operation.
+                if other.is_none() {
+                    let mut c = KvCache::new(CacheConfig {
+                        geometry,
+                        capacity: Capacity::Blocks(4),
+                        max_seqs: 2,
+                        max_seq_len: 8,
+                        threads: 1,
+                    })
+                    .expect("a small cache");
+                    let s = c.create(0).expect("a sequence");
+                    c.append(s, 3).expect("three tokens");
+                    other = Some((c, s));
+                }
+                let s = other.as_ref().unwrap().1;
+                let r = match op % 6 {
+                    0 => cache.append(s, 1),
+                    1 => cache.len(s).map(|_| ()),
+                    2 => cache.fork(s).map(|_| ()),
+                    3 => cache.release(s),
+                    4 => cache.write_kv(s, 0, 0, &vec![0.0; row], &vec![0.0; row]),
+                    _ => cache.commit(s).map(|_| ()),
+                };
+                assert!(r.is_err(), "a foreign handle was accepted");
+                (
+                    r,
+                    |e| matches!(e, CacheError::Seq(SeqError::ForeignHandle)),
+                    None,
+                )
+            }
+        };
         if let Err(e) = result {
             assert!(documented(&e), "undocumented error {e:?}");
             assert_eq!(
