@@ -162,6 +162,27 @@ pub(crate) unsafe fn tagged_mut<'a, T: Tagged>(ptr: *mut T) -> Result<&'a mut T,
     }
 }
 
+/// Frees a [`Tagged`] object that `_new` boxed: NULL is a no-op; anything without the
+/// magic word is refused and left alone; otherwise the word is cleared (so a second
+/// free is usually refused) and the box dropped. O(the object's drop).
+///
+/// # Safety
+/// As [`tagged_mut`]; a live object came from `Box::into_raw` and is used by nothing
+/// else, now or later.
+pub(crate) unsafe fn free_boxed<T: Tagged>(ptr: *mut T) -> Result<(), Fail> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    // SAFETY: checked live by `check_tagged`; the magic is the u64 at offset 0 (the
+    // trait's contract); the box is the caller's to give back.
+    unsafe {
+        check_tagged(ptr)?;
+        ptr.cast::<u64>().write(0);
+        drop(Box::from_raw(ptr));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

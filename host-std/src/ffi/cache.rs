@@ -14,7 +14,7 @@ use crate::cache::{CacheConfig, CacheError, Capacity, KvCache, Seq};
 use crate::dtype::for_dtype;
 use crate::tables::try_with_capacity;
 
-use super::args::{obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
+use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
 use super::geometry::{dtype_from_c, kvpage_geometry};
 use super::ids::{kvpage_seq, seq_from_c, seq_to_c};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
@@ -243,17 +243,8 @@ pub unsafe extern "C" fn kvpage_cache_free(
     cache: *mut kvpage_cache,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: checked by `tagged_mut`; the cache came from `Box::into_raw` in `_new`.
-    unsafe {
-        run(err, || {
-            if cache.is_null() {
-                return Ok(());
-            }
-            tagged_mut(cache)?.magic = 0;
-            drop(Box::from_raw(cache));
-            Ok(())
-        })
-    }
+    // SAFETY: the caller's contract is `free_boxed`'s; `_new` boxed the cache.
+    unsafe { run(err, || free_boxed(cache)) }
 }
 
 /// Writes the cache's geometry to `*out_geometry`. O(1).

@@ -15,7 +15,7 @@
 
 use kvpage_core::Sampled;
 
-use super::args::{obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
+use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
 use super::cache::{capacity_from_c, kvpage_cache_default_params, kvpage_cache_params};
 use super::geometry::kvpage_geometry;
 use super::ids::{kvpage_request, request_from_c, request_to_c};
@@ -164,17 +164,8 @@ pub unsafe extern "C" fn kvpage_engine_free(
     engine: *mut kvpage_engine,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: checked by `tagged_mut`; the engine came from `Box::into_raw` in `_new`.
-    unsafe {
-        run(err, || {
-            if engine.is_null() {
-                return Ok(());
-            }
-            tagged_mut(engine)?.magic = 0;
-            drop(Box::from_raw(engine));
-            Ok(())
-        })
-    }
+    // SAFETY: the caller's contract is `free_boxed`'s; `_new` boxed the engine.
+    unsafe { run(err, || free_boxed(engine)) }
 }
 
 /// Queues a request: `prompt` (`n` token ids, copied), its prefix-cache namespace
