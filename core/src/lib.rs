@@ -15,6 +15,7 @@
 //!     instance: 1,
 //!     hash_key: 0,
 //!     prefix_cache: true,
+//!     max_position_runs: 4,
 //! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -56,7 +57,7 @@ mod shared;
 mod stats;
 mod storage;
 
-pub use config::Config;
+pub use config::{Config, DEFAULT_POSITION_RUNS, MAX_POSITION_RUNS};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
     RequestId, RequestState, Sampled, ScheduledSeq, Step,
@@ -65,7 +66,10 @@ pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use host_tier::HostPool;
 pub use index_set::IndexSet;
-pub use manager::{Appended, BlockCopy, BlockManager, PrefixHit, PromptStart, SeqId};
+pub use manager::{
+    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, PositionRun, PrefixHit,
+    PromptStart, RowMove, SeqId,
+};
 pub use scheduler::{
     schedule, schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig,
     StepInput, StepPlan, SwappedSeq, WaitingSeq,

@@ -76,6 +76,7 @@ fn random_operations_allocate_nothing() {
         instance: 0,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -166,6 +167,7 @@ fn engine_steps_allocate_nothing() {
         instance: 5,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

@@ -12,6 +12,7 @@ const CONFIG: Config = Config {
     instance: 3,
     hash_key: 0x5eed,
     prefix_cache: PREFIX_CACHE,
+    max_position_runs: 4,
 };
 const BS: u32 = CONFIG.block_size;
 
