@@ -131,7 +131,7 @@ impl BlockManager<'_> {
                 block_index += 1;
             }
         }
-        if ids.is_some() && self.seqs.known[i] == len {
+        if ids.is_some() && self.seqs.known[i] == len && self.seqs.positions_are_indices(i) {
             self.seqs.known[i] = new_len as u32;
         }
         self.seqs.len[i] = new_len as u32;
@@ -169,7 +169,7 @@ impl BlockManager<'_> {
         *slot = b * self.config.block_size + offset;
         if let Some(id) = id {
             self.prefix.set_token(b, offset, id);
-            if self.seqs.known[i] == len {
+            if self.seqs.known[i] == len && self.seqs.positions_are_indices(i) {
                 self.seqs.known[i] = len + 1;
             }
         }

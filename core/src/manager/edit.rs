@@ -362,8 +362,9 @@ impl BlockManager<'_> {
         }
         self.seqs.len[i] = new_len;
         self.seqs.logical_tokens -= u64::from(end - first);
-        self.store_runs(i, &edit);
+        // Known prefix first: its rewind reads the unchanged blocks before `first`.
         self.limit_known(i, first);
+        self.store_runs(i, &edit);
         Ok((
             Edited {
                 copies: n_copies,
@@ -410,8 +411,9 @@ impl BlockManager<'_> {
         }
         edit.push_runs(runs, end + 1, len, 0, 0);
         edit.check(len, self.config.max_position_runs)?;
-        self.store_runs(i, &edit);
+        // Known prefix first: its rewind reads the unchanged blocks before `first`.
         self.limit_known(i, first);
+        self.store_runs(i, &edit);
         Ok(())
     }
 

@@ -309,4 +309,11 @@ impl<'a> SeqTable<'a> {
     pub(crate) fn set_run_count(&mut self, i: usize, n: u32) {
         self.run_count[i] = n;
     }
+
+    /// Whether every token of row `i`, and the next one appended, has its index as its
+    /// position (one run `{0, 0}`): only then may appended ids extend the known prefix.
+    #[inline]
+    pub(crate) fn positions_are_indices(&self, i: usize) -> bool {
+        self.run_count[i] == 1 && self.runs[self.runs_start(i)].first_position == 0
+    }
 }
