@@ -129,6 +129,14 @@ impl Config {
         Ok(())
     }
 
+    /// The most [`crate::RowMove`]s one edit reports (`2 * max_blocks_per_seq + 1`: runs
+    /// of rows are cut at every block boundary of the source and of the destination):
+    /// a move buffer this long never gets [`crate::SeqError::MoveBufferTooSmall`]. The
+    /// most [`crate::BlockCopy`]s one edit reports is `max_blocks_per_seq`. O(1).
+    pub const fn max_row_moves(&self) -> u64 {
+        2 * self.max_blocks_per_seq as u64 + 1
+    }
+
     /// Tokens one sequence can hold: `max_blocks_per_seq * block_size`. O(1).
     pub const fn max_tokens_per_seq(&self) -> u64 {
         self.max_blocks_per_seq as u64 * self.block_size as u64

@@ -219,11 +219,11 @@ fn release_all_except_keeps_one() {
     kv.release(d).unwrap();
     // A stale handle in the set: refused, nothing released.
     assert_eq!(
-        kv.release_all_except(b, &[a, b, c, d]),
+        kv.release_all_except(b, [a, b, c, d].into_iter()),
         Err(SeqError::StaleHandle)
     );
     assert_eq!(kv.stats().live_seqs, 3);
-    assert_eq!(kv.release_all_except(b, &[a, c, a, b]), Ok(2));
+    assert_eq!(kv.release_all_except(b, [a, c, a, b].into_iter()), Ok(2));
     assert_eq!(kv.stats().live_seqs, 1);
     assert_eq!(kv.len(b), Ok(5));
     assert_eq!(kv.len(a), Err(SeqError::StaleHandle));

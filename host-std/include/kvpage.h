@@ -67,6 +67,9 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // The sequence is full; the last sampled token was reported but not stored.
 #define KVPAGE_FINISH_LENGTH 2
 
+// The highest result code (for tables of messages and tests that walk every code).
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_TOO_MANY_POSITION_RUNS
+
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
 
@@ -131,7 +134,9 @@ enum kvpage_result
   KVPAGE_ERR_SEQ_NOT_SWAPPED = 14,
   // The host tier has too few free blocks (`needed`, `available`).
   KVPAGE_ERR_HOST_FULL = 15,
-  // Truncation beyond the current length (`needed` = requested, `available` = len).
+  // Truncation beyond the current length (`needed` = requested, `available` = len),
+  // or an edit's token range reversed or past it (`needed` = range end, `available` =
+  // len, `value` = range start).
   KVPAGE_ERR_BEYOND_LENGTH = 16,
   // K/V written outside the positions appended since the last commit.
   KVPAGE_ERR_NOT_WRITABLE = 17,
@@ -172,6 +177,11 @@ enum kvpage_result
   // A bug inside kvpage was caught (a panic, a failed internal check); the object
   // is in an unknown state: free it.
   KVPAGE_ERR_INTERNAL = 35,
+  // Positions an edit asks for are not strictly increasing in token order or leave the
+  // `u32` range (also an append past position `u32::MAX`).
+  KVPAGE_ERR_BAD_POSITIONS = 36,
+  // An edit would need more position runs than a sequence holds.
+  KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -205,7 +205,9 @@ fn code(e: SeqError) -> kvpage_result {
         SeqError::Swapped => KVPAGE_ERR_SEQ_SWAPPED,
         SeqError::NotSwapped => KVPAGE_ERR_SEQ_NOT_SWAPPED,
         SeqError::HostFull { .. } => KVPAGE_ERR_HOST_FULL,
-        SeqError::BeyondLength { .. } => KVPAGE_ERR_BEYOND_LENGTH,
+        SeqError::BeyondLength { .. } | SeqError::BadRange { .. } => KVPAGE_ERR_BEYOND_LENGTH,
+        SeqError::BadPositions => KVPAGE_ERR_BAD_POSITIONS,
+        SeqError::TooManyPositionRuns { .. } => KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
     }
 }
 

@@ -560,20 +560,25 @@ impl BlockManager<'_> {
 
     /// Releases every sequence of `others` except `keep` (llama's `seq_keep` over the
     /// caller's set: sequences outside `others` are left alone; `keep` may appear in it or
-    /// not, and a sequence listed twice is released once). Returns how many were
-    /// released. O(others + their blocks).
+    /// not, and a sequence listed twice is released once). `others` is walked twice:
+    /// first to check every handle, then to release. Returns how many were released.
+    /// O(others + their blocks).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`] for `keep` or any of
     /// `others`; [`SeqError::Swapped`] for a swapped-out one of `others` (release it with
     /// [`BlockManager::release_swapped`]). Nothing changes on error.
-    pub fn release_all_except(&mut self, keep: SeqId, others: &[SeqId]) -> Result<u32, SeqError> {
+    pub fn release_all_except(
+        &mut self,
+        keep: SeqId,
+        others: impl Iterator<Item = SeqId> + Clone,
+    ) -> Result<u32, SeqError> {
         self.seqs.check_any(keep)?;
-        for &s in others.iter().filter(|&&s| s != keep) {
+        for s in others.clone().filter(|&s| s != keep) {
             self.seqs.check(s)?;
         }
         let mut released = 0;
-        for &s in others.iter().filter(|&&s| s != keep) {
+        for s in others.filter(|&s| s != keep) {
             // Only a duplicate, released earlier in this loop, fails.
             if self.release(s).is_ok() {
                 released += 1;

@@ -550,7 +550,7 @@ fn run(ops: &[Op]) {
                     }
                     let stale = model.stale.first().copied().filter(|_| mask & 0x80 != 0);
                     others.extend(stale);
-                    match kv.release_all_except(k, &others) {
+                    match kv.release_all_except(k, others.iter().copied()) {
                         Ok(n) => {
                             assert!(stale.is_none());
                             let gone: HashSet<SeqId> = others.iter().copied().filter(|&s| s != k).collect();
