@@ -151,7 +151,9 @@ static void cache_calls(void) {
   float k[5 * ROW] = {0}, v[5 * ROW] = {0}, q[6 * Q_HEADS * HEAD_DIM] = {0};
   float out[6 * Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
   uint16_t raw[5 * ROW] = {0};
-  kvpage_seq batch[5];
+  kvpage_seq batch[5], keep_set[2];
+  kvpage_context_shift shift;
+  int64_t pos = 0;
   uint32_t nq[5] = {1, 1, 1, 1, 1};
   float nan_scale = (float)NAN;
 
@@ -185,6 +187,13 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, NULL, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, NULL, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefill(c, 0, &s, NULL, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_rm(NULL, s, 0, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_add(NULL, s, 0, 1, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_cp(c, s, 0, 1, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_keep(c, s, NULL, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(c, s, 1, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_min(c, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_max(NULL, s, &pos, &err));
 
   /* Pointers to something that is not a cache (here 16 zero bytes). */
   {
@@ -207,6 +216,16 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_truncate(c, gone, 0, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_write_kv(c, gone, 0, 0, 1, k, ROW, v, ROW, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_decode(c, 0, &gone, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_rm(c, gone, 0, 0, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_add(c, gone, 0, 0, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_cp(c, gone, 0, 0, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_context_shift(c, gone, 0, 0, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_pos_min(c, gone, &pos, &err));
+  /* A stale id anywhere in the set: nothing is released (`s` stays live). */
+  keep_set[0] = s;
+  keep_set[1] = gone;
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_keep(c, KVPAGE_SEQ_NONE, keep_set, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_keep(c, gone, keep_set, 1, NULL, &err));
   EXPECT_TRUE(kvpage_cache_len(c, foreign, &len, &err) != KVPAGE_OK);
   memset(&err, 0, sizeof err);
   EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
@@ -231,6 +250,34 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_QUERIES_EXCEED_CONTEXT, kvpage_cache_prefill(c, 0, &s, nq, 1, q, 6 * Q_HEADS * HEAD_DIM, out, 6 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_SEQ_TOO_LONG, kvpage_cache_append_tokens(c, s, tokens, 40, &err));
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_truncate(c, s, 6, &err));
+  /* Edits: ranges past the length or reversed, positions out of order or range. */
+  EXPECT_TRUE(kvpage_cache_seq_rm(c, s, 2, 6, &err) == KVPAGE_ERR_BEYOND_LENGTH && err.needed == 6 && err.available == 5 && err.value == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_rm(c, s, 3, 2, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_cp(c, s, 0, 9, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 4, 2, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 1, 0xFFFFFFFFu, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_add(c, s, 0, 7, 1, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 2, 5, -2, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 0, 5, -1, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, INT32_MAX, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 4, 5, INT32_MAX, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, -INT32_MAX, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_max(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
+  /* Too many position runs: each gap is a run, and a sequence holds 4. */
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, 3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 3, 5, 3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 2, 5, 3, &err));
+  EXPECT_TRUE(kvpage_cache_seq_add(c, s, 1, 5, 3, &err) == KVPAGE_ERR_TOO_MANY_POSITION_RUNS && err.needed == 5 && err.available == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 2, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 3, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_min(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_max(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
   batch[0] = batch[1] = batch[2] = batch[3] = batch[4] = s;
   EXPECT(KVPAGE_ERR_BATCH_TOO_LARGE, kvpage_cache_decode(c, 0, batch, 5, q, 5 * Q_HEADS * HEAD_DIM, out, 5 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   /* Out of blocks: 2 of 8 are used; a 30-token prompt needs 8. */
@@ -238,6 +285,10 @@ static void cache_calls(void) {
   memset(&err, 0, sizeof err);
 
   /* Zero sizes are no-ops. */
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_rm(c, s, 2, 2, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_keep(c, s, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_context_shift(c, s, 5, 0, &shift, &err));
+  EXPECT_TRUE(shift.rotate_first == shift.rotate_end && shift.delta == 0);
   EXPECT(KVPAGE_OK, kvpage_cache_append(c, s, 0, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_append_tokens(c, s, NULL, 0, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_decode(c, 0, NULL, 0, NULL, 0, NULL, 0, Q_HEADS, 0.35f, &err));

@@ -273,6 +273,21 @@ typedef struct kvpage_stats {
 // A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
 typedef uint64_t kvpage_seq;
 
+// What `kvpage_cache_context_shift` did.
+typedef struct kvpage_context_shift {
+  // Tokens `rotate_first..rotate_end` (indices after the shift) hold keys rotated at
+  // their old positions: rotate them by `delta`. Empty when nothing moved.
+  uint32_t rotate_first;
+  // End (exclusive) of the tokens to rotate.
+  uint32_t rotate_end;
+  // Their position change: `-n_discard` (0 when nothing moved).
+  int32_t delta;
+  // Blocks copied (shared blocks the rotation must not touch in place).
+  uint32_t copied_blocks;
+  // Row moves executed (0 for a block-aligned shift).
+  uint32_t row_moves;
+} kvpage_context_shift;
+
 // Limits of one step of an engine or scheduler.
 typedef struct kvpage_scheduler_params {
   // Tokens computed per step at most (prefill chunks plus decode tokens); > 0.
@@ -834,6 +849,133 @@ kvpage_result kvpage_cache_prefill(kvpage_cache *cache,
                                    uint32_t q_heads,
                                    float scale,
                                    struct kvpage_error *err);
+
+// Removes tokens `first..end` of `seq` and moves the later ones down (llama's
+// `seq_rm`); they keep their positions. Block-aligned ranges drop whole blocks and copy
+// nothing. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (range reversed or past the length: `needed` = `end`,
+// `available` = length, `value` = `first`), `KVPAGE_ERR_OUT_OF_BLOCKS` (a shared block
+// to copy), `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_seq_rm(kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t first,
+                                  uint32_t end,
+                                  struct kvpage_error *err);
+
+// Adds `delta` to the positions of tokens `first..end` of `seq` (llama's `seq_add`).
+// Only positions change; the keys stay rotated at the old ones. O(position runs).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH`, `KVPAGE_ERR_BAD_POSITIONS` (positions would not stay
+// strictly increasing or would leave `0..=UINT32_MAX`),
+// `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_seq_add(kvpage_cache *cache,
+                                   kvpage_seq seq,
+                                   uint32_t first,
+                                   uint32_t end,
+                                   int32_t delta,
+                                   struct kvpage_error *err);
+
+// Creates a sequence in `namespace` holding tokens `first..end` of `seq` at their
+// positions (llama's `seq_cp`, into a new sequence), written to `*out_seq`. From a
+// block boundary the blocks are shared (copy-on-write later); otherwise the rows are
+// copied into new blocks. O(blocks of the range, + copied rows).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH`, `KVPAGE_ERR_NO_FREE_SEQ`, `KVPAGE_ERR_OUT_OF_BLOCKS`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_seq` is null or writable.
+kvpage_result kvpage_cache_seq_cp(kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t first,
+                                  uint32_t end,
+                                  uint64_t namespace_,
+                                  kvpage_seq *out_seq,
+                                  struct kvpage_error *err);
+
+// Releases every sequence of `others[0..n_others]` except `keep` (llama's `seq_keep`
+// over the caller's set; `keep` may be listed, a sequence listed twice is released
+// once). Writes how many were released to `*out_released` when it is not null.
+// O(n_others + their blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (`others` null with `n_others > 0`),
+// `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache),
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ` for `keep` or any of `others`: then
+// nothing is released.
+//
+// # Safety
+// `cache` is null or a live cache; `others` is null or `n_others` readable ids;
+// `out_released` is null or writable.
+kvpage_result kvpage_cache_seq_keep(kvpage_cache *cache,
+                                    kvpage_seq keep,
+                                    const kvpage_seq *others,
+                                    size_t n_others,
+                                    uint32_t *out_released,
+                                    struct kvpage_error *err);
+
+// Context shift: keeps the first `n_keep` tokens of `seq`, drops the next `n_discard`,
+// moves the rest down and lowers their positions by `n_discard`, without recomputing
+// anything; the blocks of the moved tokens become this sequence's alone. Writes to
+// `*out_shift` which tokens still hold keys rotated at their old positions and by how
+// much to rotate them. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (`n_keep + n_discard` past the length, or `n_discard`
+// over `INT32_MAX`), `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_shift` is null or writable.
+kvpage_result kvpage_cache_context_shift(kvpage_cache *cache,
+                                         kvpage_seq seq,
+                                         uint32_t n_keep,
+                                         uint32_t n_discard,
+                                         struct kvpage_context_shift *out_shift,
+                                         struct kvpage_error *err);
+
+// Writes the position of the first token of `seq` to `*out_pos`, or -1 when it is empty
+// (llama's `seq_pos_min`). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_pos` is null or writable.
+kvpage_result kvpage_cache_seq_pos_min(const kvpage_cache *cache,
+                                       kvpage_seq seq,
+                                       int64_t *out_pos,
+                                       struct kvpage_error *err);
+
+// Writes the position of the last token of `seq` to `*out_pos`, or -1 when it is empty
+// (llama's `seq_pos_max`). O(1).
+//
+// # Errors
+// As [`kvpage_cache_seq_pos_min`].
+//
+// # Safety
+// As [`kvpage_cache_seq_pos_min`].
+kvpage_result kvpage_cache_seq_pos_max(const kvpage_cache *cache,
+                                       kvpage_seq seq,
+                                       int64_t *out_pos,
+                                       struct kvpage_error *err);
 
 // Parameters of an engine for `geometry`: the cache of
 // `kvpage_cache_default_params(geometry)`, 256 requests, steps of at most 2048 tokens

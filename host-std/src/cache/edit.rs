@@ -168,15 +168,19 @@ impl KvCache {
     }
 
     /// Releases every sequence of `others` except `keep` (llama's `seq_keep` over a set;
-    /// [`BlockManager::release_all_except`]); returns how many were released.
-    /// O(others + their blocks).
+    /// [`BlockManager::release_all_except`]: `others` is walked twice, to check and to
+    /// release); returns how many were released. O(others + their blocks).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`] for any handle. Nothing
     /// changes on error.
-    pub fn release_all_except(&mut self, keep: Seq, others: &[Seq]) -> Result<u32, CacheError> {
+    pub fn release_all_except(
+        &mut self,
+        keep: Seq,
+        others: impl Iterator<Item = Seq> + Clone,
+    ) -> Result<u32, CacheError> {
         Ok(Self::with_manager(&mut self.tables, |m| {
-            m.release_all_except(keep.0, others.iter().map(|s| s.0))
+            m.release_all_except(keep.0, others.map(|s| s.0))
         })?)
     }
 

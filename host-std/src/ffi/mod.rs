@@ -21,7 +21,8 @@
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
-//! 1. [`cache`] (the owned cache) and [`engine`] (its engine step);
+//! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions)
+//!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
 //!    [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap
@@ -32,6 +33,7 @@
 
 mod args;
 pub mod cache;
+pub mod cache_edit;
 pub mod engine;
 pub mod geometry;
 pub mod ids;
@@ -49,6 +51,7 @@ pub mod version;
 
 pub use block_table::*;
 pub use cache::*;
+pub use cache_edit::*;
 pub use engine::*;
 pub use geometry::*;
 pub use ids::*;
