@@ -34,7 +34,12 @@
 //! and appends) returns the slot of each new token; the backend executes any reported
 //! [`BlockCopy`] and writes the K/V there; [`BlockManager::commit`] then offers the full
 //! blocks to the prefix cache; [`BlockManager::block_table`] and
-//! [`BlockManager::seq_lens`] are what attention kernels read.
+//! [`BlockManager::seq_lens`] are what attention kernels read. Long conversations edit
+//! their sequences in `llama.h`'s spirit ([`BlockManager::remove_range`],
+//! [`BlockManager::shift_positions`], [`BlockManager::copy_range`],
+//! [`BlockManager::release_all_except`], [`BlockManager::context_shift`]); the backend
+//! executes the [`BlockCopy`]s and [`RowMove`]s they report, and each token's rotary
+//! position is [`BlockManager::position`] (its index until an edit says otherwise).
 //!
 //! After [`BlockManager::new`] no operation allocates or panics on caller input; every
 //! misuse is a typed error ([`SeqError`], [`InitError`], [`GeometryError`]) and a failed

@@ -12,10 +12,19 @@
 //! ([`super::positions`]).
 //!
 //! Every edit checks everything (handle, range, buffers, free blocks, positions) before
-//! it changes anything, and allocates nothing. After an edit at token `first`, the
-//! sequence's blocks from the one holding `first` on are no longer registered in the
-//! prefix cache, and the sequence commits nothing from `first` on again: those rows sit
-//! at other indices or positions than a prompt with the same ids would give them.
+//! it changes anything, and allocates nothing. After an edit that moves rows down to
+//! token `first`, the sequence's blocks from the one holding `first` on are no longer
+//! registered in the prefix cache (even those other sequences hold: their content is
+//! unchanged, but a registered block whose chain parent left could strand cached
+//! descendants no lookup reaches; the other holders only stop extending that chain), and
+//! the sequence commits nothing from `first` on again: those rows sit at other indices
+//! or positions than a prompt with the same ids would give them. Removing the tail is a
+//! [`BlockManager::truncate`] and keeps its rules.
+//!
+//! Left for later: when the removed count is a multiple of the block size but the range
+//! starts inside a block, the rows after the hole move into the block holding `first`;
+//! moving the rows before it into the other block instead is cheaper when there are
+//! fewer of them.
 //!
 //! The backend executes what an edit reports in this order: the block copies, then the
 //! row moves in order (each a `memmove`), then, after a context shift, the key rotation.

@@ -165,6 +165,15 @@ fn execute_edit(model: &mut Model, edited: Edited, copies: &[BlockCopy], moves: 
     }
 }
 
+/// After an edit that moved rows down to token `first`, no block of `seq` from the one
+/// holding it on is registered in the prefix cache (its rows sit at other indices or
+/// positions now).
+fn assert_detached(kv: &BlockManager<'_>, seq: SeqId, first: u32) {
+    for &b in &kv.blocks(seq).unwrap()[(first / BS) as usize..] {
+        assert!(!kv.is_registered(b), "block {b} after an edit is still registered");
+    }
+}
+
 /// Position the next token appended to `seq` gets.
 fn next_position(kv: &BlockManager<'_>, model: &Model, seq: SeqId) -> u32 {
     match model.seqs[&seq].last() {
@@ -470,7 +479,13 @@ fn run(ops: &[Op]) {
                                 assert_eq!((edited.copies, edited.moves), (0, 0), "aligned removal copies nothing");
                             }
                             execute_edit(&mut model, edited, &copies, &rows);
-                            model.seqs.get_mut(&s).unwrap().drain(first as usize..end as usize);
+                            let cells = model.seqs.get_mut(&s).unwrap();
+                            // Removing the tail is a truncation; otherwise rows moved.
+                            let moved = first < end && (end as usize) < cells.len();
+                            cells.drain(first as usize..end as usize);
+                            if moved {
+                                assert_detached(&kv, s, first);
+                            }
                             let bad = kv.remove_range(s, 0, u32::MAX, &mut copies, &mut rows);
                             assert!(matches!(bad, Err(SeqError::BadRange { .. })));
                             None
@@ -576,6 +591,9 @@ fn run(ops: &[Op]) {
                         Ok(shift) => {
                             execute_edit(&mut model, shift.edited, &copies, &rows);
                             let cells = model.seqs.get_mut(&s).unwrap();
+                            if n_discard > 0 && (end as usize) < cells.len() {
+                                assert_detached(&kv, s, n_keep);
+                            }
                             cells.drain(n_keep as usize..end as usize);
                             let len = cells.len() as u32;
                             if n_discard > 0 && len > n_keep {
