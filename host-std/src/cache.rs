@@ -15,7 +15,8 @@
 //!   process-wide counter, and the core refuses handles with another tag
 //!   ([`SeqError::ForeignHandle`]). A released handle is stale ([`SeqError::StaleHandle`]).
 //! - Copy-on-write is executed inside the append that reports it, and an edit's copies
-//!   and row moves inside the edit ([`edit`]); the caller cannot forget them.
+//!   and row moves inside the edit ([`KvCache::remove_range`] and the others); the caller
+//!   cannot forget them.
 //! - K/V can only be written at positions appended since the sequence last became
 //!   shareable (the pending range `[pending, len)`): never into a block another sequence
 //!   reads. A fork closes the pending range of both sequences, and so does
