@@ -146,7 +146,11 @@ impl BlockManager<'_> {
             // Offsets are kept: whole blocks go; only a partial first block takes the
             // rows after `end` up to the end of their block.
             let from = (fb + u32::from(fo != 0)) as usize;
-            let move_end = if fo == 0 { end } else { len.min(end - fo + bs) };
+            let move_end = if fo == 0 {
+                end
+            } else {
+                len.min((end - fo).saturating_add(bs))
+            };
             (from, from + whole as usize, move_end)
         } else {
             let new_blocks = self.blocks_for(len - (end - first)) as usize;
@@ -281,7 +285,7 @@ impl BlockManager<'_> {
         if end < len {
             edit.push(first, position_in(runs, end) + delta);
         }
-        edit.push_runs(runs, end + 1, len, end - first, delta);
+        edit.push_runs(runs, end.saturating_add(1), len, end - first, delta);
         edit.check(len - (end - first), self.config.max_position_runs)?;
         if end == len {
             let released = self.blocks_for(len) - self.blocks_for(first);
@@ -414,11 +418,11 @@ impl BlockManager<'_> {
         let mut edit = RunEdit::new();
         edit.push_runs(runs, 0, first.max(1), 0, 0);
         edit.push(first, position_in(runs, first) + delta);
-        edit.push_runs(runs, first + 1, end, 0, delta);
+        edit.push_runs(runs, first.saturating_add(1), end, 0, delta);
         if end < len {
             edit.push(end, position_in(runs, end));
         }
-        edit.push_runs(runs, end + 1, len, 0, 0);
+        edit.push_runs(runs, end.saturating_add(1), len, 0, 0);
         edit.check(len, self.config.max_position_runs)?;
         // Known prefix first: its rewind reads the unchanged blocks before `first`.
         self.limit_known(i, first);
@@ -500,7 +504,7 @@ impl BlockManager<'_> {
         let runs = self.seqs.runs(src);
         let mut edit = RunEdit::new();
         edit.push(0, position_in(runs, first));
-        edit.push_runs(runs, first + 1, end, first, 0);
+        edit.push_runs(runs, first.saturating_add(1), end, first, 0);
         // A sub-list of valid runs is valid; checked all the same.
         edit.check(new_len, self.config.max_position_runs)?;
         let (fb, fo) = self.split(first);
