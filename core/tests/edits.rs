@@ -67,6 +67,28 @@ fn unaligned_removal_moves_only_the_rows_it_must() {
         }
     );
     assert_eq!(kv.blocks(s).unwrap(), &[b[0], b[3]]);
+    // From offset 1 of a block, 8 tokens: the one row before the hole moves into the
+    // block holding the rest (cheaper than moving 3 rows the other way).
+    let mut s2_words = vec![0u64; CONFIG.storage_words()];
+    let mut kv2 = BlockManager::new(CONFIG, &mut s2_words).unwrap();
+    let s2 = kv2.create(0).unwrap();
+    kv2.append(s2, 16, &mut slots).unwrap();
+    let c = kv2.blocks(s2).unwrap().to_vec();
+    let edited = kv2.remove_range(s2, 1, 9, &mut copies, &mut moves).unwrap();
+    assert_eq!(
+        (edited.copies, edited.moves, edited.released_blocks),
+        (0, 1, 2)
+    );
+    assert_eq!(
+        moves[0],
+        RowMove {
+            src_slot: c[0] * 4,
+            dst_slot: c[2] * 4,
+            count: 1
+        }
+    );
+    assert_eq!(kv2.blocks(s2).unwrap(), &[c[2], c[3]]);
+    assert_eq!(kv2.position_runs(s2).unwrap(), &[run(0, 0), run(1, 9)]);
     // One token: every later row shifts within its block, in runs split at block ends.
     let edited = kv.remove_range(s, 1, 2, &mut copies, &mut moves).unwrap();
     assert_eq!(edited.moves, 3);

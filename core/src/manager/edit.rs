@@ -20,11 +20,7 @@
 //! the sequence commits nothing from `first` on again: those rows sit at other indices
 //! or positions than a prompt with the same ids would give them. Removing the tail is a
 //! [`BlockManager::truncate`] and keeps its rules.
-//!
-//! Left for later: when the removed count is a multiple of the block size but the range
-//! starts inside a block, the rows after the hole move into the block holding `first`;
-//! moving the rows before it into the other block instead is cheaper when there are
-//! fewer of them.
+
 //!
 //! The backend executes what an edit reports in this order: the block copies, then the
 //! row moves in order (each a `memmove`), then, after a context shift, the key rotation.
@@ -107,6 +103,10 @@ struct Removal {
     drop_to: usize,
     /// Tokens `end..move_end` move down by `end - first` rows.
     move_end: u32,
+    /// Instead, the rows before `first` in its block move up into the block holding
+    /// `end`, at the same offsets (a removed count that is a multiple of the block size,
+    /// when that block has fewer rows to carry).
+    pull_head: bool,
 }
 
 impl Removal {
@@ -116,6 +116,18 @@ impl Removal {
     fn new_len(&self) -> u32 {
         self.len - self.removed()
     }
+    /// End of the new logical blocks that receive rows (from the one holding `first`).
+    fn written_end(&self, bs: u32) -> usize {
+        let fb = (self.first / bs) as usize;
+        if self.pull_head {
+            fb + 1
+        } else if self.move_end > self.end {
+            (self.first + (self.move_end - self.end)).div_ceil(bs) as usize
+        } else {
+            fb
+        }
+    }
+
     /// Old logical index of new logical block `k`.
     fn old_block(&self, k: usize) -> usize {
         if k < self.drop_from {
@@ -137,26 +149,40 @@ impl BlockManager<'_> {
         Ok(i)
     }
 
-    /// Plans removing tokens `first..end` (within the length, `first < end < len`).
-    fn plan_removal(&self, first: u32, end: u32, len: u32) -> Removal {
+    /// Plans removing tokens `first..end` of sequence `i` (within the length, `first <
+    /// end < len`).
+    fn plan_removal(&self, i: usize, first: u32, end: u32, len: u32) -> Removal {
         let bs = self.config.block_size;
         let (fb, fo) = self.split(first);
         let (whole, rest) = self.split(end - first);
+        let mut pull_head = false;
         let (drop_from, drop_to, move_end) = if rest == 0 {
-            // Offsets are kept: whole blocks go; only a partial first block takes the
-            // rows after `end` up to the end of their block.
+            // Offsets are kept: whole blocks go, and only the block holding `first`
+            // merges with the one holding `end`: either takes the other's rows, whichever
+            // costs fewer (counting a copy of a shared block as a block of rows).
             let from = (fb + u32::from(fo != 0)) as usize;
             let move_end = if fo == 0 {
                 end
             } else {
                 len.min((end - fo).saturating_add(bs))
             };
-            (from, from + whole as usize, move_end)
+            let row = self.seqs.row(i);
+            let copy_cost = |k: usize| match self.pool.is_exclusive(self.seqs.table[row + k]) {
+                true => 0,
+                false => bs,
+            };
+            let (head, tail) = (fb as usize, (fb + whole) as usize);
+            pull_head = fo != 0 && fo + copy_cost(tail) < (move_end - end) + copy_cost(head);
+            match pull_head {
+                true => (head, head + whole as usize, end),
+                false => (from, from + whole as usize, move_end),
+            }
         } else {
             let new_blocks = self.blocks_for(len - (end - first)) as usize;
             (new_blocks, self.blocks_for(len) as usize, len)
         };
         Removal {
+            pull_head,
             first,
             end,
             len,
@@ -235,9 +261,11 @@ impl BlockManager<'_> {
     ///
     /// When `first_index` is on a block boundary and the count a multiple of the block
     /// size, whole blocks leave the block table and nothing is copied. Otherwise token
-    /// rows move: when the count is a multiple of the block size only the rows after
-    /// `end_index` in its block (into the block holding `first_index`), else every row
-    /// after `end_index` (offsets within blocks change). Moves are written to
+    /// rows move: when the count is a multiple of the block size, only the rows of one of
+    /// the two edge blocks, into the other (the rows after `end_index` in its block, or
+    /// those before `first_index` in its block, whichever is cheaper counting a shared
+    /// block's copy as a block of rows); else every row after `end_index` (offsets within
+    /// blocks change). Moves are written to
     /// `moves[..edited.moves]`; a shared block that receives rows is first copied
     /// (`copies[..edited.copies]`, one more block each). Execute copies, then moves, in
     /// order, before the next allocation (module docs). Blocks from the one holding
@@ -298,14 +326,13 @@ impl BlockManager<'_> {
                 first,
             ));
         }
-        let plan = self.plan_removal(first, end, len);
+        let plan = self.plan_removal(i, first, end, len);
         let new_len = plan.new_len();
         let (fb, _) = self.split(first);
         let fb = fb as usize;
         // New logical blocks written: those receiving rows, or (shift) all from `fb` on.
         let write_to = match delta {
-            0 if plan.move_end == end => fb,
-            0 => self.blocks_for(first + (plan.move_end - end)) as usize,
+            0 => plan.written_end(self.config.block_size),
             _ => self.blocks_for(new_len) as usize,
         };
         // The written blocks in old logical indices: before and after the dropped ones.
@@ -329,7 +356,10 @@ impl BlockManager<'_> {
                 got: copies.len(),
             });
         }
-        let need_moves = self.row_run_count(end, plan.move_end, end - first);
+        let need_moves = match plan.pull_head {
+            true => 1,
+            false => self.row_run_count(end, plan.move_end, end - first),
+        };
         if moves.len() < need_moves as usize {
             return Err(SeqError::MoveBufferTooSmall {
                 needed: need_moves as usize,
@@ -349,6 +379,17 @@ impl BlockManager<'_> {
         // The moved rows' old and new places, in the old layout (the dropped blocks are
         // still in the row; rows land before them).
         let mut n_moves = 0u32;
+        if plan.pull_head {
+            // The rows before `first` in its block, to the same offsets of the block
+            // holding `end` (which keeps its rows from `end` on).
+            let head = fb as u32 * self.config.block_size;
+            moves[0] = RowMove {
+                src_slot: self.slot_in(row, head),
+                dst_slot: self.slot_in(row, head + (end - first)),
+                count: first - head,
+            };
+            n_moves = 1;
+        }
         self.row_runs(end, plan.move_end, end - first, |src, dst, count| {
             moves[n_moves as usize] = RowMove {
                 src_slot: self.slot_in(row, src),
