@@ -13,12 +13,15 @@
 //!
 //! Every edit checks everything (handle, range, buffers, free blocks, positions) before
 //! it changes anything, and allocates nothing. After an edit that moves rows down to
-//! token `first`, the sequence's blocks from the one holding `first` on are no longer
-//! registered in the prefix cache (even those other sequences hold: their content is
-//! unchanged, but a registered block whose chain parent left could strand cached
-//! descendants no lookup reaches; the other holders only stop extending that chain), and
-//! the sequence commits nothing from `first` on again: those rows sit at other indices
-//! or positions than a prompt with the same ids would give them. Removing the tail is a
+//! token `first`, the sequence commits nothing from `first` on again (those rows sit at
+//! other indices or positions than a prompt with the same ids would give them), and of
+//! its blocks from the one holding `first` on, those it holds alone leave the prefix
+//! cache's registry: written ones because their content changes, the others because
+//! they now follow blocks of another chain, so once released they would sit cached
+//! after their chain's head and could outlive it unreachable. Blocks other sequences
+//! hold too keep their registration: their content is unchanged and valid for their
+//! chain, which those sequences hold in order (a system prompt shared by many
+//! conversations stays hot when one of them edits). Removing the tail is a
 //! [`BlockManager::truncate`] and keeps its rules.
 
 //!
@@ -410,7 +413,7 @@ impl BlockManager<'_> {
                 let rows =
                     (new_len - k as u32 * self.config.block_size).min(self.config.block_size);
                 self.pool.set_fill(b, rows);
-            } else if self.prefix.is_registered(b) {
+            } else if self.prefix.is_registered(b) && self.pool.is_exclusive(b) {
                 self.prefix.unregister(b);
             }
         }

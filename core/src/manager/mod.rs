@@ -27,7 +27,11 @@
 //!   shared or registered partial block copies it first (copy-on-write) or unregisters it.
 //! - A chain's blocks become cached deepest first (a sequence releases its blocks last to
 //!   first), so eviction, least recently cached first, takes a chain's tail before its
-//!   head and every cached block stays reachable by a lookup from the first block.
+//!   head and every cached block stays reachable by a lookup from the first block. (One
+//!   exception, harmless: a registered block that an edited sequence kept past its edit
+//!   point while others held it too, and that the edited sequence releases last, may
+//!   become cached after its chain's head; once the head is evicted no lookup reaches it,
+//!   so it is never served and waits for eviction like any cached block. See [`edit`].)
 //! - Every operation checks all its preconditions (handle, lengths, buffer sizes, free
 //!   blocks) before it changes anything, so a failed operation leaves no trace.
 //!

@@ -25,6 +25,7 @@
 //!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
+//!    [`manager_edit`] (sequence edits: copies and row moves out),
 //!    [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap
 //!    plans);
 //! 3. [`scheduler`] (the engine step over a tier-2 manager).
@@ -38,6 +39,7 @@ pub mod engine;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
+pub mod manager_edit;
 pub mod manager_seqs;
 pub mod manager_swap;
 // After the manager's modules, so the header lists its block-table exports after them.
@@ -56,6 +58,7 @@ pub use engine::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
+pub use manager_edit::*;
 pub use manager_seqs::*;
 pub use manager_swap::*;
 pub use plan::*;
