@@ -476,6 +476,10 @@ static void manager_seq_calls(void) {
   uint32_t table[16], indptr[3], indices[8], last[2];
   kvpage_seq pair[2];
   uint64_t garbage[4] = {1, 2, 3, 4}; /* not a manager */
+  kvpage_row_move moves[8];
+  kvpage_edit ed;
+  kvpage_context_shift shift;
+  int64_t pos = 0;
 
   EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 8, 4, 32, &mc, &err));
   mc.host_blocks = 0; /* no host tier: swaps are refused */
@@ -523,6 +527,31 @@ static void manager_seq_calls(void) {
   EXPECT(KVPAGE_OK, kvpage_manager_is_swapped(m, s, &swapped, &err));
   EXPECT_TRUE(swapped == 0);
   EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
+  /* Edits: null pointers, stale ids, short arrays, ranges past the length, positions. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_rm(NULL, s, 0, 1, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, NULL, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_context_shift(m, s, 1, 1, copies, 8, moves, 8, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_cp(m, s, 0, 2, 1, moves, 8, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_keep(m, s, NULL, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_pos_max(m, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_seq_add((kvpage_manager *)garbage, s, 0, 1, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_rm(m, gone, 0, 0, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_context_shift(m, gone, 0, 0, copies, 8, moves, 8, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_cp(m, gone, 0, 0, 1, moves, 8, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_make_exclusive(m, gone, 0, 0, copies, 8, &n, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_pos_min(m, gone, &pos, &err));
+  pair[0] = s;
+  pair[1] = gone;
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_keep(m, KVPAGE_SEQ_NONE, pair, 2, NULL, &err));
+  /* Removing token 1 of 6 moves 4 rows in 3 runs (offsets change): 2 slots are short. */
+  EXPECT_TRUE(kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, moves, 2, &ed, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == 3 && err.available == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_seq_cp(m, s, 1, 6, 1, moves, 1, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_seq_rm(m, s, 4, 7, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_context_shift(m, s, 5, 2, copies, 8, moves, 8, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_seq_cp(m, s, 2, 1, 1, moves, 8, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_manager_seq_add(m, s, 3, 6, -3, &err));
+  EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
 
   EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st1, &err));
   EXPECT_TRUE(same_stats(&st0, &st1));
@@ -535,6 +564,16 @@ static void manager_seq_calls(void) {
   pair[1] = s;
   EXPECT(KVPAGE_OK, kvpage_manager_block_table_csr(m, pair, 2, indptr, 3, indices, 8, last, 2, &err));
   EXPECT_TRUE(indptr[0] == 0 && indptr[1] == 3 && indptr[2] == 6 && indices[4] == blocks[1] && last[0] == 1);
+  /* Edits work: a removal reports its row moves and leaves a gap in the positions. */
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, moves, 8, &ed, &err));
+  EXPECT_TRUE(ed.copies == 0 && ed.moves == 4 && moves[0].count == 2);
+  EXPECT(KVPAGE_OK, kvpage_manager_len(m, s, &len, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_pos_max(m, s, &pos, &err));
+  EXPECT_TRUE(len == 8 && pos == 8);
+  EXPECT(KVPAGE_OK, kvpage_manager_context_shift(m, s, 1, 4, copies, 8, moves, 8, &shift, &err));
+  EXPECT_TRUE(shift.rotate_first == 1 && shift.rotate_end == 4 && shift.delta == -4);
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_pos_max(m, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
   free(storage);
   section("manager sequence calls", before);
 }
