@@ -1576,7 +1576,52 @@ fn nothing_allocates_after_init() {
                 kvpage_manager_swap_in(m, b, copies.as_mut_ptr(), 8, null_mut(), &mut e),
                 KVPAGE_OK
             );
+            // Edits, with their plans in the caller's arrays.
+            let mut moves = [kvpage_row_move::default(); 16];
+            let mut ed = kvpage_edit::default();
+            let mut shift = kvpage_context_shift::default();
+            let mut pos = 0i64;
+            assert_eq!(
+                kvpage_manager_seq_rm(
+                    m,
+                    b,
+                    1,
+                    3,
+                    copies.as_mut_ptr(),
+                    8,
+                    moves.as_mut_ptr(),
+                    16,
+                    &mut ed,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert!(ed.moves > 0);
+            assert_eq!(
+                kvpage_manager_context_shift(
+                    m,
+                    f,
+                    4,
+                    4,
+                    copies.as_mut_ptr(),
+                    8,
+                    moves.as_mut_ptr(),
+                    16,
+                    &mut shift,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert_eq!(kvpage_manager_seq_add(m, b, 1, 2, -1, &mut e), KVPAGE_OK);
+            assert_eq!(
+                kvpage_manager_seq_pos_max(m, b, &mut pos, &mut e),
+                KVPAGE_OK
+            );
             // Failures write their message into the caller's struct, allocating nothing.
+            assert_eq!(
+                kvpage_manager_seq_add(m, b, 1, 2, -5, &mut e),
+                KVPAGE_ERR_BAD_POSITIONS
+            );
             assert_eq!(
                 kvpage_manager_append(m, b, 9, slots.as_mut_ptr(), 1, &mut ap, &mut e),
                 KVPAGE_ERR_BUFFER_TOO_SMALL
