@@ -23,7 +23,6 @@
 //! chain, which those sequences hold in order (a system prompt shared by many
 //! conversations stays hot when one of them edits). Removing the tail is a
 //! [`BlockManager::truncate`] and keeps its rules.
-
 //!
 //! The backend executes what an edit reports in this order: the block copies, then the
 //! row moves in order (each a `memmove`), then, after a context shift, the key rotation.
@@ -38,9 +37,9 @@ use crate::error::SeqError;
 /// from slots `src_slot..src_slot + count` to slots `dst_slot..dst_slot + count` (slot =
 /// `block * block_size + offset`, as in the slot mapping). Both ranges lie within one
 /// block, so in the block-major layout a move is, per `(layer, k|v, kv_head)` tile, one
-/// contiguous range of `count * head_dim` elements. Moves of one edit go to lower token
-/// indices and may overwrite rows an earlier move read: execute them in order, each as a
-/// `memmove` (the ranges of one move may overlap within a block).
+/// contiguous range of `count * head_dim` elements. A move may overwrite rows an earlier
+/// move of the same edit read: execute them in order, each as a `memmove` (the ranges of
+/// one move may overlap within a block).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 #[repr(C)]
