@@ -65,6 +65,7 @@ fn append(c: &mut Criterion) {
         instance: 0,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
@@ -116,6 +117,7 @@ const LONG_SEQS: Config = Config {
     instance: 0,
     hash_key: 0,
     prefix_cache: true,
+    max_position_runs: 4,
 };
 
 /// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it

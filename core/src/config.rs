@@ -32,7 +32,22 @@ pub struct Config {
     /// [`crate::BlockManager::commit`] returns 0 and appends store no token ids. Forks
     /// still share blocks. Off suits firmware and single-sequence apps.
     pub prefix_cache: bool,
+    /// Position runs one sequence can hold (see [`crate::PositionRun`]): a fresh sequence
+    /// uses one, each edit that leaves a gap in its positions
+    /// ([`crate::BlockManager::remove_range`], [`crate::BlockManager::shift_positions`])
+    /// may add one, and an edit that would need more fails with
+    /// [`crate::SeqError::TooManyPositionRuns`]. Between 1 and [`MAX_POSITION_RUNS`];
+    /// [`Config::for_geometry`] picks [`DEFAULT_POSITION_RUNS`]. Costs `2 * max_seqs` `u32` per run.
+    pub max_position_runs: u32,
 }
+
+/// The [`Config::max_position_runs`] of [`Config::for_geometry`] (and of the C API's
+/// configurations): enough for a context shift or two edits between compactions.
+pub const DEFAULT_POSITION_RUNS: u32 = 4;
+
+/// The largest [`Config::max_position_runs`] [`Config::validate`] accepts: edits work on
+/// a copy of a sequence's runs on the stack, `(MAX_POSITION_RUNS + 2) * 8` bytes.
+pub const MAX_POSITION_RUNS: u32 = 64;
 
 impl Config {
     /// The configuration for a model of `geometry`: its block size, `num_blocks` blocks,
@@ -56,6 +71,7 @@ impl Config {
             instance: 0,
             hash_key: 0,
             prefix_cache: true,
+            max_position_runs: DEFAULT_POSITION_RUNS,
         }
     }
 
@@ -80,7 +96,8 @@ impl Config {
     /// Checks that every size is non-zero and addressable. O(1).
     ///
     /// # Errors
-    /// [`InitError::ZeroSize`] for a zero size field; [`InitError::TooLarge`] when a
+    /// [`InitError::ZeroSize`] for a zero size field (`max_position_runs` included);
+    /// [`InitError::TooLarge`] when `max_position_runs` exceeds [`MAX_POSITION_RUNS`], when a
     /// token slot `num_blocks * block_size`, the block table `max_seqs *
     /// max_blocks_per_seq`, or the tokens of one sequence do not fit in a `u32`, when
     /// `num_blocks` exceeds 2^30 (the prefix cache's hash table would not fit a `u32`),
@@ -90,6 +107,7 @@ impl Config {
             || self.block_size == 0
             || self.max_seqs == 0
             || self.max_blocks_per_seq == 0
+            || self.max_position_runs == 0
         {
             return Err(InitError::ZeroSize);
         }
@@ -101,6 +119,7 @@ impl Config {
             || table > u32::MAX as u64
             || seq_tokens > u32::MAX as u64
             || self.num_blocks > (1 << 30)
+            || self.max_position_runs > MAX_POSITION_RUNS
         {
             return Err(InitError::TooLarge);
         }
@@ -108,6 +127,14 @@ impl Config {
             return Err(InitError::TooLarge);
         }
         Ok(())
+    }
+
+    /// The most [`crate::RowMove`]s one edit reports (`2 * max_blocks_per_seq + 1`: runs
+    /// of rows are cut at every block boundary of the source and of the destination):
+    /// a move buffer this long never gets [`crate::SeqError::MoveBufferTooSmall`]. The
+    /// most [`crate::BlockCopy`]s one edit reports is `max_blocks_per_seq`. O(1).
+    pub const fn max_row_moves(&self) -> u64 {
+        2 * self.max_blocks_per_seq as u64 + 1
     }
 
     /// Tokens one sequence can hold: `max_blocks_per_seq * block_size`. O(1).

@@ -254,7 +254,10 @@ pub struct ScheduledSeq {
     /// Its sequence: [`SeqId::index`] is its row of [`BlockManager::block_table`].
     pub seq: SeqId,
     /// Position of the first query token; the queries are `first_pos..first_pos +
-    /// tokens`, and attention covers positions `0..first_pos + tokens` (causal).
+    /// tokens`, and attention covers positions `0..first_pos + tokens` (causal). It is
+    /// also the token index: the engine never edits its sequences (and a sequence edited
+    /// behind its back, with [`BlockManager::remove_range`] say, breaks its bookkeeping),
+    /// so their positions are their indices ([`BlockManager::position_runs`] is `{0, 0}`).
     pub first_pos: u32,
     /// Query tokens this step (a prefill chunk, or 1 to decode).
     pub tokens: u32,

@@ -116,6 +116,28 @@ pub enum SeqError {
         /// Current length.
         len: u32,
     },
+    /// A token range `first..end` of an edit that is reversed or reaches past the
+    /// sequence's length.
+    BadRange {
+        /// First token index of the range.
+        first: u32,
+        /// End (exclusive) of the range.
+        end: u32,
+        /// Tokens the sequence holds.
+        len: u32,
+    },
+    /// The positions an edit or [`crate::BlockManager::set_position_runs`] asks for are
+    /// not strictly increasing in token order, do not start at token 0, or leave the
+    /// `u32` range (also when an append would need a position past `u32::MAX`).
+    BadPositions,
+    /// The sequence's positions would need more runs than
+    /// [`crate::Config::max_position_runs`].
+    TooManyPositionRuns {
+        /// Runs needed.
+        needed: u32,
+        /// Runs a sequence can hold.
+        capacity: u32,
+    },
 }
 
 impl fmt::Display for SeqError {
@@ -148,6 +170,19 @@ impl fmt::Display for SeqError {
                 write!(
                     f,
                     "cannot truncate to {requested}: sequence holds {len} tokens"
+                )
+            }
+            Self::BadRange { first, end, len } => {
+                write!(
+                    f,
+                    "token range {first}..{end} is not within the sequence's {len} tokens"
+                )
+            }
+            Self::BadPositions => f.write_str("positions not strictly increasing or out of range"),
+            Self::TooManyPositionRuns { needed, capacity } => {
+                write!(
+                    f,
+                    "positions need {needed} runs, a sequence holds {capacity}"
                 )
             }
         }

@@ -15,6 +15,7 @@
 //!     instance: 1,
 //!     hash_key: 0,
 //!     prefix_cache: true,
+//!     max_position_runs: 4,
 //! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -33,7 +34,12 @@
 //! and appends) returns the slot of each new token; the backend executes any reported
 //! [`BlockCopy`] and writes the K/V there; [`BlockManager::commit`] then offers the full
 //! blocks to the prefix cache; [`BlockManager::block_table`] and
-//! [`BlockManager::seq_lens`] are what attention kernels read.
+//! [`BlockManager::seq_lens`] are what attention kernels read. Long conversations edit
+//! their sequences in `llama.h`'s spirit ([`BlockManager::remove_range`],
+//! [`BlockManager::shift_positions`], [`BlockManager::copy_range`],
+//! [`BlockManager::release_all_except`], [`BlockManager::context_shift`]); the backend
+//! executes the [`BlockCopy`]s and [`RowMove`]s they report, and each token's rotary
+//! position is [`BlockManager::position`] (its index until an edit says otherwise).
 //!
 //! After [`BlockManager::new`] no operation allocates or panics on caller input; every
 //! misuse is a typed error ([`SeqError`], [`InitError`], [`GeometryError`]) and a failed
@@ -56,7 +62,7 @@ mod shared;
 mod stats;
 mod storage;
 
-pub use config::Config;
+pub use config::{Config, DEFAULT_POSITION_RUNS, MAX_POSITION_RUNS};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
     RequestId, RequestState, Sampled, ScheduledSeq, Step,
@@ -65,7 +71,10 @@ pub use error::{GeometryError, InitError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use host_tier::HostPool;
 pub use index_set::IndexSet;
-pub use manager::{Appended, BlockCopy, BlockManager, PrefixHit, PromptStart, SeqId};
+pub use manager::{
+    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, PositionRun, PrefixHit,
+    PromptStart, RowMove, SeqId,
+};
 pub use scheduler::{
     schedule, schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig,
     StepInput, StepPlan, SwappedSeq, WaitingSeq,

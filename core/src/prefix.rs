@@ -502,6 +502,7 @@ mod tests {
             instance: 0,
             hash_key: key,
             prefix_cache: true,
+            max_position_runs: 4,
         }
     }
 

@@ -14,6 +14,7 @@ const CONFIG: Config = Config {
     instance: 9,
     hash_key: 0,
     prefix_cache: true,
+    max_position_runs: 4,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -60,6 +61,7 @@ fn config_for_a_geometry() {
             instance: 0,
             hash_key: 0,
             prefix_cache: true,
+            max_position_runs: 4,
         }
     );
     assert_eq!(Config::for_geometry(&g, 64, 4, 256).max_blocks_per_seq, 16);
@@ -115,6 +117,7 @@ fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
         instance: 1,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     let without = Config {
         prefix_cache: false,
@@ -122,12 +125,13 @@ fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
     };
     // Pool: free bitset (32 + 1 u32 = 17 words), refcount and fill (2 × 512 words).
     let pool = 17 + 2 * 512;
-    // Sequences: free bitset (3 u32 = 2 words), table 64 × 256 u32, 8 u32 + 2 u64 a row.
-    let seqs = 2 + 64 * 256 / 2 + 8 * 32 + 2 * 64;
+    // Sequences: free bitset (3 u32 = 2 words), table 64 × 256 u32, 9 u32 + 2 u64 a row,
+    // 4 position runs (one word each) a row.
+    let seqs = 2 + 64 * 256 / 2 + 9 * 32 + 2 * 64 + 4 * 64;
     // Prefix cache: hash and namespace (2 × 1024 words), 8 u32 a block (4096 words),
     // 16 token ids a block (8192 words), hash table of 2048 u32 (1024 words).
     let prefix = 2 * 1024 + 8 * 512 + 1024 * 16 / 2 + 2048 / 2;
-    assert_eq!((pool, seqs, prefix), (1041, 8578, 15360));
+    assert_eq!((pool, seqs, prefix), (1041, 8866, 15360));
     assert_eq!(with.storage_words(), pool + seqs + prefix);
     assert_eq!(without.storage_words(), pool + seqs);
     // Per block: 128 bytes of metadata with the cache, 8 without.

@@ -4,7 +4,7 @@
 //! Only the test's own thread is counted: the test harness allocates on its threads
 //! while the test runs.
 
-use kvpage_core::{BlockManager, Config, SeqId};
+use kvpage_core::{BlockCopy, BlockManager, Config, RowMove, SeqId};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,6 +76,7 @@ fn random_operations_allocate_nothing() {
         instance: 0,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -83,12 +84,14 @@ fn random_operations_allocate_nothing() {
     let mut slots = [0u32; 256];
     let mut prompt = [0u32; 200];
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let mut done = [0u32; 7];
+    let mut done = [0u32; 10];
+    let mut copies = [BlockCopy { src: 0, dst: 0 }; 32];
+    let mut moves = [RowMove::default(); 80];
 
     COUNTING.with(|c| c.set(true));
     for _ in 0..100_000 / MIRI_SCALE {
         let k = rng.below(32) as usize;
-        let op = rng.below(7);
+        let op = rng.below(10);
         let ok = match (op, live[k]) {
             (0, None) => kv
                 .create(u64::from(rng.below(2)))
@@ -125,6 +128,31 @@ fn random_operations_allocate_nothing() {
             (6, Some(s)) => {
                 live[k] = None;
                 kv.release(s).is_ok()
+            }
+            (7, Some(s)) => {
+                let len = kv.len(s).unwrap();
+                let first = rng.below(len + 1);
+                let end = first + rng.below(len - first + 1);
+                kv.remove_range(s, first, end, &mut copies, &mut moves)
+                    .is_ok()
+            }
+            (8, Some(s)) => {
+                let len = kv.len(s).unwrap();
+                let keep = rng.below(len + 1);
+                let discard = rng.below(len - keep + 1);
+                kv.context_shift(s, keep, discard, &mut copies, &mut moves)
+                    .is_ok()
+                    && kv.shift_positions(s, 0, keep, 0).is_ok()
+            }
+            (9, Some(s)) => {
+                let slot = rng.below(32) as usize;
+                let len = kv.len(s).unwrap();
+                let first = rng.below(len + 1);
+                live[slot].is_none()
+                    && kv
+                        .copy_range(s, first, len, 0, &mut moves)
+                        .map(|c| live[slot] = Some(c.seq))
+                        .is_ok()
             }
             _ => {
                 kv.evict_cached(rng.below(4));
@@ -166,6 +194,7 @@ fn engine_steps_allocate_nothing() {
         instance: 5,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

@@ -91,7 +91,7 @@ static int workload(kvpage_cache *c, float *out) {
 
 static void result_codes(void) {
   unsigned before = checks, code, other;
-  for (code = 0; code <= KVPAGE_ERR_INTERNAL; code++) {
+  for (code = 0; code <= KVPAGE_RESULT_LAST; code++) {
     const char *s = kvpage_result_str(code);
     int distinct = s != NULL && strcmp(s, "unknown result code") != 0;
     for (other = 0; distinct && other < code; other++)
@@ -151,7 +151,9 @@ static void cache_calls(void) {
   float k[5 * ROW] = {0}, v[5 * ROW] = {0}, q[6 * Q_HEADS * HEAD_DIM] = {0};
   float out[6 * Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
   uint16_t raw[5 * ROW] = {0};
-  kvpage_seq batch[5];
+  kvpage_seq batch[5], keep_set[2];
+  kvpage_context_shift shift;
+  int64_t pos = 0;
   uint32_t nq[5] = {1, 1, 1, 1, 1};
   float nan_scale = (float)NAN;
 
@@ -185,6 +187,13 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, NULL, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_decode(c, 0, &s, 1, q, Q_HEADS * HEAD_DIM, NULL, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefill(c, 0, &s, NULL, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_rm(NULL, s, 0, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_add(NULL, s, 0, 1, 1, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_cp(c, s, 0, 1, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_keep(c, s, NULL, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(c, s, 1, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_min(c, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_max(NULL, s, &pos, &err));
 
   /* Pointers to something that is not a cache (here 16 zero bytes). */
   {
@@ -207,6 +216,16 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_truncate(c, gone, 0, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_write_kv(c, gone, 0, 0, 1, k, ROW, v, ROW, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_decode(c, 0, &gone, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_rm(c, gone, 0, 0, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_add(c, gone, 0, 0, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_cp(c, gone, 0, 0, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_context_shift(c, gone, 0, 0, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_pos_min(c, gone, &pos, &err));
+  /* A stale id anywhere in the set: nothing is released (`s` stays live). */
+  keep_set[0] = s;
+  keep_set[1] = gone;
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_keep(c, KVPAGE_SEQ_NONE, keep_set, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_keep(c, gone, keep_set, 1, NULL, &err));
   EXPECT_TRUE(kvpage_cache_len(c, foreign, &len, &err) != KVPAGE_OK);
   memset(&err, 0, sizeof err);
   EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
@@ -231,6 +250,34 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_QUERIES_EXCEED_CONTEXT, kvpage_cache_prefill(c, 0, &s, nq, 1, q, 6 * Q_HEADS * HEAD_DIM, out, 6 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   EXPECT(KVPAGE_ERR_SEQ_TOO_LONG, kvpage_cache_append_tokens(c, s, tokens, 40, &err));
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_truncate(c, s, 6, &err));
+  /* Edits: ranges past the length or reversed, positions out of order or range. */
+  EXPECT_TRUE(kvpage_cache_seq_rm(c, s, 2, 6, &err) == KVPAGE_ERR_BEYOND_LENGTH && err.needed == 6 && err.available == 5 && err.value == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_rm(c, s, 3, 2, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_cp(c, s, 0, 9, 0, &child, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 4, 2, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 1, 0xFFFFFFFFu, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_add(c, s, 0, 7, 1, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 2, 5, -2, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 0, 5, -1, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, INT32_MAX, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 4, 5, INT32_MAX, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, -INT32_MAX, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_max(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
+  /* Too many position runs: each gap is a run, and a sequence holds 4. */
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, 3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 3, 5, 3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 2, 5, 3, &err));
+  EXPECT_TRUE(kvpage_cache_seq_add(c, s, 1, 5, 3, &err) == KVPAGE_ERR_TOO_MANY_POSITION_RUNS && err.needed == 5 && err.available == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 2, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 3, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_add(c, s, 4, 5, -3, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_min(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_pos_max(c, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
   batch[0] = batch[1] = batch[2] = batch[3] = batch[4] = s;
   EXPECT(KVPAGE_ERR_BATCH_TOO_LARGE, kvpage_cache_decode(c, 0, batch, 5, q, 5 * Q_HEADS * HEAD_DIM, out, 5 * Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
   /* Out of blocks: 2 of 8 are used; a 30-token prompt needs 8. */
@@ -238,6 +285,10 @@ static void cache_calls(void) {
   memset(&err, 0, sizeof err);
 
   /* Zero sizes are no-ops. */
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_rm(c, s, 2, 2, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_keep(c, s, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_context_shift(c, s, 5, 0, &shift, &err));
+  EXPECT_TRUE(shift.rotate_first == shift.rotate_end && shift.delta == 0);
   EXPECT(KVPAGE_OK, kvpage_cache_append(c, s, 0, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_append_tokens(c, s, NULL, 0, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_decode(c, 0, NULL, 0, NULL, 0, NULL, 0, Q_HEADS, 0.35f, &err));
@@ -425,6 +476,10 @@ static void manager_seq_calls(void) {
   uint32_t table[16], indptr[3], indices[8], last[2];
   kvpage_seq pair[2];
   uint64_t garbage[4] = {1, 2, 3, 4}; /* not a manager */
+  kvpage_row_move moves[8];
+  kvpage_edit ed;
+  kvpage_context_shift shift;
+  int64_t pos = 0;
 
   EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 8, 4, 32, &mc, &err));
   mc.host_blocks = 0; /* no host tier: swaps are refused */
@@ -472,6 +527,31 @@ static void manager_seq_calls(void) {
   EXPECT(KVPAGE_OK, kvpage_manager_is_swapped(m, s, &swapped, &err));
   EXPECT_TRUE(swapped == 0);
   EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
+  /* Edits: null pointers, stale ids, short arrays, ranges past the length, positions. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_rm(NULL, s, 0, 1, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, NULL, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_context_shift(m, s, 1, 1, copies, 8, moves, 8, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_cp(m, s, 0, 2, 1, moves, 8, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_keep(m, s, NULL, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_seq_pos_max(m, s, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_seq_add((kvpage_manager *)garbage, s, 0, 1, 1, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_rm(m, gone, 0, 0, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_context_shift(m, gone, 0, 0, copies, 8, moves, 8, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_cp(m, gone, 0, 0, 1, moves, 8, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_make_exclusive(m, gone, 0, 0, copies, 8, &n, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_pos_min(m, gone, &pos, &err));
+  pair[0] = s;
+  pair[1] = gone;
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_seq_keep(m, KVPAGE_SEQ_NONE, pair, 2, NULL, &err));
+  /* Removing token 1 of 6 moves 4 rows in 3 runs (offsets change): 2 slots are short. */
+  EXPECT_TRUE(kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, moves, 2, &ed, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == 3 && err.available == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BUFFER_TOO_SMALL, kvpage_manager_seq_cp(m, s, 1, 6, 1, moves, 1, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_seq_rm(m, s, 4, 7, copies, 8, moves, 8, &ed, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_context_shift(m, s, 5, 2, copies, 8, moves, 8, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_manager_seq_cp(m, s, 2, 1, 1, moves, 8, &child, NULL, &err));
+  EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_manager_seq_add(m, s, 3, 6, -3, &err));
+  EXPECT_TRUE(child == KVPAGE_SEQ_NONE);
 
   EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st1, &err));
   EXPECT_TRUE(same_stats(&st0, &st1));
@@ -484,6 +564,16 @@ static void manager_seq_calls(void) {
   pair[1] = s;
   EXPECT(KVPAGE_OK, kvpage_manager_block_table_csr(m, pair, 2, indptr, 3, indices, 8, last, 2, &err));
   EXPECT_TRUE(indptr[0] == 0 && indptr[1] == 3 && indptr[2] == 6 && indices[4] == blocks[1] && last[0] == 1);
+  /* Edits work: a removal reports its row moves and leaves a gap in the positions. */
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_rm(m, s, 1, 2, copies, 8, moves, 8, &ed, &err));
+  EXPECT_TRUE(ed.copies == 0 && ed.moves == 4 && moves[0].count == 2);
+  EXPECT(KVPAGE_OK, kvpage_manager_len(m, s, &len, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_pos_max(m, s, &pos, &err));
+  EXPECT_TRUE(len == 8 && pos == 8);
+  EXPECT(KVPAGE_OK, kvpage_manager_context_shift(m, s, 1, 4, copies, 8, moves, 8, &shift, &err));
+  EXPECT_TRUE(shift.rotate_first == 1 && shift.rotate_end == 4 && shift.delta == -4);
+  EXPECT(KVPAGE_OK, kvpage_manager_seq_pos_max(m, s, &pos, &err));
+  EXPECT_TRUE(pos == 4);
   free(storage);
   section("manager sequence calls", before);
 }

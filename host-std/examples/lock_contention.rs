@@ -23,6 +23,7 @@ const CONFIG: Config = Config {
     instance: 1,
     hash_key: 0,
     prefix_cache: false,
+    max_position_runs: 4,
 };
 
 /// Runs a closure on the manager under the lock.

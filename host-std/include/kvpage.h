@@ -67,6 +67,9 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // The sequence is full; the last sampled token was reported but not stored.
 #define KVPAGE_FINISH_LENGTH 2
 
+// The highest result code (for tables of messages and tests that walk every code).
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_TOO_MANY_POSITION_RUNS
+
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
 
@@ -131,7 +134,9 @@ enum kvpage_result
   KVPAGE_ERR_SEQ_NOT_SWAPPED = 14,
   // The host tier has too few free blocks (`needed`, `available`).
   KVPAGE_ERR_HOST_FULL = 15,
-  // Truncation beyond the current length (`needed` = requested, `available` = len).
+  // Truncation beyond the current length (`needed` = requested, `available` = len),
+  // or an edit's token range reversed or past it (`needed` = range end, `available` =
+  // len, `value` = range start).
   KVPAGE_ERR_BEYOND_LENGTH = 16,
   // K/V written outside the positions appended since the last commit.
   KVPAGE_ERR_NOT_WRITABLE = 17,
@@ -172,6 +177,11 @@ enum kvpage_result
   // A bug inside kvpage was caught (a panic, a failed internal check); the object
   // is in an unknown state: free it.
   KVPAGE_ERR_INTERNAL = 35,
+  // Positions an edit asks for are not strictly increasing in token order or leave the
+  // `u32` range (also an append past position `u32::MAX`).
+  KVPAGE_ERR_BAD_POSITIONS = 36,
+  // An edit would need more position runs than a sequence holds.
+  KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -262,6 +272,21 @@ typedef struct kvpage_stats {
 
 // A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
 typedef uint64_t kvpage_seq;
+
+// What `kvpage_cache_context_shift` did.
+typedef struct kvpage_context_shift {
+  // Tokens `rotate_first..rotate_end` (indices after the shift) hold keys rotated at
+  // their old positions: rotate them by `delta`. Empty when nothing moved.
+  uint32_t rotate_first;
+  // End (exclusive) of the tokens to rotate.
+  uint32_t rotate_end;
+  // Their position change: `-n_discard` (0 when nothing moved).
+  int32_t delta;
+  // Blocks copied (shared blocks the rotation must not touch in place).
+  uint32_t copied_blocks;
+  // Row moves executed (0 for a block-aligned shift).
+  uint32_t row_moves;
+} kvpage_context_shift;
 
 // Limits of one step of an engine or scheduler.
 typedef struct kvpage_scheduler_params {
@@ -432,6 +457,33 @@ typedef struct kvpage_manager_config {
   // Blocks of the host tier for swapped-out sequences; 0 for none.
   uint32_t host_blocks;
 } kvpage_manager_config;
+
+// Token rows the caller's kernels move after a sequence edit (tier 2): `count` rows from
+// slots `src_slot..` to slots `dst_slot..` (slot = `block * block_size + offset`), in
+// every layer, K and V, every KV head. Both ranges lie within one block, so in the
+// block-major layout a move is one contiguous range of `count * head_dim` elements per
+// `[token][head_dim]` tile. Execute an edit's moves in order, each as a `memmove`, after
+// its block copies.
+typedef struct kvpage_row_move {
+  // First slot read.
+  uint32_t src_slot;
+  // First slot written.
+  uint32_t dst_slot;
+  // Rows moved (1 to `block_size`).
+  uint32_t count;
+} kvpage_row_move;
+
+// What an edit wrote and did.
+typedef struct kvpage_edit {
+  // Block copies written to the front of `copies`: execute them first.
+  uint32_t copies;
+  // Row moves written to the front of `moves`: execute them next, in order.
+  uint32_t moves;
+  // Blocks allocated (copy destinations, blocks of a copied range).
+  uint32_t new_blocks;
+  // Block references dropped.
+  uint32_t released_blocks;
+} kvpage_edit;
 
 // A sequence created from a prompt (`kvpage_manager_create_with_prompt`).
 typedef struct kvpage_prompt_start {
@@ -825,6 +877,133 @@ kvpage_result kvpage_cache_prefill(kvpage_cache *cache,
                                    float scale,
                                    struct kvpage_error *err);
 
+// Removes tokens `first..end` of `seq` and moves the later ones down (llama's
+// `seq_rm`); they keep their positions. Block-aligned ranges drop whole blocks and copy
+// nothing. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (range reversed or past the length: `needed` = `end`,
+// `available` = length, `value` = `first`), `KVPAGE_ERR_OUT_OF_BLOCKS` (a shared block
+// to copy), `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_seq_rm(kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t first,
+                                  uint32_t end,
+                                  struct kvpage_error *err);
+
+// Adds `delta` to the positions of tokens `first..end` of `seq` (llama's `seq_add`).
+// Only positions change; the keys stay rotated at the old ones. O(position runs).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH`, `KVPAGE_ERR_BAD_POSITIONS` (positions would not stay
+// strictly increasing or would leave `0..=UINT32_MAX`),
+// `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_seq_add(kvpage_cache *cache,
+                                   kvpage_seq seq,
+                                   uint32_t first,
+                                   uint32_t end,
+                                   int32_t delta,
+                                   struct kvpage_error *err);
+
+// Creates a sequence in `namespace` holding tokens `first..end` of `seq` at their
+// positions (llama's `seq_cp`, into a new sequence), written to `*out_seq`. From a
+// block boundary the blocks are shared (copy-on-write later); otherwise the rows are
+// copied into new blocks. O(blocks of the range, + copied rows).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH`, `KVPAGE_ERR_NO_FREE_SEQ`, `KVPAGE_ERR_OUT_OF_BLOCKS`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_seq` is null or writable.
+kvpage_result kvpage_cache_seq_cp(kvpage_cache *cache,
+                                  kvpage_seq seq,
+                                  uint32_t first,
+                                  uint32_t end,
+                                  uint64_t namespace_,
+                                  kvpage_seq *out_seq,
+                                  struct kvpage_error *err);
+
+// Releases every sequence of `others[0..n_others]` except `keep` (llama's `seq_keep`
+// over the caller's set; `keep` may be listed, a sequence listed twice is released
+// once). Writes how many were released to `*out_released` when it is not null.
+// O(n_others + their blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (`others` null with `n_others > 0`),
+// `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache),
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ` for `keep` or any of `others`: then
+// nothing is released.
+//
+// # Safety
+// `cache` is null or a live cache; `others` is null or `n_others` readable ids;
+// `out_released` is null or writable.
+kvpage_result kvpage_cache_seq_keep(kvpage_cache *cache,
+                                    kvpage_seq keep,
+                                    const kvpage_seq *others,
+                                    size_t n_others,
+                                    uint32_t *out_released,
+                                    struct kvpage_error *err);
+
+// Context shift: keeps the first `n_keep` tokens of `seq`, drops the next `n_discard`,
+// moves the rest down and lowers their positions by `n_discard`, without recomputing
+// anything; the blocks of the moved tokens become this sequence's alone. Writes to
+// `*out_shift` which tokens still hold keys rotated at their old positions and by how
+// much to rotate them. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// `KVPAGE_ERR_BEYOND_LENGTH` (`n_keep + n_discard` past the length, or `n_discard`
+// over `INT32_MAX`), `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_shift` is null or writable.
+kvpage_result kvpage_cache_context_shift(kvpage_cache *cache,
+                                         kvpage_seq seq,
+                                         uint32_t n_keep,
+                                         uint32_t n_discard,
+                                         struct kvpage_context_shift *out_shift,
+                                         struct kvpage_error *err);
+
+// Writes the position of the first token of `seq` to `*out_pos`, or -1 when it is empty
+// (llama's `seq_pos_min`). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_pos` is null or writable.
+kvpage_result kvpage_cache_seq_pos_min(const kvpage_cache *cache,
+                                       kvpage_seq seq,
+                                       int64_t *out_pos,
+                                       struct kvpage_error *err);
+
+// Writes the position of the last token of `seq` to `*out_pos`, or -1 when it is empty
+// (llama's `seq_pos_max`). O(1).
+//
+// # Errors
+// As [`kvpage_cache_seq_pos_min`].
+//
+// # Safety
+// As [`kvpage_cache_seq_pos_min`].
+kvpage_result kvpage_cache_seq_pos_max(const kvpage_cache *cache,
+                                       kvpage_seq seq,
+                                       int64_t *out_pos,
+                                       struct kvpage_error *err);
+
 // Parameters of an engine for `geometry`: the cache of
 // `kvpage_cache_default_params(geometry)`, 256 requests, steps of at most 2048 tokens
 // and 64 running sequences, a watermark of 1 block, preemption by recompute, no host
@@ -1167,6 +1346,166 @@ kvpage_result kvpage_manager_evict_cached(kvpage_manager *manager,
 kvpage_result kvpage_manager_stats(const kvpage_manager *manager,
                                    struct kvpage_stats *out_stats,
                                    struct kvpage_error *err);
+
+// Removes tokens `first..end` of `seq` and moves the later ones down (llama's `seq_rm`);
+// they keep their positions. Writes the copies and moves to execute, and their numbers
+// to `*out_edit` (NULL to ignore). A block-aligned range only edits the block table.
+// O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BEYOND_LENGTH` (range
+// reversed or past the length: `needed` = `end`, `available` = length, `value` =
+// `first`), `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_BUFFER_TOO_SMALL` (`copies` or
+// `moves`), `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `manager` is null or a manager; `copies` / `moves` writable for their lengths (null
+// when 0); `out_edit` null or writable.
+kvpage_result kvpage_manager_seq_rm(kvpage_manager *manager,
+                                    kvpage_seq seq,
+                                    uint32_t first,
+                                    uint32_t end,
+                                    struct kvpage_block_copy *copies,
+                                    size_t copies_len,
+                                    struct kvpage_row_move *moves,
+                                    size_t moves_len,
+                                    struct kvpage_edit *out_edit,
+                                    struct kvpage_error *err);
+
+// Context shift: keeps the first `n_keep` tokens of `seq`, drops the next `n_discard`,
+// moves the rest down and lowers their positions by `n_discard`; every block of a moved
+// token becomes the sequence's own (shared ones are copied). Writes the copies and
+// moves to execute and, to `*out_shift`, their numbers and the tokens whose keys to
+// re-rotate (by `delta`) after them. O(blocks of `seq`).
+//
+// # Errors
+// As `kvpage_manager_seq_rm` (`KVPAGE_ERR_BEYOND_LENGTH` also for `n_discard` over
+// `INT32_MAX`).
+//
+// # Safety
+// As `kvpage_manager_seq_rm`; `out_shift` null or writable.
+kvpage_result kvpage_manager_context_shift(kvpage_manager *manager,
+                                           kvpage_seq seq,
+                                           uint32_t n_keep,
+                                           uint32_t n_discard,
+                                           struct kvpage_block_copy *copies,
+                                           size_t copies_len,
+                                           struct kvpage_row_move *moves,
+                                           size_t moves_len,
+                                           struct kvpage_context_shift *out_shift,
+                                           struct kvpage_error *err);
+
+// Adds `delta` to the positions of tokens `first..end` of `seq` (llama's `seq_add`).
+// Only positions change: to re-rotate the keys in place, first own their blocks with
+// `kvpage_manager_make_exclusive`. O(position runs).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BEYOND_LENGTH`,
+// `KVPAGE_ERR_BAD_POSITIONS`, `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+//
+// # Safety
+// `manager` is null or a manager.
+kvpage_result kvpage_manager_seq_add(kvpage_manager *manager,
+                                     kvpage_seq seq,
+                                     uint32_t first,
+                                     uint32_t end,
+                                     int32_t delta,
+                                     struct kvpage_error *err);
+
+// Makes the blocks holding tokens `first..end` of `seq` its own so their K/V may be
+// rewritten in place (to re-rotate keys after `kvpage_manager_seq_add`): each shared one
+// is copied (`copies[0..*out_n]`, execute before writing). O(blocks in the range).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BEYOND_LENGTH`,
+// `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `manager` is null or a manager; `copies` writable for `copies_len` records (null
+// when 0); `out_n` null or writable.
+kvpage_result kvpage_manager_make_exclusive(kvpage_manager *manager,
+                                            kvpage_seq seq,
+                                            uint32_t first,
+                                            uint32_t end,
+                                            struct kvpage_block_copy *copies,
+                                            size_t copies_len,
+                                            size_t *out_n,
+                                            struct kvpage_error *err);
+
+// Creates a sequence in `namespace` holding tokens `first..end` of `seq` at their
+// positions (llama's `seq_cp` into a new sequence), its id to `*out_seq`. From a block
+// boundary it shares the blocks; otherwise it gets new blocks and the rows to copy into
+// them are written to `moves[0..*out_moves]` (`out_moves` NULL to ignore).
+// O(blocks of the range).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`, `KVPAGE_ERR_BEYOND_LENGTH`,
+// `KVPAGE_ERR_NO_FREE_SEQ`, `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `manager` is null or a manager; `moves` writable for `moves_len` records (null when
+// 0); `out_seq` null or writable; `out_moves` null or writable.
+kvpage_result kvpage_manager_seq_cp(kvpage_manager *manager,
+                                    kvpage_seq seq,
+                                    uint32_t first,
+                                    uint32_t end,
+                                    uint64_t namespace_,
+                                    struct kvpage_row_move *moves,
+                                    size_t moves_len,
+                                    kvpage_seq *out_seq,
+                                    size_t *out_moves,
+                                    struct kvpage_error *err);
+
+// Releases every sequence of `others[0..n_others]` except `keep` (llama's `seq_keep`
+// over the caller's set; a sequence listed twice is released once), their number to
+// `*out_released` (NULL to ignore). O(n_others + their blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ` for `keep` or any of `others`, `KVPAGE_ERR_SEQ_SWAPPED` for
+// a swapped-out one of `others` (release it with `kvpage_manager_release_swapped`):
+// then nothing is released.
+//
+// # Safety
+// `manager` is null or a manager; `others` readable for `n_others` ids (null when 0);
+// `out_released` null or writable.
+kvpage_result kvpage_manager_seq_keep(kvpage_manager *manager,
+                                      kvpage_seq keep,
+                                      const kvpage_seq *others,
+                                      size_t n_others,
+                                      uint32_t *out_released,
+                                      struct kvpage_error *err);
+
+// Writes the position of the first token of `seq` to `*out_pos`, -1 when it is empty
+// (llama's `seq_pos_min`). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`,
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`.
+//
+// # Safety
+// `manager` is null or a manager; `out_pos` null or writable.
+kvpage_result kvpage_manager_seq_pos_min(const kvpage_manager *manager,
+                                         kvpage_seq seq,
+                                         int64_t *out_pos,
+                                         struct kvpage_error *err);
+
+// Writes the position of the last token of `seq` to `*out_pos`, -1 when it is empty
+// (llama's `seq_pos_max`). O(1).
+//
+// # Errors
+// As [`kvpage_manager_seq_pos_min`].
+//
+// # Safety
+// As [`kvpage_manager_seq_pos_min`].
+kvpage_result kvpage_manager_seq_pos_max(const kvpage_manager *manager,
+                                         kvpage_seq seq,
+                                         int64_t *out_pos,
+                                         struct kvpage_error *err);
 
 // Creates an empty sequence whose blocks are shared through the prefix cache only with
 // sequences of the same `namespace` (a tenant, a model adapter), and writes its id to

@@ -2,9 +2,10 @@
 //! arena and the kernels behind one type.
 //!
 //! Everything is allocated once in [`KvCache::new`]: the manager's tables, the arena,
-//! two small buffers (a slot buffer of `max_seq_len` entries, a batch buffer of
-//! `max_seqs` entries), and the kernels' [`WorkerPool`] threads. Each of the first four
-//! is fallible: a size the allocator refuses is a typed error
+//! four small buffers (a slot buffer of `max_seq_len` entries, a batch buffer of
+//! `max_seqs` entries, and an edit's copy and row-move buffers of about two entries per
+//! block a sequence can hold), and the kernels' [`WorkerPool`] threads. Each but the
+//! threads is fallible: a size the allocator refuses is a typed error
 //! ([`CacheError::TablesAlloc`], [`CacheError::Alloc`]), never an abort; a worker thread
 //! the OS refuses means fewer workers (the pool's own bookkeeping is a few hundred
 //! bytes). No later operation allocates or starts a thread.
@@ -13,18 +14,22 @@
 //! - A [`Seq`] from another cache is refused: each cache gets its own instance tag from a
 //!   process-wide counter, and the core refuses handles with another tag
 //!   ([`SeqError::ForeignHandle`]). A released handle is stale ([`SeqError::StaleHandle`]).
-//! - Copy-on-write is executed inside the append that reports it; the caller cannot
-//!   forget it.
+//! - Copy-on-write is executed inside the append that reports it, and an edit's copies
+//!   and row moves inside the edit ([`KvCache::remove_range`] and the others); the caller
+//!   cannot forget them.
 //! - K/V can only be written at positions appended since the sequence last became
 //!   shareable (the pending range `[pending, len)`): never into a block another sequence
 //!   reads. A fork closes the pending range of both sequences, and so does
 //!   [`KvCache::commit`], which is also what lets other prompts share the blocks through
 //!   the prefix cache: a block is never shared before its K/V is written.
 
+mod edit;
+
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use kvpage_core::{
-    BlockManager, Config, EngineError, Geometry, GeometryError, InitError, SeqError, SeqId, Stats,
+    BlockCopy, BlockManager, Config, EngineError, Geometry, GeometryError, InitError, RowMove,
+    SeqError, SeqId, Stats,
 };
 
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
@@ -239,6 +244,10 @@ pub struct KvCache {
     slots: Vec<u32>,
     /// Batch of one attention call (`max_seqs` entries).
     pub(crate) batch: Vec<SeqQuery>,
+    /// Block copies of one edit (`max_blocks_per_seq` entries).
+    edit_copies: Vec<BlockCopy>,
+    /// Row moves of one edit ([`Config::max_row_moves`] entries).
+    edit_moves: Vec<RowMove>,
 }
 
 impl core::fmt::Debug for KvCache {
@@ -304,6 +313,12 @@ impl KvCache {
         let max_tokens = core_config.max_tokens_per_seq() as usize;
         let (pending, slots) = (try_filled(max_seqs, 0)?, try_filled(max_tokens, 0)?);
         let batch = try_with_capacity(max_seqs)?;
+        let edit_copies = try_filled(
+            core_config.max_blocks_per_seq as usize,
+            BlockCopy { src: 0, dst: 0 },
+        )?;
+        let max_moves = usize::try_from(core_config.max_row_moves()).unwrap_or(usize::MAX);
+        let edit_moves = try_filled(max_moves, RowMove::default())?;
         // Last: no thread is started for a construction that fails.
         let pool = WorkerPool::new(config.threads);
         Ok(Self {
@@ -315,6 +330,8 @@ impl KvCache {
             pending,
             slots,
             batch,
+            edit_copies,
+            edit_moves,
         })
     }
 

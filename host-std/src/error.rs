@@ -103,6 +103,16 @@ pub enum KernelError {
         /// The block.
         block: u32,
     },
+    /// A [`kvpage_core::RowMove`] whose count is zero or whose rows leave their block on
+    /// either side.
+    BadRowMove {
+        /// First slot read.
+        src_slot: u32,
+        /// First slot written.
+        dst_slot: u32,
+        /// Rows moved.
+        count: u32,
+    },
     /// A sequence names a block-table row that does not exist.
     RowOutOfRange {
         /// The row.
@@ -167,6 +177,14 @@ impl fmt::Display for KernelError {
                 write!(f, "block {block} out of range (arena has {blocks})")
             }
             Self::CopyOntoItself { block } => write!(f, "copy of block {block} onto itself"),
+            Self::BadRowMove {
+                src_slot,
+                dst_slot,
+                count,
+            } => write!(
+                f,
+                "row move of {count} rows from slot {src_slot} to {dst_slot} leaves a block"
+            ),
             Self::RowOutOfRange { row, rows } => {
                 write!(f, "block-table row {row} out of range ({rows} rows)")
             }

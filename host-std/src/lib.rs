@@ -71,8 +71,8 @@ pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
 pub use kernels::{Executor, WorkerPool};
 pub use kvpage_core::{
-    BlockCopy, DType, EngineError, EngineStats, FinishReason, Finished, FinishedRequests, Geometry,
-    GeometryError, Preemption, RequestId, RequestState, Sampled, ScheduledSeq, SchedulerConfig,
-    SeqError, Stats, Step,
+    BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, FinishReason, Finished,
+    FinishedRequests, Geometry, GeometryError, PositionRun, Preemption, RequestId, RequestState,
+    RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
 };
 pub use shared::SharedManager;

@@ -73,6 +73,7 @@ mod tests {
         instance: 1,
         hash_key: 0,
         prefix_cache: true,
+        max_position_runs: 4,
     };
 
     #[test]

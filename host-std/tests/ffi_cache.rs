@@ -1433,3 +1433,70 @@ fn ids_of_another_cache_are_refused() {
     free(one);
     free(two);
 }
+
+/// The edit verbs through C: lengths, positions, the context shift's report and the
+/// set release agree with what the Rust API promises.
+#[test]
+fn sequence_edits_through_c() {
+    let mut e = err();
+    let mut c: *mut kvpage_cache = null_mut();
+    let p = params(DType::F32, 32);
+    // SAFETY: valid pointers to locals; every object is freed at the end.
+    unsafe {
+        assert_eq!(kvpage_cache_new(&p, &mut c, &mut e), KVPAGE_OK);
+        let prompt: Vec<u32> = (0..14).collect();
+        let mut s = KVPAGE_SEQ_NONE;
+        let ok =
+            kvpage_cache_create_with_prompt(c, 0, prompt.as_ptr(), 14, &mut s, null_mut(), &mut e);
+        assert_eq!(ok, KVPAGE_OK);
+        let (mut len, mut pos) = (0u32, 0i64);
+        // Remove 4..8: tokens 8.. keep positions 8..
+        assert_eq!(kvpage_cache_seq_rm(c, s, 4, 8, &mut e), KVPAGE_OK);
+        assert_eq!(kvpage_cache_len(c, s, &mut len, &mut e), KVPAGE_OK);
+        assert_eq!(len, 10);
+        assert_eq!(kvpage_cache_seq_pos_max(c, s, &mut pos, &mut e), KVPAGE_OK);
+        assert_eq!(pos, 13);
+        // Close the gap: positions 4.. drop by 4.
+        assert_eq!(kvpage_cache_seq_add(c, s, 4, 10, -4, &mut e), KVPAGE_OK);
+        assert_eq!(kvpage_cache_seq_pos_max(c, s, &mut pos, &mut e), KVPAGE_OK);
+        assert_eq!(pos, 9);
+        // Copy from an unaligned start; then a context shift of the original.
+        let mut copy = KVPAGE_SEQ_NONE;
+        assert_eq!(
+            kvpage_cache_seq_cp(c, s, 2, 10, 0, &mut copy, &mut e),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            kvpage_cache_seq_pos_min(c, copy, &mut pos, &mut e),
+            KVPAGE_OK
+        );
+        assert_eq!(pos, 2);
+        let mut shift = kvpage_context_shift::default();
+        assert_eq!(
+            kvpage_cache_context_shift(c, s, 1, 3, &mut shift, &mut e),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            (shift.rotate_first, shift.rotate_end, shift.delta),
+            (1, 7, -3)
+        );
+        assert!(shift.row_moves > 0);
+        // Keep `s`: the copy goes.
+        let mut released = 0u32;
+        let set = [s, copy, s];
+        assert_eq!(
+            kvpage_cache_seq_keep(c, s, set.as_ptr(), 3, &mut released, &mut e),
+            KVPAGE_OK
+        );
+        assert_eq!(released, 1);
+        assert_eq!(
+            kvpage_cache_len(c, copy, &mut len, &mut e),
+            KVPAGE_ERR_STALE_SEQ
+        );
+        // An empty sequence: -1 both ends.
+        assert_eq!(kvpage_cache_seq_rm(c, s, 0, 7, &mut e), KVPAGE_OK);
+        assert_eq!(kvpage_cache_seq_pos_min(c, s, &mut pos, &mut e), KVPAGE_OK);
+        assert_eq!(pos, -1);
+        assert_eq!(kvpage_cache_free(c, &mut e), KVPAGE_OK);
+    }
+}

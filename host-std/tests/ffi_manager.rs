@@ -11,7 +11,7 @@ use std::mem::ManuallyDrop;
 use std::ptr::{null, null_mut};
 
 use kvpage::ffi::*;
-use kvpage_core::{BlockCopy, BlockManager, HostPool, SeqError, SeqId};
+use kvpage_core::{BlockCopy, BlockManager, HostPool, RowMove, SeqError, SeqId};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -228,7 +228,9 @@ fn code(e: SeqError) -> kvpage_result {
         SeqError::Swapped => KVPAGE_ERR_SEQ_SWAPPED,
         SeqError::NotSwapped => KVPAGE_ERR_SEQ_NOT_SWAPPED,
         SeqError::HostFull { .. } => KVPAGE_ERR_HOST_FULL,
-        SeqError::BeyondLength { .. } => KVPAGE_ERR_BEYOND_LENGTH,
+        SeqError::BeyondLength { .. } | SeqError::BadRange { .. } => KVPAGE_ERR_BEYOND_LENGTH,
+        SeqError::BadPositions => KVPAGE_ERR_BAD_POSITIONS,
+        SeqError::TooManyPositionRuns { .. } => KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
     }
 }
 
@@ -288,6 +290,9 @@ struct Pair {
     dead: Vec<(kvpage_seq, SeqId)>,
     /// Successful operations by name, copy-on-writes as "copy", failures by code.
     seen: std::collections::BTreeMap<String, u32>,
+    /// The edits draw from their own generator, so the other operations' draws stay
+    /// those of the runs before edits existed (whose prefix hits the tests count on).
+    edit_rng: StdRng,
 }
 
 impl Pair {
@@ -298,6 +303,7 @@ impl Pair {
             live: Vec::new(),
             dead: Vec::new(),
             seen: Default::default(),
+            edit_rng: StdRng::seed_from_u64(u64::from(config.block_size) << 8 | 0xed),
         }
     }
 
@@ -707,7 +713,144 @@ fn step(p: &mut Pair, rng: &mut StdRng, prefixes: &[Vec<u32>]) {
             );
             assert_eq!(hit.tokens % bs, 0);
         }
+        14 => {
+            let mut edit_rng = std::mem::replace(&mut p.edit_rng, StdRng::seed_from_u64(0));
+            edit_step(p, &mut edit_rng);
+            p.edit_rng = edit_rng;
+        }
         _ => {}
+    }
+}
+
+/// One random edit on both managers (removal, context shift or range copy), compared:
+/// results, block copies and row moves. A copy is released again at once.
+fn edit_step(p: &mut Pair, rng: &mut StdRng) {
+    let bs = p.r.m.config().block_size;
+    let pick = |p: &Pair, rng: &mut StdRng| -> Option<(kvpage_seq, SeqId)> {
+        (!p.live.is_empty()).then(|| p.live[rng.random_range(0..p.live.len())])
+    };
+    let short = |rng: &mut StdRng, n: usize| n.saturating_sub(usize::from(rng.random_ratio(1, 10)));
+    let m = p.c.m;
+    match rng.random_range(0..5u32) {
+        0..=3 => {
+            // Edits: removal or context shift; copies and moves as the Rust core's.
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let len = p.r.m.len(r_id).unwrap_or(0);
+            // Past the shared prompt prefixes (3 blocks): the runs' few prefix hits (which
+            // the test counts on) stay as they were; the core's model tests edit anywhere.
+            let first = rng.random_range(0..=len).max(len.min(3 * bs));
+            let end = rng.random_range(first..=len + 1);
+            let (n_copies, n_moves) = (short(rng, 8), short(rng, 20));
+            let mut cc = vec![kvpage_block_copy::default(); n_copies];
+            let mut cm = vec![kvpage_row_move::default(); n_moves];
+            let mut rc = vec![BlockCopy { src: 0, dst: 0 }; n_copies];
+            let mut rm = vec![RowMove::default(); n_moves];
+            let (c, r, what) = if rng.random_bool(0.5) {
+                let mut e = kvpage_edit::default();
+                // SAFETY: buffers of the lengths passed, writable out-parameter.
+                let c = ok(unsafe {
+                    kvpage_manager_seq_rm(
+                        m,
+                        c_id,
+                        first,
+                        end,
+                        cc.as_mut_ptr(),
+                        cc.len(),
+                        cm.as_mut_ptr(),
+                        cm.len(),
+                        &mut e,
+                        null_mut(),
+                    )
+                })
+                .map(|_| (e.copies, e.moves));
+                let r = p.r.m.remove_range(r_id, first, end, &mut rc, &mut rm);
+                (c, r.map(|e| (e.copies, e.moves)), "seq_rm")
+            } else {
+                let mut sh = kvpage_context_shift::default();
+                // SAFETY: as above.
+                let c = ok(unsafe {
+                    kvpage_manager_context_shift(
+                        m,
+                        c_id,
+                        first,
+                        end - first,
+                        cc.as_mut_ptr(),
+                        cc.len(),
+                        cm.as_mut_ptr(),
+                        cm.len(),
+                        &mut sh,
+                        null_mut(),
+                    )
+                })
+                .map(|_| (sh.copied_blocks, sh.row_moves));
+                let r =
+                    p.r.m
+                        .context_shift(r_id, first, end - first, &mut rc, &mut rm);
+                (
+                    c,
+                    r.map(|s| (s.edited.copies, s.edited.moves)),
+                    "context_shift",
+                )
+            };
+            if let Some((copies, moves)) = same(&mut p.seen, what, c, r, |&x| x) {
+                assert!(copies_eq(&cc[..copies as usize], &rc[..copies as usize]));
+                let moved = |m: &RowMove| (m.src_slot, m.dst_slot, m.count);
+                let c_moves: Vec<_> = cm[..moves as usize]
+                    .iter()
+                    .map(|m| (m.src_slot, m.dst_slot, m.count))
+                    .collect();
+                let r_moves: Vec<_> = rm[..moves as usize].iter().map(moved).collect();
+                assert_eq!(c_moves, r_moves, "row moves differ");
+            }
+        }
+        _ => {
+            let Some((c_id, r_id)) = pick(p, rng) else {
+                return;
+            };
+            let len = p.r.m.len(r_id).unwrap_or(0);
+            let first = rng.random_range(0..=len);
+            let end = rng.random_range(first..=len);
+            let n_moves = short(rng, 20);
+            let mut cm = vec![kvpage_row_move::default(); n_moves];
+            let mut rm = vec![RowMove::default(); n_moves];
+            let (mut s, mut n) = (KVPAGE_SEQ_NONE, usize::MAX);
+            // SAFETY: buffers of the lengths passed, writable out-parameters.
+            let c = ok(unsafe {
+                kvpage_manager_seq_cp(
+                    m,
+                    c_id,
+                    first,
+                    end,
+                    0,
+                    cm.as_mut_ptr(),
+                    cm.len(),
+                    &mut s,
+                    &mut n,
+                    null_mut(),
+                )
+            })
+            .map(|_| n);
+            let r = p.r.m.copy_range(r_id, first, end, 0, &mut rm);
+            if same(&mut p.seen, "seq_cp", c, r, |c| c.edited.moves as usize).is_some() {
+                let c_moves: Vec<_> = cm[..n]
+                    .iter()
+                    .map(|m| (m.src_slot, m.dst_slot, m.count))
+                    .collect();
+                let r_moves: Vec<_> = rm[..n]
+                    .iter()
+                    .map(|m| (m.src_slot, m.dst_slot, m.count))
+                    .collect();
+                assert_eq!(c_moves, r_moves, "row moves differ");
+                // SAFETY: live manager.
+                assert_eq!(
+                    unsafe { kvpage_manager_release(m, s, null_mut()) },
+                    KVPAGE_OK
+                );
+                p.r.m.release(r.unwrap().seq).unwrap();
+            }
+        }
     }
 }
 
@@ -762,8 +905,19 @@ fn the_c_manager_makes_the_rust_managers_slots_copies_and_plans() {
     }
     // The runs exercised every operation and every failure the manager can give.
     for what in [
-        "create", "prompt", "append", "commit", "fork", "truncate", "release", "swap_in",
-        "swap_out", "copy",
+        "create",
+        "prompt",
+        "append",
+        "commit",
+        "fork",
+        "truncate",
+        "release",
+        "swap_in",
+        "swap_out",
+        "copy",
+        "seq_rm",
+        "context_shift",
+        "seq_cp",
     ] {
         assert!(
             seen.get(what).copied().unwrap_or(0) > 10,
@@ -1445,7 +1599,52 @@ fn nothing_allocates_after_init() {
                 kvpage_manager_swap_in(m, b, copies.as_mut_ptr(), 8, null_mut(), &mut e),
                 KVPAGE_OK
             );
+            // Edits, with their plans in the caller's arrays.
+            let mut moves = [kvpage_row_move::default(); 16];
+            let mut ed = kvpage_edit::default();
+            let mut shift = kvpage_context_shift::default();
+            let mut pos = 0i64;
+            assert_eq!(
+                kvpage_manager_seq_rm(
+                    m,
+                    b,
+                    1,
+                    3,
+                    copies.as_mut_ptr(),
+                    8,
+                    moves.as_mut_ptr(),
+                    16,
+                    &mut ed,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert!(ed.moves > 0);
+            assert_eq!(
+                kvpage_manager_context_shift(
+                    m,
+                    f,
+                    4,
+                    4,
+                    copies.as_mut_ptr(),
+                    8,
+                    moves.as_mut_ptr(),
+                    16,
+                    &mut shift,
+                    &mut e
+                ),
+                KVPAGE_OK
+            );
+            assert_eq!(kvpage_manager_seq_add(m, b, 1, 2, -1, &mut e), KVPAGE_OK);
+            assert_eq!(
+                kvpage_manager_seq_pos_max(m, b, &mut pos, &mut e),
+                KVPAGE_OK
+            );
             // Failures write their message into the caller's struct, allocating nothing.
+            assert_eq!(
+                kvpage_manager_seq_add(m, b, 1, 2, -5, &mut e),
+                KVPAGE_ERR_BAD_POSITIONS
+            );
             assert_eq!(
                 kvpage_manager_append(m, b, 9, slots.as_mut_ptr(), 1, &mut ap, &mut e),
                 KVPAGE_ERR_BUFFER_TOO_SMALL

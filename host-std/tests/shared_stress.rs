@@ -36,6 +36,7 @@ const CONFIG: Config = Config {
     instance: 3,
     hash_key: 0x5eed,
     prefix_cache: true,
+    max_position_runs: 4,
 };
 const BS: u32 = CONFIG.block_size;
 const MAX_TOKENS: u32 = CONFIG.block_size * CONFIG.max_blocks_per_seq;

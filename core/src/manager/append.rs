@@ -31,7 +31,8 @@ impl BlockManager<'_> {
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
     /// [`SeqError::TooLong`] past `max_blocks_per_seq`, [`SeqError::OutOfBlocks`],
-    /// [`SeqError::SlotBufferTooSmall`]. Nothing changes on error.
+    /// [`SeqError::SlotBufferTooSmall`], [`SeqError::BadPositions`] when a new token's
+    /// position (the last one's plus one) would pass `u32::MAX`. Nothing changes on error.
     pub fn append_tokens(
         &mut self,
         seq: SeqId,
@@ -75,6 +76,9 @@ impl BlockManager<'_> {
                 needed: n as usize,
                 got: slots.len(),
             });
+        }
+        if !self.positions_fit(i, n) {
+            return Err(SeqError::BadPositions);
         }
         let (full_blocks, offset) = self.split(len);
         let old_blocks = (full_blocks + u32::from(offset != 0)) as usize;
@@ -127,7 +131,7 @@ impl BlockManager<'_> {
                 block_index += 1;
             }
         }
-        if ids.is_some() && self.seqs.known[i] == len {
+        if ids.is_some() && self.seqs.known[i] == len && self.seqs.positions_are_indices(i) {
             self.seqs.known[i] = new_len as u32;
         }
         self.seqs.len[i] = new_len as u32;
@@ -155,13 +159,17 @@ impl BlockManager<'_> {
             return false;
         }
         let b = self.seqs.table[self.seqs.row(i) + full as usize];
-        if !self.pool.is_exclusive(b) || self.pool.fill(b) != offset || self.prefix.is_tracked(b) {
+        if !self.pool.is_exclusive(b)
+            || self.pool.fill(b) != offset
+            || self.prefix.is_tracked(b)
+            || !self.positions_fit(i, 1)
+        {
             return false;
         }
         *slot = b * self.config.block_size + offset;
         if let Some(id) = id {
             self.prefix.set_token(b, offset, id);
-            if self.seqs.known[i] == len {
+            if self.seqs.known[i] == len && self.seqs.positions_are_indices(i) {
                 self.seqs.known[i] = len + 1;
             }
         }

@@ -6,8 +6,9 @@
 //! [`Config::storage_words`] sums: the block pool ([`pool`]), the sequence table
 //! ([`seqs`]) and the prefix cache ([`crate::prefix`], no storage at all when
 //! [`Config::prefix_cache`] is off). The operations live beside them: sequence life
-//! (this module), appends ([`append`]), commits to the prefix cache ([`commit`]) and
-//! swaps to the host tier ([`swap`]).
+//! (this module), appends ([`append`]), commits to the prefix cache ([`commit`]),
+//! swaps to the host tier ([`swap`]), token positions ([`positions`]) and the
+//! `llama.h`-style sequence edits ([`edit`]).
 //!
 //! # Invariants that make the rest panic-free
 //! - Every block is in exactly one state: *free* (in the free bitset, refcount 0, not
@@ -18,12 +19,19 @@
 //! - A live sequence of length `len` owns exactly `ceil(len / block_size)` entries at the
 //!   start of its row, each naming a used block; `len ≤ max_blocks_per_seq * block_size`.
 //! - Its committed blocks (`committed`) are full and lie within its known-id prefix
-//!   (`known ≤ len`); only committed blocks are ever registered.
+//!   (`known ≤ len`); only committed blocks are ever registered. Within the known-id
+//!   prefix every token's position is its index (an edit shortens the prefix to the
+//!   edit point), so a registered block always holds keys at the positions a prompt with
+//!   its ids would give them.
 //! - Only a block with refcount 1 and not registered is ever written: appending into a
 //!   shared or registered partial block copies it first (copy-on-write) or unregisters it.
 //! - A chain's blocks become cached deepest first (a sequence releases its blocks last to
 //!   first), so eviction, least recently cached first, takes a chain's tail before its
-//!   head and every cached block stays reachable by a lookup from the first block.
+//!   head and every cached block stays reachable by a lookup from the first block. (One
+//!   exception, harmless: a registered block that an edited sequence kept past its edit
+//!   point while others held it too, and that the edited sequence releases last, may
+//!   become cached after its chain's head; once the head is evicted no lookup reaches it,
+//!   so it is never served and waits for eviction like any cached block. See [`edit`].)
 //! - Every operation checks all its preconditions (handle, lengths, buffer sizes, free
 //!   blocks) before it changes anything, so a failed operation leaves no trace.
 //!
@@ -32,7 +40,9 @@
 
 mod append;
 mod commit;
+mod edit;
 pub(crate) mod pool;
+mod positions;
 pub(crate) mod seqs;
 mod swap;
 
@@ -42,7 +52,9 @@ use crate::log::debug;
 use crate::prefix::PrefixCache;
 use crate::stats::Stats;
 use crate::storage::Carver;
+pub use edit::{ContextShift, CopiedRange, Edited, RowMove};
 use pool::BlockPool;
+pub use positions::PositionRun;
 pub use seqs::SeqId;
 use seqs::SeqTable;
 
@@ -338,6 +350,14 @@ impl<'a> BlockManager<'a> {
                 len,
             });
         }
+        self.truncate_checked(i, new_len);
+        Ok(())
+    }
+
+    /// Truncation of live sequence `i` to `new_len` (at most its length): blocks, length,
+    /// known and committed prefixes, position runs.
+    fn truncate_checked(&mut self, i: usize, new_len: u32) {
+        let len = self.seqs.len[i];
         let keep = self.blocks_for(new_len) as usize;
         self.release_blocks(i, keep, self.blocks_for(len) as usize);
         let (full, offset) = self.split(new_len);
@@ -353,7 +373,9 @@ impl<'a> BlockManager<'a> {
         if self.seqs.committed[i] > full {
             self.rewind_commit(i, full as usize);
         }
-        Ok(())
+        let runs = self.seqs.runs(i);
+        let kept = runs.iter().filter(|r| r.first_index < new_len).count();
+        self.seqs.set_run_count(i, kept.max(1) as u32);
     }
 
     /// Releases `seq` and its references, deepest block first; its handle (and every

@@ -4,7 +4,9 @@
 //! Invariants: a row is in `free` iff its `LIVE` flag is clear; the generation of a row
 //! changes whenever its sequence is released, so old handles go stale; a swapped-out
 //! sequence's row holds host block ids and its `len` reads 0 (its length is kept in
-//! `swapped_len`).
+//! `swapped_len`). Each row also holds the sequence's positions, `max_position_runs`
+//! [`PositionRun`]s of which the first `run_count` are used (invariants in
+//! [`super::positions`]).
 
 use crate::config::Config;
 use crate::error::SeqError;
@@ -12,6 +14,8 @@ use crate::host_tier::HostPool;
 use crate::index_set::{words_for, IndexSet};
 use crate::prefix::{Chain, Link};
 use crate::storage::{u32_words, Carver};
+
+use super::positions::PositionRun;
 
 const LIVE: u32 = 1;
 /// The sequence's blocks are in the host tier; its row holds host block ids.
@@ -58,6 +62,7 @@ impl SeqId {
 #[derive(Debug)]
 pub(crate) struct SeqTable<'a> {
     max_blocks_per_seq: u32,
+    max_position_runs: u32,
     instance: u32,
     free: IndexSet<'a>,
     pub(crate) table: &'a mut [u32],
@@ -77,6 +82,9 @@ pub(crate) struct SeqTable<'a> {
     chain_gen: &'a mut [u32],
     pub(crate) namespace: &'a mut [u64],
     chain_hash: &'a mut [u64],
+    /// `max_position_runs` runs per row, the first `run_count` used.
+    runs: &'a mut [PositionRun],
+    run_count: &'a mut [u32],
     /// Sum of the lengths of live sequences.
     pub(crate) logical_tokens: u64,
     live: u32,
@@ -84,13 +92,16 @@ pub(crate) struct SeqTable<'a> {
 
 impl<'a> SeqTable<'a> {
     /// `u64` words the table of `config` takes: the free-row bitset, the block table,
-    /// eight `u32` and two `u64` per row. O(log max_seqs).
+    /// nine `u32` and two `u64` per row, and `max_position_runs` runs (one word each) per
+    /// row. O(log max_seqs).
     pub(crate) const fn storage_words(config: &Config) -> u128 {
+        const { assert!(core::mem::size_of::<PositionRun>() == 8) };
         let s = config.max_seqs as u128;
         u32_words(words_for(config.max_seqs) as u128)
             + u32_words(s * config.max_blocks_per_seq as u128)
-            + 8 * u32_words(s)
+            + 9 * u32_words(s)
             + 2 * s
+            + s * config.max_position_runs as u128
     }
 
     /// Carves a table with every row free. O(storage words).
@@ -99,6 +110,7 @@ impl<'a> SeqTable<'a> {
         let s = config.max_seqs as usize;
         let table = Self {
             max_blocks_per_seq: config.max_blocks_per_seq,
+            max_position_runs: config.max_position_runs,
             instance: config.instance,
             free: IndexSet::new(
                 carve.u32s(words_for(config.max_seqs)),
@@ -116,6 +128,8 @@ impl<'a> SeqTable<'a> {
             chain_gen: carve.u32s(s),
             namespace: carve.words(s),
             chain_hash: carve.words(s),
+            runs: carve.pods(s * config.max_position_runs as usize),
+            run_count: carve.u32s(s),
             logical_tokens: 0,
             live: 0,
         };
@@ -219,6 +233,8 @@ impl<'a> SeqTable<'a> {
         self.committed[i] = 0;
         self.namespace[i] = namespace;
         self.set_chain(i, root);
+        self.runs_storage(i)[0] = PositionRun::default();
+        self.run_count[i] = 1;
         self.live += 1;
     }
 
@@ -232,6 +248,10 @@ impl<'a> SeqTable<'a> {
         self.committed[dst] = self.committed[src];
         self.namespace[dst] = self.namespace[src];
         self.set_chain(dst, self.chain(src));
+        let (from, to) = (self.runs_start(src), self.runs_start(dst));
+        self.runs
+            .copy_within(from..from + self.max_position_runs as usize, to);
+        self.run_count[dst] = self.run_count[src];
         self.logical_tokens += u64::from(self.len[src]);
         self.live += 1;
     }
@@ -264,5 +284,36 @@ impl<'a> SeqTable<'a> {
         self.chain_hash[i] = chain.hash;
         self.chain_block[i] = chain.last.block;
         self.chain_gen[i] = chain.last.gen;
+    }
+
+    /// Start of row `i`'s runs.
+    #[inline]
+    fn runs_start(&self, i: usize) -> usize {
+        i * self.max_position_runs as usize
+    }
+
+    /// The used runs of row `i`. O(1).
+    #[inline]
+    pub(crate) fn runs(&self, i: usize) -> &[PositionRun] {
+        let start = self.runs_start(i);
+        &self.runs[start..start + self.run_count[i] as usize]
+    }
+
+    /// All `max_position_runs` runs of row `i`, to write (then [`Self::set_run_count`]).
+    pub(crate) fn runs_storage(&mut self, i: usize) -> &mut [PositionRun] {
+        let start = self.runs_start(i);
+        &mut self.runs[start..start + self.max_position_runs as usize]
+    }
+
+    /// Sets how many runs of row `i` are used (1 to `max_position_runs`).
+    pub(crate) fn set_run_count(&mut self, i: usize, n: u32) {
+        self.run_count[i] = n;
+    }
+
+    /// Whether every token of row `i`, and the next one appended, has its index as its
+    /// position (one run `{0, 0}`): only then may appended ids extend the known prefix.
+    #[inline]
+    pub(crate) fn positions_are_indices(&self, i: usize) -> bool {
+        self.run_count[i] == 1 && self.runs[self.runs_start(i)].first_position == 0
     }
 }

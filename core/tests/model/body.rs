@@ -1,6 +1,6 @@
 // Shared body of the model tests; the including file defines `BLOCK_SIZE` and
 // `PREFIX_CACHE`.
-use kvpage_core::{BlockCopy, BlockManager, Config, HostPool, SeqError, SeqId, Stats};
+use kvpage_core::{BlockCopy, BlockManager, Config, Edited, HostPool, PositionRun, RowMove, SeqError, SeqId, Stats};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -12,11 +12,13 @@ const CONFIG: Config = Config {
     instance: 3,
     hash_key: 0x5eed,
     prefix_cache: PREFIX_CACHE,
+    max_position_runs: 3,
 };
 const BS: u32 = CONFIG.block_size;
 
 /// What a token slot holds: (content, position). Content is a token id, or a unique
-/// value above 2^32 for tokens appended without ids.
+/// value above 2^32 for tokens appended without ids; the position is the one its key was
+/// rotated at, which must be the position the manager reports for the token.
 type Cell = (u64, u32);
 
 #[derive(Debug, Clone)]
@@ -32,6 +34,12 @@ enum Op {
     SwapOut { seq: u8 },
     Commit { seq: u8, percent: u8 },
     SwapIn { which: u8 },
+    /// Edits: token ranges as percentages of the length; `short` passes a buffer too short.
+    RemoveRange { seq: u8, a: u8, b: u8, short: bool },
+    Shift { seq: u8, a: u8, b: u8, delta: i8 },
+    CopyRange { seq: u8, a: u8, b: u8, ns: u8 },
+    Keep { keep: u8, mask: u8 },
+    ContextShift { seq: u8, a: u8, b: u8, short: bool },
 }
 
 const HOST_BLOCKS: u32 = 10;
@@ -51,6 +59,15 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|seq| Op::SwapOut { seq }),
         2 => (any::<u8>(), 0u8..=100).prop_map(|(seq, percent)| Op::Commit { seq, percent }),
         1 => any::<u8>().prop_map(|which| Op::SwapIn { which }),
+        3 => (any::<u8>(), 0u8..=100, 0u8..=100, any::<u8>())
+            .prop_map(|(seq, a, b, short)| Op::RemoveRange { seq, a, b, short: short % 8 == 0 }),
+        2 => (any::<u8>(), 0u8..=100, 0u8..=100, -8i8..=8)
+            .prop_map(|(seq, a, b, delta)| Op::Shift { seq, a, b, delta }),
+        2 => (any::<u8>(), 0u8..=100, 0u8..=100, any::<u8>())
+            .prop_map(|(seq, a, b, ns)| Op::CopyRange { seq, a, b, ns: ns % 2 }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(keep, mask)| Op::Keep { keep, mask }),
+        3 => (any::<u8>(), 0u8..=100, 0u8..=100, any::<u8>())
+            .prop_map(|(seq, a, b, short)| Op::ContextShift { seq, a, b, short: short % 8 == 0 }),
     ]
 }
 
@@ -61,10 +78,11 @@ fn base_prompt(base: u8, len: usize) -> Vec<u32> {
 
 struct Model {
     seqs: BTreeMap<SeqId, Vec<Cell>>,
-    /// Namespace and fork family (the id of the sequence it was forked from, transitively)
+    /// Namespaces and fork family (the id of the sequence it was forked from, transitively)
     /// of every sequence: the only legitimate reasons for two sequences to share a block
-    /// are a common family (fork) or a common namespace (prefix cache).
-    origin: HashMap<SeqId, (u64, SeqId)>,
+    /// are a common family (fork, copy) or a common namespace (prefix cache). A copy into
+    /// another namespace adds it to the source's.
+    origin: HashMap<SeqId, (Vec<u64>, SeqId)>,
     /// Swapped-out sequences and their content.
     swapped: BTreeMap<SeqId, Vec<Cell>>,
     host: Vec<Option<Cell>>,
@@ -80,7 +98,7 @@ struct Snapshot {
     host_free: u32,
     refcounts: Vec<u32>,
     registered: Vec<bool>,
-    rows: Vec<(SeqId, u32, Vec<u32>)>,
+    rows: Vec<(SeqId, u32, Vec<u32>, Vec<PositionRun>)>,
 }
 
 fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapshot {
@@ -92,7 +110,10 @@ fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapsh
         rows: model
             .seqs
             .keys()
-            .map(|&s| (s, kv.len(s).unwrap(), kv.blocks(s).unwrap().to_vec()))
+            .map(|&s| {
+                let runs = kv.position_runs(s).unwrap().to_vec();
+                (s, kv.len(s).unwrap(), kv.blocks(s).unwrap().to_vec(), runs)
+            })
             .collect(),
     }
 }
@@ -120,6 +141,45 @@ fn write_back(
     }
     for (&s, &cell) in slots.iter().zip(cells) {
         model.arena[s as usize] = Some(cell);
+    }
+}
+
+/// Token range `first..end` of a sequence of `len` tokens from two percentages.
+fn range_of(len: usize, a: u8, b: u8) -> (u32, u32) {
+    let first = len * a as usize / 100;
+    let end = first + (len - first) * b as usize / 100;
+    (first as u32, end as u32)
+}
+
+/// Executes an edit's block copies, then its row moves in order, each as a `memmove`.
+fn execute_edit(model: &mut Model, edited: Edited, copies: &[BlockCopy], moves: &[RowMove]) {
+    write_back(model, None, &[], &[]);
+    for &c in &copies[..edited.copies as usize] {
+        write_back(model, Some(c), &[], &[]);
+    }
+    for m in &moves[..edited.moves as usize] {
+        assert!(m.count >= 1 && m.src_slot % BS + m.count <= BS && m.dst_slot % BS + m.count <= BS, "{m:?}");
+        let (src, dst, n) = (m.src_slot as usize, m.dst_slot as usize, m.count as usize);
+        let rows: Vec<Option<Cell>> = model.arena[src..src + n].to_vec();
+        model.arena[dst..dst + n].copy_from_slice(&rows);
+    }
+}
+
+/// After an edit that moved rows down to token `first`, no block of `seq` from the one
+/// holding it on that `seq` holds alone is registered in the prefix cache (its rows sit
+/// at other indices or positions now; shared ones stay registered for their holders).
+fn assert_detached(kv: &BlockManager<'_>, seq: SeqId, first: u32) {
+    for &b in &kv.blocks(seq).unwrap()[(first / BS) as usize..] {
+        let alone = kv.refcount(b) == Some(1);
+        assert!(!(alone && kv.is_registered(b)), "block {b} after an edit is still registered");
+    }
+}
+
+/// Position the next token appended to `seq` gets.
+fn next_position(kv: &BlockManager<'_>, model: &Model, seq: SeqId) -> u32 {
+    match model.seqs[&seq].last() {
+        Some(c) => c.1 + 1,
+        None => kv.position_runs(seq).unwrap()[0].first_position,
     }
 }
 
@@ -154,14 +214,21 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
         for (pos, &cell) in cells.iter().enumerate() {
             let slot = slot_of(kv, s, pos as u32);
             assert_eq!(model.arena[slot as usize], Some(cell), "{s:?} reads a wrong value at {pos}");
+            assert_eq!(kv.position(s, pos as u32), Ok(cell.1), "{s:?}: position of token {pos}");
         }
+        let runs = kv.position_runs(s).unwrap();
+        assert!(!runs.is_empty() && runs.len() <= CONFIG.max_position_runs as usize);
+        assert_eq!(runs[0].first_index, 0);
+        assert_eq!(kv.pos_min(s), Ok(cells.first().map(|c| c.1)));
+        assert_eq!(kv.pos_max(s), Ok(cells.last().map(|c| c.1)));
+        assert!(cells.windows(2).all(|w| w[0].1 < w[1].1), "positions increase");
     }
     // The holders of each block must be connected by "same namespace or same family":
     // sharing spreads by prefix hits within a namespace and by forks within a family.
     for (b, seqs) in &holders {
         let related = |x: &SeqId, y: &SeqId| {
-            let (a, c) = (model.origin[x], model.origin[y]);
-            a.0 == c.0 || a.1 == c.1
+            let (a, c) = (&model.origin[x], &model.origin[y]);
+            a.0.iter().any(|n| c.0.contains(n)) || a.1 == c.1
         };
         let mut reached = vec![seqs[0]];
         let mut k = 0;
@@ -217,13 +284,15 @@ fn run(ops: &[Op]) {
         next_unique: 1 << 32,
     };
     let mut slots = vec![0u32; 64];
+    let mut copies = [BlockCopy { src: 0, dst: 0 }; 16];
+    let mut rows = [RowMove::default(); 64];
     for op in ops {
         let before = snapshot(&kv, &host, &model);
         let failed: Option<SeqError> = match *op {
             Op::Create { ns } => match kv.create(u64::from(ns)) {
                 Ok(s) => {
                     model.seqs.insert(s, Vec::new());
-                    model.origin.insert(s, (u64::from(ns), s));
+                    model.origin.insert(s, (vec![u64::from(ns)], s));
                     None
                 }
                 Err(e) => Some(e),
@@ -245,7 +314,7 @@ fn run(ops: &[Op]) {
                         let cells: Vec<Cell> =
                             prompt.iter().enumerate().map(|(p, &t)| (u64::from(t), p as u32)).collect();
                         model.seqs.insert(start.seq, cells[..r].to_vec());
-                        model.origin.insert(start.seq, (u64::from(ns), start.seq));
+                        model.origin.insert(start.seq, (vec![u64::from(ns)], start.seq));
                         assert_new_slots_unique(&kv, &model, start.seq, r as u32, &slots[..prompt.len() - r]);
                         write_back(&mut model, None, &slots[..prompt.len() - r], &cells[r..]);
                         model.seqs.insert(start.seq, cells);
@@ -262,6 +331,7 @@ fn run(ops: &[Op]) {
                 None => None,
                 Some(s) => {
                     let len = model.seqs[&s].len() as u32;
+                    let next = next_position(&kv, &model, s);
                     let ids: Vec<u32> = (0..n).map(|k| (len + u32::from(k)) % u32::from(alphabet)).collect();
                     let result = if with_ids {
                         kv.append_tokens(s, &ids, &mut slots)
@@ -278,7 +348,7 @@ fn run(ops: &[Op]) {
                                         model.next_unique += 1;
                                         model.next_unique
                                     };
-                                    (content, len + u32::from(k))
+                                    (content, next + u32::from(k))
                                 })
                                 .collect();
                             let new = &slots[..n as usize];
@@ -303,7 +373,7 @@ fn run(ops: &[Op]) {
                     Ok(child) => {
                         let cells = model.seqs[&s].clone();
                         model.seqs.insert(child, cells);
-                        let parent_origin = model.origin[&s];
+                        let parent_origin = model.origin[&s].clone();
                         model.origin.insert(child, parent_origin);
                         None
                     }
@@ -399,6 +469,157 @@ fn run(ops: &[Op]) {
                     },
                 }
             }
+            Op::RemoveRange { seq, a, b, short } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let (first, end) = range_of(model.seqs[&s].len(), a, b);
+                    let m = if short { 0 } else { rows.len() };
+                    match kv.remove_range(s, first, end, &mut copies, &mut rows[..m]) {
+                        Ok(edited) => {
+                            if first % BS == 0 && (end - first) % BS == 0 {
+                                assert_eq!((edited.copies, edited.moves), (0, 0), "aligned removal copies nothing");
+                            }
+                            execute_edit(&mut model, edited, &copies, &rows);
+                            let cells = model.seqs.get_mut(&s).unwrap();
+                            // Removing the tail is a truncation; otherwise rows moved.
+                            let moved = first < end && (end as usize) < cells.len();
+                            cells.drain(first as usize..end as usize);
+                            if moved {
+                                assert_detached(&kv, s, first);
+                            }
+                            let bad = kv.remove_range(s, 0, u32::MAX, &mut copies, &mut rows);
+                            assert!(matches!(bad, Err(SeqError::BadRange { .. })));
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
+            Op::Shift { seq, a, b, delta } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    // As a backend re-rotating keys in place would: own the blocks, then shift.
+                    let (first, end) = range_of(model.seqs[&s].len(), a, b);
+                    match kv.make_exclusive(s, first, end, &mut copies) {
+                        Ok(n) => {
+                            let edited = Edited { copies: n, ..Edited::default() };
+                            execute_edit(&mut model, edited, &copies, &rows);
+                            let owned = snapshot(&kv, &host, &model);
+                            match kv.shift_positions(s, first, end, i32::from(delta)) {
+                                Ok(()) => {
+                                    for t in first..end {
+                                        let slot = slot_of(&kv, s, t) as usize;
+                                        let b = kv.blocks(s).unwrap()[(t / BS) as usize];
+                                        assert_eq!(kv.refcount(b), Some(1));
+                                        assert!(!kv.is_registered(b));
+                                        let cell = &mut model.seqs.get_mut(&s).unwrap()[t as usize];
+                                        cell.1 = (i64::from(cell.1) + i64::from(delta)) as u32;
+                                        model.arena[slot] = Some(*cell);
+                                    }
+                                }
+                                Err(e) => {
+                                    assert!(
+                                        matches!(e, SeqError::BadPositions | SeqError::TooManyPositionRuns { .. }),
+                                        "{e:?} for {op:?}"
+                                    );
+                                    assert_eq!(snapshot(&kv, &host, &model), owned, "failed shift changed the state");
+                                }
+                            }
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
+            Op::CopyRange { seq, a, b, ns } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let (first, end) = range_of(model.seqs[&s].len(), a, b);
+                    match kv.copy_range(s, first, end, u64::from(ns), &mut rows) {
+                        Ok(copied) => {
+                            assert_eq!(copied.edited.copies, 0);
+                            if first % BS == 0 {
+                                assert_eq!(copied.edited.moves, 0, "aligned copy shares blocks");
+                            }
+                            execute_edit(&mut model, copied.edited, &copies, &rows);
+                            let cells = model.seqs[&s][first as usize..end as usize].to_vec();
+                            model.seqs.insert(copied.seq, cells);
+                            // It shares the source's blocks (registered in the source's
+                            // namespaces) and may register its own in `ns`.
+                            let (mut namespaces, family) = model.origin[&s].clone();
+                            namespaces.push(u64::from(ns));
+                            model.origin.insert(copied.seq, (namespaces, family));
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
+            Op::Keep { keep, mask } => match pick(&model, keep) {
+                None => None,
+                Some(k) => {
+                    let live: Vec<SeqId> = model.seqs.keys().copied().collect();
+                    let mut others: Vec<SeqId> =
+                        live.iter().enumerate().filter(|(n, _)| mask >> (n % 6) & 1 == 1).map(|(_, &s)| s).collect();
+                    if mask & 0x40 != 0 {
+                        others.extend(others.clone()); // duplicates are released once
+                    }
+                    let stale = model.stale.first().copied().filter(|_| mask & 0x80 != 0);
+                    others.extend(stale);
+                    match kv.release_all_except(k, others.iter().copied()) {
+                        Ok(n) => {
+                            assert!(stale.is_none());
+                            let gone: HashSet<SeqId> = others.iter().copied().filter(|&s| s != k).collect();
+                            assert_eq!(n as usize, gone.len());
+                            for s in gone {
+                                model.seqs.remove(&s);
+                                model.stale.push(s);
+                            }
+                            assert!(model.seqs.contains_key(&k));
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
+            Op::ContextShift { seq, a, b, short } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let (n_keep, end) = range_of(model.seqs[&s].len(), a, b);
+                    let n_discard = end - n_keep;
+                    let (c, m) = if short { (0, 0) } else { (copies.len(), rows.len()) };
+                    match kv.context_shift(s, n_keep, n_discard, &mut copies[..c], &mut rows[..m]) {
+                        Ok(shift) => {
+                            execute_edit(&mut model, shift.edited, &copies, &rows);
+                            let cells = model.seqs.get_mut(&s).unwrap();
+                            if n_discard > 0 && (end as usize) < cells.len() {
+                                assert_detached(&kv, s, n_keep);
+                            }
+                            cells.drain(n_keep as usize..end as usize);
+                            let len = cells.len() as u32;
+                            if n_discard > 0 && len > n_keep {
+                                assert_eq!((shift.rotate_first, shift.rotate_end), (n_keep, len));
+                                assert_eq!(shift.delta, -(n_discard as i32));
+                            } else {
+                                assert_eq!(shift.rotate_first, shift.rotate_end);
+                            }
+                            for t in shift.rotate_first..shift.rotate_end {
+                                let b = kv.blocks(s).unwrap()[(t / BS) as usize];
+                                assert_eq!(kv.refcount(b), Some(1), "rotated block {b} is shared");
+                                assert!(!kv.is_registered(b), "rotated block {b} is registered");
+                                let slot = slot_of(&kv, s, t) as usize;
+                                let cells = model.seqs.get_mut(&s).unwrap();
+                                let cell = &mut cells[t as usize];
+                                cell.1 = (i64::from(cell.1) + i64::from(shift.delta)) as u32;
+                                let rotated = model.arena[slot].map(|(id, p)| (id, (i64::from(p) + i64::from(shift.delta)) as u32));
+                                model.arena[slot] = rotated;
+                            }
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+            },
             Op::UseStale { which } => {
                 if let Some(&s) = model.stale.get(which as usize % model.stale.len().max(1)) {
                     assert_eq!(kv.release(s), Err(SeqError::StaleHandle));
@@ -421,6 +642,9 @@ fn run(ops: &[Op]) {
                         | SeqError::NoFreeSequence
                         | SeqError::StaleHandle
                         | SeqError::HostFull { .. }
+                        | SeqError::TooManyPositionRuns { .. }
+                        | SeqError::MoveBufferTooSmall { .. }
+                        | SeqError::BadPositions
                 ),
                 "unexpected error {e:?} for {op:?}"
             );
@@ -465,6 +689,19 @@ fn commit_of_a_block_a_fork_committed() {
         Op::Commit { seq: 31, percent: 50 },
         Op::CreatePrompt { ns: 0, base: 0, len: 8, tail: 52 },
         Op::Commit { seq: 88, percent: 50 },
+    ]);
+}
+
+/// Found by the property test: ids appended to an empty copy whose positions start past 0
+/// must not enter the prefix cache (a prompt hit would read keys at other positions).
+#[test]
+fn appends_after_a_position_gap_are_never_shared() {
+    run(&[
+        Op::CreatePrompt { ns: 0, base: 0, len: 1, tail: 29 },
+        Op::CopyRange { seq: 0, a: 50, b: 0, ns: 1 },
+        Op::Append { seq: 1, n: 5, with_ids: true, alphabet: 3 },
+        Op::Commit { seq: 1, percent: 60 },
+        Op::CreatePrompt { ns: 1, base: 0, len: 4, tail: 0 },
     ]);
 }
 

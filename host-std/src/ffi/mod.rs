@@ -21,9 +21,11 @@
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
-//! 1. [`cache`] (the owned cache) and [`engine`] (its engine step);
+//! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions)
+//!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
+//!    [`manager_edit`] (sequence edits: copies and row moves out),
 //!    [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap
 //!    plans);
 //! 3. [`scheduler`] (the engine step over a tier-2 manager).
@@ -32,10 +34,12 @@
 
 mod args;
 pub mod cache;
+pub mod cache_edit;
 pub mod engine;
 pub mod geometry;
 pub mod ids;
 pub mod manager;
+pub mod manager_edit;
 pub mod manager_seqs;
 pub mod manager_swap;
 // After the manager's modules, so the header lists its block-table exports after them.
@@ -49,10 +53,12 @@ pub mod version;
 
 pub use block_table::*;
 pub use cache::*;
+pub use cache_edit::*;
 pub use engine::*;
 pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
+pub use manager_edit::*;
 pub use manager_seqs::*;
 pub use manager_swap::*;
 pub use plan::*;

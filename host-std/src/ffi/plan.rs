@@ -33,6 +33,24 @@ impl From<BlockCopy> for kvpage_block_copy {
     }
 }
 
+/// Token rows the caller's kernels move after a sequence edit (tier 2): `count` rows from
+/// slots `src_slot..` to slots `dst_slot..` (slot = `block * block_size + offset`), in
+/// every layer, K and V, every KV head. Both ranges lie within one block, so in the
+/// block-major layout a move is one contiguous range of `count * head_dim` elements per
+/// `[token][head_dim]` tile. Execute an edit's moves in order, each as a `memmove`, after
+/// its block copies.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[allow(non_camel_case_types)]
+pub struct kvpage_row_move {
+    /// First slot read.
+    pub src_slot: u32,
+    /// First slot written.
+    pub dst_slot: u32,
+    /// Rows moved (1 to `block_size`).
+    pub count: u32,
+}
+
 /// Preemption frees a victim's blocks; it is prefilled again later.
 pub const KVPAGE_PREEMPT_RECOMPUTE: u32 = 0;
 /// Preemption moves a victim's blocks to the host tier (recompute when it is full).

@@ -53,7 +53,9 @@ pub enum kvpage_result {
     KVPAGE_ERR_SEQ_NOT_SWAPPED = 14,
     /// The host tier has too few free blocks (`needed`, `available`).
     KVPAGE_ERR_HOST_FULL = 15,
-    /// Truncation beyond the current length (`needed` = requested, `available` = len).
+    /// Truncation beyond the current length (`needed` = requested, `available` = len),
+    /// or an edit's token range reversed or past it (`needed` = range end, `available` =
+    /// len, `value` = range start).
     KVPAGE_ERR_BEYOND_LENGTH = 16,
     /// K/V written outside the positions appended since the last commit.
     KVPAGE_ERR_NOT_WRITABLE = 17,
@@ -94,7 +96,15 @@ pub enum kvpage_result {
     /// A bug inside kvpage was caught (a panic, a failed internal check); the object
     /// is in an unknown state: free it.
     KVPAGE_ERR_INTERNAL = 35,
+    /// Positions an edit asks for are not strictly increasing in token order or leave the
+    /// `u32` range (also an append past position `u32::MAX`).
+    KVPAGE_ERR_BAD_POSITIONS = 36,
+    /// An edit would need more position runs than a sequence holds.
+    KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
 }
+
+/// The highest result code (for tables of messages and tests that walk every code).
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_TOO_MANY_POSITION_RUNS as u32;
 
 use kvpage_result::*;
 
@@ -140,6 +150,8 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         33 => c"no host tier",
         34 => c"block or slot out of range",
         35 => c"internal error",
+        36 => c"positions not increasing or out of range",
+        37 => c"too many position runs",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -389,6 +401,20 @@ fn classify_seq(e: SeqError) -> (kvpage_result, u64, u64, u64) {
             u64::from(len),
             0,
         ),
+        // A range past the length: `value` is its first token.
+        SeqError::BadRange { first, end, len } => (
+            KVPAGE_ERR_BEYOND_LENGTH,
+            u64::from(end),
+            u64::from(len),
+            u64::from(first),
+        ),
+        SeqError::BadPositions => (KVPAGE_ERR_BAD_POSITIONS, 0, 0, 0),
+        SeqError::TooManyPositionRuns { needed, capacity } => (
+            KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
+            u64::from(needed),
+            u64::from(capacity),
+            0,
+        ),
     }
 }
 
@@ -464,6 +490,9 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
         KernelError::CopyOntoItself { block } => {
             (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, u64::from(block))
         }
+        KernelError::BadRowMove { src_slot, .. } => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, u64::from(src_slot))
+        }
         KernelError::RowOutOfRange { row, rows } => {
             (KVPAGE_ERR_OUT_OF_RANGE, 0, u64::from(rows), u64::from(row))
         }
@@ -517,7 +546,7 @@ mod tests {
     #[test]
     fn every_code_has_its_own_message() {
         let mut seen = std::collections::HashSet::new();
-        for code in 0..=KVPAGE_ERR_INTERNAL as u32 {
+        for code in 0..=KVPAGE_RESULT_LAST {
             // SAFETY: kvpage_result_str returns a static C string.
             let s = unsafe { CStr::from_ptr(kvpage_result_str(code)) };
             assert!(seen.insert(s.to_owned()), "code {code} repeats {s:?}");

@@ -1,10 +1,11 @@
-//! Whole-block copies (copy-on-write, and the host side of swaps).
+//! Copies of K/V inside and between arenas: whole blocks (copy-on-write, the host side of
+//! swaps) and token rows (the moves of a sequence edit).
 
 use super::attention::check_len;
 use crate::arena::KvLayout;
 use crate::dtype::Element;
 use crate::error::{Buffer, KernelError};
-use kvpage_core::BlockCopy;
+use kvpage_core::{BlockCopy, RowMove};
 
 /// Copies block `src` onto block `dst` for every [`BlockCopy`], in order — one range
 /// copy of `elems_per_block` elements each, all layers at once. Run the copies the core
@@ -75,6 +76,59 @@ pub fn copy_blocks_between<T: Element>(
     for c in copies {
         let (s, d) = (c.src as usize * n, c.dst as usize * n);
         to[d..d + n].copy_from_slice(&from[s..s + n]);
+    }
+    Ok(())
+}
+
+/// Executes the row moves of a sequence edit ([`kvpage_core::BlockManager::remove_range`]
+/// and the other edits), in order: each moves `count` token rows, in every layer, K and
+/// V, every KV head, as one `memmove` of `count * head_dim` elements per
+/// `[token][head_dim]` tile (overlapping rows within a block are fine). Execute an
+/// edit's block copies first. O(moved rows × layers × kv_heads × head_dim).
+///
+/// # Errors
+/// Nothing is moved on error. [`KernelError::DTypeMismatch`] if `T` is not the
+/// geometry's dtype, [`KernelError::BufferLength`] for a wrong `arena` length,
+/// [`KernelError::SlotOutOfRange`] for a slot past the arena,
+/// [`KernelError::BadRowMove`] for a zero count or rows that leave their block.
+pub fn move_rows<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    moves: &[RowMove],
+) -> Result<(), KernelError> {
+    layout.check_element::<T>()?;
+    check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
+    let g = layout.geometry();
+    let bs = g.block_size();
+    for m in moves {
+        if let Some(slot) = [m.src_slot, m.dst_slot]
+            .into_iter()
+            .find(|&s| u64::from(s) >= layout.num_slots())
+        {
+            return Err(KernelError::SlotOutOfRange {
+                slot,
+                slots: layout.num_slots(),
+            });
+        }
+        let fits = |slot: u32| u64::from(slot % bs) + u64::from(m.count) <= u64::from(bs);
+        if m.count == 0 || !fits(m.src_slot) || !fits(m.dst_slot) {
+            return Err(KernelError::BadRowMove {
+                src_slot: m.src_slot,
+                dst_slot: m.dst_slot,
+                count: m.count,
+            });
+        }
+    }
+    let hd = g.head_dim() as usize;
+    let tiles = 2 * g.layers() as usize * g.kv_heads() as usize;
+    let (per_block, tile) = (layout.elems_per_block(), layout.tile_elems());
+    for m in moves {
+        let start = |slot: u32| (slot / bs) as usize * per_block + (slot % bs) as usize * hd;
+        let (src, dst, n) = (start(m.src_slot), start(m.dst_slot), m.count as usize * hd);
+        for t in 0..tiles {
+            let s = src + t * tile;
+            arena.copy_within(s..s + n, dst + t * tile);
+        }
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ mod write;
 
 pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
-pub use copy::{copy_blocks, copy_blocks_between};
+pub use copy::{copy_blocks, copy_blocks_between, move_rows};
 pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use write::{write_kv, write_kv_as};
 
