@@ -354,10 +354,16 @@ mod tests {
 
     #[test]
     fn every_task_runs_once_across_many_calls() {
-        for threads in [1, 2, 3, 4, 8] {
+        // Under Miri (which checks the pool's synchronisation) fewer pools and calls.
+        let (pools, calls): (&[usize], usize) = if cfg!(miri) {
+            (&[1, 3], 18)
+        } else {
+            (&[1, 2, 3, 4, 8], 200)
+        };
+        for &threads in pools {
             let pool = WorkerPool::new(threads);
             assert_eq!(pool.threads(), threads);
-            for call in 0..200 {
+            for call in 0..calls {
                 let tasks = [0, 1, 2, 3, 7, 8, 9, 64, 100][call % 9];
                 let runs = run_counting(&pool, tasks);
                 assert!(runs.iter().all(|&n| n == 1), "{threads} {tasks} {runs:?}");
@@ -378,9 +384,10 @@ mod tests {
     fn state_is_per_thread_and_tasks_come_in_order() {
         let pool = WorkerPool::new(4);
         let ok = AtomicBool::new(true);
-        for _ in 0..50 {
+        let (calls, tasks) = if cfg!(miri) { (3, 100) } else { (50, 1000) };
+        for _ in 0..calls {
             pool.for_each_task(
-                1000,
+                tasks,
                 || None::<usize>,
                 |last, t| {
                     if last.is_some_and(|l| l >= t) {
@@ -486,9 +493,10 @@ mod tests {
         assert!(inner_runs.iter().all(|n| n.load(Ordering::Relaxed) == 1));
         // Calls from several threads at once on one shared pool.
         std::thread::scope(|s| {
-            for _ in 0..4 {
+            let (threads, calls) = if cfg!(miri) { (2, 5) } else { (4, 50) };
+            for _ in 0..threads {
                 s.spawn(|| {
-                    for _ in 0..50 {
+                    for _ in 0..calls {
                         assert!(run_counting(&pool, 30).iter().all(|&n| n == 1));
                     }
                 });
