@@ -172,6 +172,9 @@ enum kvpage_result
   // A bug inside kvpage was caught (a panic, a failed internal check); the object
   // is in an unknown state: free it.
   KVPAGE_ERR_INTERNAL = 35,
+  // A block the operation would change in place is shared with another sequence or
+  // registered in the prefix cache (`value` = block, `needed` = its reference count).
+  KVPAGE_ERR_BLOCK_SHARED = 36,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -94,6 +94,9 @@ pub enum kvpage_result {
     /// A bug inside kvpage was caught (a panic, a failed internal check); the object
     /// is in an unknown state: free it.
     KVPAGE_ERR_INTERNAL = 35,
+    /// A block the operation would change in place is shared with another sequence or
+    /// registered in the prefix cache (`value` = block, `needed` = its reference count).
+    KVPAGE_ERR_BLOCK_SHARED = 36,
 }
 
 use kvpage_result::*;
@@ -140,6 +143,7 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         33 => c"no host tier",
         34 => c"block or slot out of range",
         35 => c"internal error",
+        36 => c"block shared or in the prefix cache",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -354,6 +358,23 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(first.min(pending)),
         ),
         CacheError::BatchTooLarge { seqs, max } => (KVPAGE_ERR_BATCH_TOO_LARGE, n(seqs), n(max), 0),
+        CacheError::BadRange { first, end, .. } if first > end => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(end),
+            u64::from(first),
+        ),
+        CacheError::BadRange { end, len, .. } => {
+            (KVPAGE_ERR_BEYOND_LENGTH, u64::from(end), u64::from(len), 0)
+        }
+        CacheError::BlockShared {
+            block, refcount, ..
+        } => (
+            KVPAGE_ERR_BLOCK_SHARED,
+            u64::from(refcount),
+            0,
+            u64::from(block),
+        ),
     }
 }
 
@@ -479,6 +500,13 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
             u64::from(queries),
             u64::from(context_len),
             0,
+        ),
+        KernelError::Rope(_) => (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, 0),
+        KernelError::BadTokenRange { first, end } => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(end),
+            u64::from(first),
         ),
     }
 }
