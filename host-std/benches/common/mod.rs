@@ -1,0 +1,26 @@
+//! Shared by the benchmarks: random fill of storage elements, and the median and best of
+//! a run's timings.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use kvpage::Element;
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+/// Median and minimum.
+pub fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort();
+    (v[v.len() / 2], v[0])
+}
+
+/// Fills `dst` with random values in [-1, 1), through an f32 buffer.
+pub fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
+    let mut buf = vec![0.0f32; 1 << 16];
+    for chunk in dst.chunks_mut(1 << 16) {
+        for x in buf.iter_mut() {
+            *x = rng.random_range(-1.0f32..1.0);
+        }
+        T::narrow(&buf, chunk);
+    }
+}
