@@ -10,6 +10,7 @@ use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
 
 use crate::cache::CacheError;
 use crate::error::KernelError;
+use crate::kernels::RopeError;
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
@@ -501,7 +502,21 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
             u64::from(context_len),
             0,
         ),
-        KernelError::Rope(_) => (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, 0),
+        KernelError::Rope(RopeError::OddRotaryDims { rotary_dims }) => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, u64::from(rotary_dims))
+        }
+        KernelError::Rope(RopeError::RotaryDimsExceedHeadDim {
+            rotary_dims,
+            head_dim,
+        }) => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(head_dim),
+            u64::from(rotary_dims),
+        ),
+        KernelError::Rope(RopeError::ZeroRotaryDims | RopeError::BadBase) => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, 0)
+        }
         KernelError::BadTokenRange { first, end } => (
             KVPAGE_ERR_INVALID_ARGUMENT,
             0,
