@@ -169,11 +169,27 @@ pub fn rotate_keys<T: Element>(
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     check_len(Buffer::Arena, layout.arena_elems(), arena.len())?;
-    let g = layout.geometry();
-    rope.check(g.head_dim()).map_err(KernelError::Rope)?;
+    rope.check(layout.geometry().head_dim())
+        .map_err(KernelError::Rope)?;
     for s in shifts {
         check_shift(layout, table, s)?;
     }
+    rotate_checked(layout, arena, table, shifts, rope, pool, PARALLEL_MIN_PAIRS);
+    Ok(())
+}
+
+/// The work of [`rotate_keys`] once every input is checked; a shift of fewer than
+/// `parallel_min_pairs` pairs runs on the calling thread only.
+fn rotate_checked<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    table: BlockTable<'_>,
+    shifts: &[KeyShift],
+    rope: RopeParams,
+    pool: Option<&dyn Executor>,
+    parallel_min_pairs: u64,
+) {
+    let g = layout.geometry();
     let (layers, heads) = (g.layers() as usize, g.kv_heads() as usize);
     let (bs, hd, rd) = (
         g.block_size(),
@@ -185,7 +201,7 @@ pub fn rotate_keys<T: Element>(
         let turn = Turn::new(rope, s.delta);
         let row = &table.table[s.row as usize * table.stride as usize..];
         let pairs = u64::from(s.end - s.first) * (layers * heads * rd / 2) as u64;
-        let pool = pool.filter(|_| pairs >= PARALLEL_MIN_PAIRS);
+        let pool = pool.filter(|_| pairs >= parallel_min_pairs);
         let init = || [0.0f32; MAX_HEAD_DIM];
         for_each_task(pool, layers * heads, init, |scratch, task| {
             let (layer, head) = ((task / heads) as u32, (task % heads) as u32);
@@ -208,7 +224,6 @@ pub fn rotate_keys<T: Element>(
             }
         });
     }
-    Ok(())
 }
 
 /// Checks one shift against the table and the arena.
@@ -334,6 +349,51 @@ mod tests {
         }
         assert_eq!(params(64, 1e4).check(64), Ok(()));
         assert_eq!(params(2, 1.0001).check(64), Ok(()));
+    }
+
+    /// The parallel path (forced for a tiny call, so Miri can run it:
+    /// `cargo +nightly miri test -p kvpage --lib rope`) equals the calling thread's
+    /// alone, bit for bit, with shifts sharing a block.
+    #[test]
+    fn workers_match_the_calling_thread() {
+        use crate::kernels::WorkerPool;
+        use kvpage_core::{DType, Geometry};
+
+        let geometry = Geometry::new(2, 3, 4, 2, DType::F32).unwrap();
+        let layout = KvLayout::new(geometry, 4).unwrap();
+        let start: Vec<f32> = (0..layout.arena_elems())
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let rows = [3, 1, 0, 2];
+        let table = BlockTable {
+            table: &rows,
+            stride: 4,
+        };
+        let shifts = [
+            KeyShift {
+                row: 0,
+                first: 1,
+                end: 7,
+                delta: -9,
+            },
+            KeyShift {
+                row: 0,
+                first: 6,
+                end: 8,
+                delta: 1_000,
+            },
+        ];
+        let rope = params(4, 1e4);
+        let mut alone = start.clone();
+        rotate_checked(&layout, &mut alone, table, &shifts, rope, None, 0);
+        let pool = WorkerPool::new(3);
+        let mut shared = start.clone();
+        rotate_checked(&layout, &mut shared, table, &shifts, rope, Some(&pool), 0);
+        assert!(alone
+            .iter()
+            .zip(&shared)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_ne!(alone, start);
     }
 
     #[test]
