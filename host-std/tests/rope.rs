@@ -18,6 +18,7 @@ use kvpage::{
     bf16, f16, CacheConfig, CacheError, Capacity, DType, Element, Geometry, KernelError, KvCache,
     RopeError, RopePairing, RopeParams, Seq, SeqError,
 };
+use proptest::prelude::*;
 use rand::rngs::StdRng;
 
 const LAYERS: u32 = 2;
@@ -661,4 +662,103 @@ fn kernel_runs_a_list_of_shifts() {
         rotate_keys(&layout, &mut short, table, &shifts, rope, None),
         Err(KernelError::BufferLength { .. })
     ));
+}
+
+/// Property: any sequence of rotations of sub-ranges, with any deltas, leaves each key
+/// equal to the reference rotated from scratch at its position in the model (its first
+/// position plus the deltas of the rotations that covered it), within one tolerance per
+/// rotation; dims past `rotary_dims` and all values are untouched.
+fn rotations_match_model<T: Element>(
+    hd: u32,
+    rope: RopeParams,
+    tokens: usize,
+    p0: u32,
+    ops: &[(u32, u32, i64)],
+) -> Result<(), TestCaseError> {
+    let raw = Raw::new(&mut rng(u64::from(hd) ^ u64::from(p0)), tokens, hd as usize);
+    let mut c = cache(T::DTYPE, hd, 1);
+    let seq = stored_seq(&mut c, &raw, |t| f64::from(p0) + t as f64, rope);
+    let before: Vec<Vec<f32>> = (0..LAYERS).map(|l| read::<T>(&c, seq, l, 0)).collect();
+    let values: Vec<Vec<f32>> = (0..LAYERS).map(|l| read::<T>(&c, seq, l, 1)).collect();
+    let mut pos: Vec<f64> = (0..tokens).map(|t| f64::from(p0) + t as f64).collect();
+    for &(first, end, delta) in ops {
+        c.rotate_keys(seq, first, end, delta, rope).unwrap();
+        for p in &mut pos[first as usize..end as usize] {
+            *p += delta as f64;
+        }
+    }
+    let row = KV_HEADS as usize * hd as usize;
+    let (hd, rd) = (hd as usize, rope.rotary_dims as usize);
+    let rotations = ops.iter().filter(|o| o.0 < o.1 && o.2 != 0).count().max(1);
+    for layer in 0..LAYERS {
+        let got = read::<T>(&c, seq, layer, 0);
+        let want = raw.keys_at(layer as usize, |t| pos[t], rope);
+        let err = rel_error(&got, &want);
+        prop_assert!(
+            err <= rotations as f64 * key_tolerance::<T>(),
+            "{:?} {rope:?} {ops:?}: error {err:e}",
+            T::DTYPE
+        );
+        for (i, (g, b)) in got.iter().zip(&before[layer as usize]).enumerate() {
+            if i % hd >= rd {
+                prop_assert_eq!(
+                    g.to_bits(),
+                    b.to_bits(),
+                    "dim {} of token {}",
+                    i % hd,
+                    i / row
+                );
+            }
+        }
+        prop_assert_eq!(&read::<T>(&c, seq, layer, 1), &values[layer as usize]);
+    }
+    Ok(())
+}
+
+/// A head dim (even, up to 64), rotary dims (even, up to it), pairing and base.
+fn rope_case() -> impl Strategy<Value = (u32, RopeParams)> {
+    (
+        1u32..=32,
+        any::<bool>(),
+        prop_oneof![Just(10_000.0f32), Just(500_000.0), 1.5f32..1e6],
+    )
+        .prop_flat_map(|(half, split, base)| {
+            let pairing = if split {
+                RopePairing::HalfSplit
+            } else {
+                RopePairing::Interleaved
+            };
+            (1..=half).prop_map(move |r| (2 * half, params(base, 2 * r, pairing)))
+        })
+}
+
+/// Tokens, and up to four rotations `(first, end, delta)` of sub-ranges of them.
+fn ops_case() -> impl Strategy<Value = (usize, Vec<(u32, u32, i64)>)> {
+    (1usize..50).prop_flat_map(|tokens| {
+        let range = (0..=tokens as u32, 0..=tokens as u32).prop_map(|(a, b)| (a.min(b), a.max(b)));
+        let op = (range, -50_000i64..50_000).prop_map(|((a, b), d)| (a, b, d));
+        (Just(tokens), proptest::collection::vec(op, 1..5))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 2 } else { 96 },
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn rotations_compose_like_positions(
+        (hd, rope) in rope_case(),
+        (tokens, ops) in ops_case(),
+        p0 in 0u32..60_000,
+        dtype in 0u8..3,
+    ) {
+        match dtype {
+            0 => rotations_match_model::<f32>(hd, rope, tokens, p0, &ops)?,
+            1 => rotations_match_model::<f16>(hd, rope, tokens, p0, &ops)?,
+            _ => rotations_match_model::<bf16>(hd, rope, tokens, p0, &ops)?,
+        }
+    }
 }
