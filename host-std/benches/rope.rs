@@ -30,13 +30,16 @@
 //! costs B / 4096 of the projections alone (1/400 to 1/14), and less again of a real
 //! recompute.
 //!
-//! Measured on the development VM (2 vCPUs of a Xeon with AVX-512, shared with other
-//! jobs), 512 tokens: rotate 20.4 ms (3.3 GB/s of keys read + written; best 18.5),
-//! recompute K/V 28.0 s (the matmul at 9.8 GFLOP/s, SSE2 code: a tuned BLAS on these
-//! two cores would be ~10× faster, so ~1/140 rather than the measured 1/1374), memcpy
-//! 9.7 ms (best 3.2). So a context shift that re-rotates costs well under 1% of even
-//! the K/V projections of recomputing the moved tokens, and about 2× a plain copy of
-//! the same bytes (the rotation widens, turns and narrows each f16 row on the CPU).
+//! Measured on the development VM (2 vCPUs of a Xeon with AVX-512, shared with three
+//! other agents' builds: load average 4–6, so medians move by 2× between runs), 512
+//! tokens, five runs: rotate 7.3–13.0 ms median (best of run 4.6–11.4; 5–9 GB/s of keys
+//! read + written), memcpy of the same bytes 3.5–9.9 ms, rotate / memcpy 1.25–2.6;
+//! recompute K/V 17.7–28.0 s (the matmul at 10–16 GFLOP/s, portable SSE2 code: a tuned
+//! BLAS on these two cores would be ~10× faster), rotate / recompute 1/1400–1/2200 as
+//! measured, so ~1/150 against a tuned BLAS. A context shift that re-rotates its moved
+//! keys costs well under 1% of even the K/V projections of recomputing them, and
+//! 1.3–2.6× a plain copy of the same bytes (each f16 row is widened, turned and
+//! narrowed on the CPU).
 
 mod common;
 
