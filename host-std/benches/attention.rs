@@ -45,7 +45,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{fill, stats};
+use common::{fill, numeric_args, stats};
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
     WorkerPool,
@@ -267,16 +267,11 @@ fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) 
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a filter argument picks the block sizes.
+    // Numeric arguments pick the block sizes.
     // One thread per core, started once: every call below wakes them, none starts one.
     let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(42);
-    let sizes: Vec<u32> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let sizes = if sizes.is_empty() { vec![16] } else { sizes };
-    for bs in sizes {
+    for bs in numeric_args(16) {
         run(bs, &pool, &mut rng);
     }
     println!(

@@ -47,7 +47,7 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{fill, stats};
+use common::{fill, numeric_args, stats};
 use kvpage::kernels::{rotate_keys, write_kv, BlockTable, KeyShift, WorkerPool};
 use kvpage::{f16, Arena, Element, Geometry, KvLayout, RopePairing, RopeParams};
 use rand::rngs::StdRng;
@@ -231,15 +231,10 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; numeric arguments pick the moved-token counts.
+    // Numeric arguments pick the moved-token counts.
     let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(7);
-    let counts: Vec<u32> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let counts = if counts.is_empty() { vec![512] } else { counts };
-    for tokens in counts.into_iter().filter(|&t| t > 0) {
+    for tokens in numeric_args(512).into_iter().filter(|&t| t > 0) {
         run(tokens, &pool, &mut rng);
     }
 }

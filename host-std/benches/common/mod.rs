@@ -1,5 +1,5 @@
-//! Shared by the benchmarks: random fill of storage elements, and the median and best of
-//! a run's timings.
+//! Shared by the benchmarks: random fill of storage elements, the median and best of a
+//! run's timings, and the numbers given on the command line.
 #![allow(dead_code)]
 
 use std::time::Duration;
@@ -22,5 +22,19 @@ pub fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
             *x = rng.random_range(-1.0f32..1.0);
         }
         T::narrow(&buf, chunk);
+    }
+}
+
+/// The numeric command-line arguments (`cargo bench` also passes `--bench`, skipped), or
+/// `default` alone when there are none.
+pub fn numeric_args(default: u32) -> Vec<u32> {
+    let given: Vec<u32> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    if given.is_empty() {
+        vec![default]
+    } else {
+        given
     }
 }
