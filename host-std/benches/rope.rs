@@ -6,7 +6,9 @@
 //! 500000, f16 storage, blocks of 16 tokens in shuffled physical order), hidden size 4096;
 //! 512 moved tokens, or the counts given as arguments (`-- 128 2048`). The three
 //! measurements are interleaved in one run on the same `WorkerPool` (one thread per
-//! core); medians are printed, the best of the run beside them.
+//! core), each after 256 MiB of writes that push its data out of the caches (the keys a
+//! shift moves are old); medians are printed, the best of the run beside them. A second
+//! section repeats rotate and memcpy for f32 and bf16 storage.
 //!
 //! - **rotate**: `kernels::rotate_keys` over the moved tokens, all layers — what a
 //!   context shift costs on top of its page-table edit.
@@ -31,18 +33,20 @@
 //! recompute.
 //!
 //! Measured on the development VM (2 vCPUs of a Xeon with AVX-512, shared with three
-//! other agents' builds: load average 4–6, so medians move by 2× between runs), 512
-//! tokens, five runs: rotate 7.3–13.0 ms median (best of run 4.6–11.4; 5–9 GB/s of keys
-//! read + written), memcpy of the same bytes 3.5–9.9 ms, rotate / memcpy 1.25–2.6;
-//! recompute K/V 17.7–28.0 s (the matmul at 10–16 GFLOP/s, portable SSE2 code: a tuned
-//! BLAS on these two cores would be ~10× faster), rotate / recompute 1/1400–1/2200 as
-//! measured, so ~1/150 against a tuned BLAS. A context shift that re-rotates its moved
-//! keys costs well under 1% of even the K/V projections of recomputing them, and
-//! 1.3–2.6× a plain copy of the same bytes (each f16 row is widened, turned and
-//! narrowed on the CPU). Those runs predate the F16C narrowing of f16 (`dtype.rs`);
-//! with it, `-- 32 512` alternated with the previous code twice: 32 tokens (4 MiB,
-//! cache-resident) 0.36–0.38 ms against 0.46 (memcpy 0.24, so 1.5×), 512 tokens best of
-//! run 10.2–11.5 ms against 13.8–15.4 (medians 14–16 ms both: load average 5.6).
+//! other agents' builds, load average 4–5), 512 tokens, two runs of the final code:
+//!
+//! | storage | rotate (median) | memcpy (median) | rotate / memcpy |
+//! |---|---|---|---|
+//! | f16  | 5.9–6.1 ms (11 GB/s) | 2.7–3.6 ms | 1.7–2.2 |
+//! | f32  | 9.1–9.7 ms (14–15 GB/s) | 6.0–6.3 ms | 1.5–1.55 |
+//! | bf16 | 8.7–12.7 ms (5–8 GB/s) | 3.4–3.8 ms | 2.6–3.4 |
+//!
+//! Recompute K/V (f16): 17.0–17.9 s (the matmul at 15–16 GFLOP/s, portable SSE2 code: a
+//! tuned BLAS on these two cores would be ~10× faster), so rotate / recompute is
+//! 1/2900 as measured, ~1/300 against a tuned BLAS. A context shift that re-rotates its
+//! moved keys costs well under 1% of even the K/V projections of recomputing them, and
+//! 1.5–3.4× a plain copy of the same bytes: each row is widened to f32, turned and
+//! rounded back (f16 with F16C; bf16 with 4-wide SSE2 integer code, the slowest).
 
 mod common;
 
@@ -52,7 +56,7 @@ use std::time::{Duration, Instant};
 
 use common::{fill, numeric_args, stats};
 use kvpage::kernels::{rotate_keys, write_kv, BlockTable, KeyShift, WorkerPool};
-use kvpage::{f16, Arena, Element, Geometry, KvLayout, RopePairing, RopeParams};
+use kvpage::{bf16, f16, Arena, Element, Geometry, KvLayout, RopePairing, RopeParams};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -115,18 +119,71 @@ fn parallel_copy(pool: &WorkerPool, src: &[u8], dst: &mut [u8]) {
     );
 }
 
+/// Bytes written between measurements so that none starts with its data in a cache
+/// (the keys a context shift moves are old: long out of every cache).
+const EVICT_BYTES: usize = 256 << 20;
+
+/// Writes every byte of `buf` (larger than the last-level cache).
+fn evict_caches(buf: &mut [u8], round: usize) {
+    buf.fill(round as u8);
+    black_box(&*buf);
+}
+
 fn timed(f: impl FnOnce()) -> Duration {
     let t = Instant::now();
     f();
     t.elapsed()
 }
 
-fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
+/// The tokens' hidden states and the K and V projection weights of a recompute, and its
+/// outputs.
+struct Recompute {
+    x: Vec<f32>,
+    w_k: Vec<f32>,
+    w_v: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Recompute {
+    fn new(tokens: usize, rng: &mut StdRng) -> Self {
+        let kv_cols = (KV_HEADS * HEAD_DIM) as usize;
+        let mut r = Self {
+            x: vec![0.0; tokens * HIDDEN],
+            w_k: vec![0.0; HIDDEN * kv_cols],
+            w_v: vec![0.0; HIDDEN * kv_cols],
+            k: vec![0.0; tokens * kv_cols],
+            v: vec![0.0; tokens * kv_cols],
+        };
+        for m in [&mut r.x, &mut r.w_k, &mut r.w_v] {
+            fill(rng, m);
+        }
+        r
+    }
+
+    /// One layer: both projections, then `write_kv` at `slots`.
+    fn layer<T: Element>(
+        &mut self,
+        pool: &WorkerPool,
+        layout: &KvLayout,
+        arena: &mut [T],
+        slots: &[u32],
+    ) {
+        let kv_cols = (KV_HEADS * HEAD_DIM) as usize;
+        matmul(pool, &self.x, &self.w_k, &mut self.k, kv_cols);
+        matmul(pool, &self.x, &self.w_v, &mut self.v, kv_cols);
+        write_kv(layout, arena, 0, slots, &self.k, &self.v).expect("write");
+    }
+}
+
+/// Rotation of `tokens` moved tokens in storage `T`, memcpy of the same bytes, and the
+/// recompute baseline when `recompute`, interleaved; prints medians, bests and ratios.
+fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: bool) {
     let blocks = tokens.div_ceil(BLOCK);
-    let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, f16::DTYPE).expect("geometry");
+    let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
     let layout = KvLayout::new(geometry, blocks).expect("layout");
     let mut arena = Arena::for_layout(&layout).expect("arena");
-    fill(rng, arena.as_mut_slice::<f16>());
+    fill(rng, arena.as_mut_slice::<T>());
     let mut physical: Vec<u32> = (0..blocks).collect();
     physical.shuffle(rng);
     let table = BlockTable {
@@ -141,22 +198,15 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let slots: Vec<u32> = (0..tokens)
         .map(|t| physical[(t / BLOCK) as usize] * BLOCK + t % BLOCK)
         .collect();
-
     let n = tokens as usize;
-    let kv_cols = (KV_HEADS * HEAD_DIM) as usize;
-    let mut x = vec![0.0f32; n * HIDDEN];
-    fill(rng, &mut x);
-    let mut w_k = vec![0.0f32; HIDDEN * kv_cols];
-    let mut w_v = vec![0.0f32; HIDDEN * kv_cols];
-    fill(rng, &mut w_k);
-    fill(rng, &mut w_v);
-    let (mut k, mut v) = (vec![0.0f32; n * kv_cols], vec![0.0f32; n * kv_cols]);
+    let mut baseline = recompute.then(|| Recompute::new(n, rng));
 
-    let elem = core::mem::size_of::<f16>();
+    let elem = core::mem::size_of::<T>();
     let rotated_bytes = n * (LAYERS * KV_HEADS * HEAD_DIM) as usize * elem;
     let src = vec![0x5au8; rotated_bytes];
     let mut dst = vec![0u8; rotated_bytes];
 
+    let mut evict = vec![0u8; EVICT_BYTES];
     let (mut rot, mut rec, mut cpy) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..ROUNDS + 1 {
         // Alternate the sign so the keys stay where they started, round after round.
@@ -167,30 +217,31 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
             end: tokens,
             delta,
         }];
+        evict_caches(&mut evict, round);
         let t_rot = timed(|| {
-            let a = arena.as_mut_slice::<f16>();
+            let a = arena.as_mut_slice::<T>();
             rotate_keys(&layout, a, table, &shift, rope, Some(pool)).expect("rotate");
         });
-        let t_rec = timed(|| {
-            matmul(pool, &x, &w_k, &mut k, kv_cols);
-            matmul(pool, &x, &w_v, &mut v, kv_cols);
-            let a = arena.as_mut_slice::<f16>();
-            write_kv(&layout, a, 0, &slots, &k, &v).expect("write");
-        });
+        let t_rec = baseline
+            .as_mut()
+            .map(|b| timed(|| b.layer(pool, &layout, arena.as_mut_slice::<T>(), &slots)) * LAYERS);
+        evict_caches(&mut evict, round);
         let t_cpy = timed(|| parallel_copy(pool, black_box(&src), &mut dst));
         black_box((&arena, &dst));
         if round > 0 {
             rot.push(t_rot);
-            rec.push(t_rec * LAYERS);
+            rec.extend(t_rec);
             cpy.push(t_cpy);
         }
     }
-    let ((r, r_min), (c, c_min), (m, m_min)) = (stats(rot), stats(rec), stats(cpy));
+    let ((r, r_min), (m, m_min)) = (stats(rot), stats(cpy));
+    let kv_cols = (KV_HEADS * HEAD_DIM) as usize;
     let proj_flop = 2.0 * n as f64 * HIDDEN as f64 * 2.0 * kv_cols as f64 * f64::from(LAYERS);
     let moved = 2 * rotated_bytes;
     println!(
-        "context shift, {tokens} moved tokens: {LAYERS} layers x {KV_HEADS} kv heads x head dim {HEAD_DIM} (rotary {}), f16, block {BLOCK}, hidden {HIDDEN}, {} threads, median of {ROUNDS}",
+        "context shift, {tokens} moved tokens: {LAYERS} layers x {KV_HEADS} kv heads x head dim {HEAD_DIM} (rotary {}), {:?}, block {BLOCK}, hidden {HIDDEN}, {} threads, median of {ROUNDS}",
         rope.rotary_dims,
+        T::DTYPE,
         pool.threads()
     );
     println!(
@@ -201,6 +252,7 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
     );
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let gbs = |d: Duration| moved as f64 / d.as_secs_f64() / 1e9;
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
     println!(
         "  rotate:                     {:10.2} ms {:6.2} GB/s   (best {:10.2} ms)",
         ms(r),
@@ -208,24 +260,26 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
         ms(r_min)
     );
     println!(
-        "  recompute K/V (1 layer x{LAYERS}): {:10.2} ms {:6.2} GFLOP/s (best {:10.2} ms)",
-        ms(c),
-        proj_flop / c.as_secs_f64() / 1e9,
-        ms(c_min)
-    );
-    println!(
         "  memcpy of the same bytes:   {:10.2} ms {:6.2} GB/s   (best {:10.2} ms)",
         ms(m),
         gbs(m),
         ms(m_min)
     );
-    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
-    println!(
-        "  rotate / recompute K/V: {:.4} (1/{:.0}; best-of-run {:.4})",
-        ratio(r, c),
-        ratio(c, r),
-        ratio(r_min, c_min)
-    );
+    if !rec.is_empty() {
+        let (c, c_min) = stats(rec);
+        println!(
+            "  recompute K/V (1 layer x{LAYERS}): {:10.2} ms {:6.2} GFLOP/s (best {:10.2} ms)",
+            ms(c),
+            proj_flop / c.as_secs_f64() / 1e9,
+            ms(c_min)
+        );
+        println!(
+            "  rotate / recompute K/V: {:.4} (1/{:.0}; best-of-run {:.4})",
+            ratio(r, c),
+            ratio(c, r),
+            ratio(r_min, c_min)
+        );
+    }
     println!(
         "  rotate / memcpy:        {:.2} (best-of-run {:.2})",
         ratio(r, m),
@@ -234,10 +288,16 @@ fn run(tokens: u32, pool: &WorkerPool, rng: &mut StdRng) {
 }
 
 fn main() {
-    // Numeric arguments pick the moved-token counts.
     let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(7);
-    for tokens in numeric_args(512).into_iter().filter(|&t| t > 0) {
-        run(tokens, &pool, &mut rng);
+    // Numeric arguments pick the moved-token counts.
+    let counts: Vec<u32> = numeric_args(512).into_iter().filter(|&t| t > 0).collect();
+    for &tokens in &counts {
+        run::<f16>(tokens, &pool, &mut rng, true);
+    }
+    // The other storage types: the rotation and its memcpy baseline only.
+    for &tokens in &counts {
+        run::<f32>(tokens, &pool, &mut rng, false);
+        run::<bf16>(tokens, &pool, &mut rng, false);
     }
 }
