@@ -630,8 +630,11 @@ impl KvCache {
     ///
     /// Every block holding one of the tokens must belong to `seq` alone: rotating a
     /// block another sequence reads, or one the prefix cache offers under its token ids,
-    /// would corrupt those readers. All checks come before the first write. Runs on the
-    /// cache's workers when large enough. O(blocks of the range) checks, then
+    /// would corrupt those readers (a sequence whose full blocks were committed with
+    /// known token ids has them registered: they must leave the prefix cache before
+    /// they can be rotated). All checks come before the first write, and apply to a
+    /// zero `delta` too; an empty range touches no block. Runs on the cache's workers
+    /// when large enough. O(blocks of the range) checks, then
     /// O((end - first) × layers × kv_heads × rotary_dims).
     ///
     /// # Errors
