@@ -167,9 +167,12 @@ mod f16c {
     use half::f16;
 
     /// Whether the CPU has F16C and AVX. O(1) after the first call (cached by std).
+    /// Always false under Miri, which then checks the portable conversion.
     #[inline]
     pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+        !cfg!(miri)
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("avx")
     }
 
     /// Widens `src` into `dst` (same length).

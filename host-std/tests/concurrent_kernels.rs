@@ -23,9 +23,13 @@ const Q_HEADS: u32 = 4;
 const HEAD_DIM: u32 = 16;
 const ROW: usize = (KV_HEADS * HEAD_DIM) as usize;
 const QROW: usize = (Q_HEADS * HEAD_DIM) as usize;
-const SEQS: usize = 8;
-const THREADS: usize = 4;
-const ROUNDS: usize = 20;
+/// Sequences, threads and rounds: under Miri (which checks the threads' accesses for
+/// data races) fewer and shorter, still two threads on sequences sharing blocks.
+const SEQS: usize = if cfg!(miri) { 4 } else { 8 };
+const THREADS: usize = if cfg!(miri) { 2 } else { 4 };
+const ROUNDS: usize = if cfg!(miri) { 2 } else { 20 };
+/// Growth of the prompt length from one sequence to the next.
+const LEN_STEP: usize = if cfg!(miri) { 5 } else { 23 };
 
 /// A sequence, its query tokens per call, and the queries of each layer.
 struct Case {
@@ -49,7 +53,7 @@ fn run<T: Element>(dtype: DType, kernel_threads: usize) {
     let prefix: Vec<u32> = (0..24).collect();
     let mut cases = Vec::new();
     for s in 0..SEQS {
-        let len = 9 + 23 * s;
+        let len = 9 + LEN_STEP * s;
         let mut prompt = if s % 2 == 0 { prefix.clone() } else { vec![] };
         prompt.extend((0..len as u32).map(|t| 1000 * s as u32 + t));
         let start = cache.create_with_prompt(0, &prompt).unwrap();

@@ -7,6 +7,7 @@
 //! 3. bad input gets its code, changes nothing, and the manager works afterwards;
 //! 4. nothing allocates after init, failures included.
 
+use std::mem::ManuallyDrop;
 use std::ptr::{null, null_mut};
 
 use kvpage::ffi::*;
@@ -165,21 +166,43 @@ impl CManager {
     }
 }
 
-/// The Rust core manager and host pool over leaked storage (test only).
+/// The Rust core manager and host pool over storage of their own (test only): the boxes
+/// are turned into raw pointers for the `'static` borrows the two need and taken back
+/// when both are dropped, so the test leaks nothing (LeakSanitizer and Miri check it).
 struct RustManager {
-    m: BlockManager<'static>,
-    host: HostPool<'static>,
+    m: ManuallyDrop<BlockManager<'static>>,
+    host: ManuallyDrop<HostPool<'static>>,
+    storage: *mut [u64],
+    host_storage: *mut [u32],
 }
 
 impl RustManager {
     fn new(c: &kvpage_manager_config) -> Self {
         let config = c.to_core();
-        let storage = Box::leak(vec![0u64; config.storage_words()].into_boxed_slice());
+        let storage = Box::into_raw(vec![0u64; config.storage_words()].into_boxed_slice());
         let host_storage =
-            Box::leak(vec![0u32; HostPool::storage_words(c.host_blocks)].into_boxed_slice());
+            Box::into_raw(vec![0u32; HostPool::storage_words(c.host_blocks)].into_boxed_slice());
+        // SAFETY: both pointers come from `Box::into_raw`, so they are valid and unique;
+        // the borrows live in `m` and `host`, which `drop` ends before freeing the boxes.
+        let (s, h) = unsafe { (&mut *storage, &mut *host_storage) };
         Self {
-            m: BlockManager::new(config, storage).unwrap(),
-            host: HostPool::new(c.host_blocks, c.instance, host_storage).unwrap(),
+            m: ManuallyDrop::new(BlockManager::new(config, s).unwrap()),
+            host: ManuallyDrop::new(HostPool::new(c.host_blocks, c.instance, h).unwrap()),
+            storage,
+            host_storage,
+        }
+    }
+}
+
+impl Drop for RustManager {
+    fn drop(&mut self) {
+        // SAFETY: the manager and the pool, the only users of the two boxes, are dropped
+        // first and never touched again; the pointers came from `Box::into_raw` once.
+        unsafe {
+            ManuallyDrop::drop(&mut self.m);
+            ManuallyDrop::drop(&mut self.host);
+            drop(Box::from_raw(self.storage));
+            drop(Box::from_raw(self.host_storage));
         }
     }
 }

@@ -85,3 +85,15 @@ pub fn tolerance<T: kvpage::Element>() -> f64 {
         1e-2
     }
 }
+
+/// The cases a test runs: all of `cases` natively, the first `under_miri` under Miri
+/// (which interprets every step thousands of times slower and is there for the unsafe
+/// code the cases share, not for their numerical spread). List the most telling cases
+/// first.
+pub fn cases<T>(cases: &[T], under_miri: usize) -> &[T] {
+    if cfg!(miri) {
+        &cases[..under_miri.min(cases.len())]
+    } else {
+        cases
+    }
+}
