@@ -271,7 +271,7 @@ mod tests {
         .map(|&b| f32::from_bits(b))
         .collect();
         let mut x = 0x9e37_79b9u32;
-        for _ in 0..20_000 {
+        for _ in 0..if cfg!(miri) { 500 } else { 20_000 } {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
@@ -315,7 +315,7 @@ mod tests {
             f32::MIN_POSITIVE,
         ];
         let mut x = 0x1234_5678u32;
-        for _ in 0..4000 {
+        for _ in 0..if cfg!(miri) { 200 } else { 4000 } {
             x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             let bits = 0x3000_0000 + x % 0x1800_0000;
             src.push(f32::from_bits(bits | (x & 0x8000_0000)));

@@ -472,9 +472,12 @@ fn c_rotate_keys_equals_rust<T: Element>() {
 
 #[test]
 fn c_rotate_keys_equals_rust_and_bad_input_changes_nothing() {
-    c_rotate_keys_equals_rust::<f32>();
     c_rotate_keys_equals_rust::<f16>();
-    c_rotate_keys_equals_rust::<bf16>();
+    // Under Miri one dtype: the pointer checks and the kernel's writes are the same code.
+    if !cfg!(miri) {
+        c_rotate_keys_equals_rust::<f32>();
+        c_rotate_keys_equals_rust::<bf16>();
+    }
 }
 
 /// What a failed call must leave unchanged: the counters and every length.
@@ -644,7 +647,11 @@ fn bad_configs_are_refused() {
     // Under Miri, which would touch the 256 MiB arena byte by byte, the same defaults
     // with a 1 MiB capacity.
     let built = kvpage_cache_params {
-        capacity_bytes: if cfg!(miri) { 1 << 20 } else { d.capacity_bytes },
+        capacity_bytes: if cfg!(miri) {
+            1 << 20
+        } else {
+            d.capacity_bytes
+        },
         ..d
     };
     let c = new_cache(&built);
