@@ -1,10 +1,11 @@
 /*
  * Feeds every function of the C API bad input — null pointers, zero sizes, stale,
  * never-issued and foreign ids, double release, buffers too short, configurations that
- * cannot fit, a wrong dtype — and checks that each call returns its code, fills the
- * error struct, changes nothing (statistics and lengths are compared before and after)
- * and that every object works normally afterwards (its results equal those of an
- * object that never saw a bad call). Run under AddressSanitizer, UBSan and
+ * cannot fit, a wrong dtype, rotary parameters that do not fit, keys shared with a
+ * fork — and checks that each call returns its code, fills the error struct, changes
+ * nothing (statistics and lengths are compared before and after) and that every object
+ * works normally afterwards (its results equal those of an object that never saw a bad
+ * call). Run under AddressSanitizer, UBSan and
  * LeakSanitizer by the tests: nothing may crash or leak.
  */
 #include <kvpage.h>
@@ -311,6 +312,82 @@ static void cache_calls(void) {
   section("cache calls", before);
 }
 
+/* Decodes the last token of `s` in layer 1 into `out` (Q_HEADS * HEAD_DIM floats). */
+static kvpage_result decode_last(kvpage_cache *c, kvpage_seq s, float *out) {
+  float q[Q_HEADS * HEAD_DIM];
+  uint32_t i;
+  for (i = 0; i < Q_HEADS * HEAD_DIM; i++) q[i] = value(i + 3000);
+  return kvpage_cache_decode(c, 1, &s, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err);
+}
+
+/* Re-rotating keys after a context shift: bad parameters, ranges and ids, and blocks
+ * shared with a fork, are refused and change nothing, the stored keys included (a
+ * decode before and after agrees bit for bit). */
+static void rotate_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8);
+  kvpage_cache *c = NULL;
+  kvpage_seq s, child, gone;
+  kvpage_stats st0, st1;
+  kvpage_rope_params rope = {10000.0f, HEAD_DIM, KVPAGE_ROPE_HALF_SPLIT}, bad;
+  float k[6 * ROW], v[6 * ROW], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
+  uint32_t layer, i, len = 0;
+
+  for (i = 0; i < 6 * ROW; i++) k[i] = value(i + 4000), v[i] = value(i + 5000);
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(c, 0, &s, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_append(c, s, 6, &err));
+  for (layer = 0; layer < LAYERS; layer++)
+    EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c, s, layer, 0, 6, k, 6 * ROW, v, 6 * ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_commit(c, s, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_fork(c, s, &child, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(c, 0, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, gone, &err));
+  EXPECT(KVPAGE_OK, decode_last(c, s, want));
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st0, &err));
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_rotate_keys(NULL, s, 0, 6, -2, &rope, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_rotate_keys(c, s, 0, 6, -2, NULL, &err));
+  bad = rope, bad.pairing = 9;
+  EXPECT_TRUE(kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 9);
+  memset(&err, 0, sizeof err);
+  bad = rope, bad.rotary_dims = 7;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err));
+  bad = rope, bad.rotary_dims = HEAD_DIM + 2;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err));
+  bad = rope, bad.rotary_dims = 0;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err));
+  bad = rope, bad.base = (float)NAN;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err));
+  bad = rope, bad.base = 1.0f;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 0, 6, -2, &bad, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_rotate_keys(c, s, 4, 3, -2, &rope, &err));
+  EXPECT_TRUE(kvpage_cache_rotate_keys(c, s, 0, 7, -2, &rope, &err) == KVPAGE_ERR_BEYOND_LENGTH && err.needed == 7 && err.available == 6);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_rotate_keys(c, gone, 0, 1, -2, &rope, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_rotate_keys(c, KVPAGE_SEQ_NONE, 0, 1, -2, &rope, &err));
+  EXPECT_TRUE(kvpage_cache_rotate_keys(c, s, 2, 6, -2, &rope, &err) == KVPAGE_ERR_BLOCK_SHARED && err.needed == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BLOCK_SHARED, kvpage_cache_rotate_keys(c, child, 5, 6, -2, &rope, &err));
+
+  /* Nothing changed, the keys included. */
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+  EXPECT(KVPAGE_OK, kvpage_cache_len(c, s, &len, &err));
+  EXPECT_TRUE(len == 6);
+  EXPECT(KVPAGE_OK, decode_last(c, s, got));
+  EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
+
+  /* Once the fork is gone the blocks are `s`'s alone: the rotation runs and changes
+   * what the decode sees. */
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, child, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_rotate_keys(c, s, 2, 6, -2, &rope, &err));
+  EXPECT(KVPAGE_OK, decode_last(c, s, got));
+  EXPECT_TRUE(memcmp(got, want, sizeof got) != 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  section("rotate calls", before);
+}
+
 static kvpage_engine_params engine_params(void) {
   kvpage_engine_params p = kvpage_engine_default_params(GEOMETRY);
   p.cache = cache_params(16);
@@ -582,6 +659,7 @@ int main(void) {
   result_codes();
   cache_configs();
   cache_calls();
+  rotate_calls();
   engine_calls();
   manager_and_scheduler_calls();
   manager_seq_calls();

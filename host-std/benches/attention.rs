@@ -39,10 +39,13 @@
 //! spawned thread that was not scheduled was still joined (up to 4.9× one thread at
 //! 2048), while the workers cost 1.01–1.13× there (at 512: 1.05–1.08, the one case
 //! where the old code, which stayed on one thread, was cheaper).
+mod common;
+
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{fill, numeric_args, stats};
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
     WorkerPool,
@@ -74,23 +77,6 @@ fn timed_paged<T: Element>(
     let elapsed = t.elapsed();
     black_box(&*out);
     elapsed
-}
-
-/// Median and minimum.
-fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
-    v.sort();
-    (v[v.len() / 2], v[0])
-}
-
-/// Fills `dst` with random values in [-1, 1), through an f32 buffer.
-fn fill<T: Element>(rng: &mut StdRng, dst: &mut [T]) {
-    let mut buf = vec![0.0f32; 1 << 16];
-    for chunk in dst.chunks_mut(1 << 16) {
-        for x in buf.iter_mut() {
-            *x = rng.random_range(-1.0f32..1.0);
-        }
-        T::narrow(&buf, chunk);
-    }
 }
 
 /// Plain streaming read: wrapping sum of the buffer's u64 words, one chunk per thread of
@@ -281,16 +267,11 @@ fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) 
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a filter argument picks the block sizes.
+    // Numeric arguments pick the block sizes.
     // One thread per core, started once: every call below wakes them, none starts one.
     let pool = WorkerPool::new(0);
     let mut rng = StdRng::seed_from_u64(42);
-    let sizes: Vec<u32> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let sizes = if sizes.is_empty() { vec![16] } else { sizes };
-    for bs in sizes {
+    for bs in numeric_args(16) {
         run(bs, &pool, &mut rng);
     }
     println!(

@@ -68,10 +68,18 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 #define KVPAGE_FINISH_LENGTH 2
 
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_TOO_MANY_POSITION_RUNS
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_BLOCK_SHARED
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
+
+// Pairing of the rotary dims: `(2j, 2j + 1)` (GPT-J; llama.cpp's
+// `LLAMA_ROPE_TYPE_NORM`).
+#define KVPAGE_ROPE_INTERLEAVED 0
+
+// Pairing of the rotary dims: `(j, j + rotary_dims / 2)` (GPT-NeoX, Hugging Face Llama;
+// llama.cpp's `LLAMA_ROPE_TYPE_NEOX`).
+#define KVPAGE_ROPE_HALF_SPLIT 1
 
 // The request waits: not admitted yet, or preempted by recompute.
 #define KVPAGE_REQUEST_WAITING 0
@@ -182,6 +190,9 @@ enum kvpage_result
   KVPAGE_ERR_BAD_POSITIONS = 36,
   // An edit would need more position runs than a sequence holds.
   KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
+  // A block the operation would change in place is shared with another sequence or
+  // registered in the prefix cache (`value` = block, `needed` = its reference count).
+  KVPAGE_ERR_BLOCK_SHARED = 38,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -272,6 +283,19 @@ typedef struct kvpage_stats {
 
 // A sequence id (see `kvpage_seq_*` / `kvpage_manager_*` functions).
 typedef uint64_t kvpage_seq;
+
+// The rotary embedding the model applies to its keys: pair `j` of the first
+// `rotary_dims` dims of a head turns by `position × base^(-2j / rotary_dims)`.
+typedef struct kvpage_rope_params {
+  // Frequency base (`rope_theta`), finite and above 1: 10000 for Llama 2, 500000
+  // for Llama 3.
+  float base;
+  // Leading dims of each head that are rotated: even, non-zero, at most the head
+  // dim.
+  uint32_t rotary_dims;
+  // `KVPAGE_ROPE_INTERLEAVED` or `KVPAGE_ROPE_HALF_SPLIT`.
+  uint32_t pairing;
+} kvpage_rope_params;
 
 // What `kvpage_cache_context_shift` did.
 typedef struct kvpage_context_shift {
@@ -876,6 +900,40 @@ kvpage_result kvpage_cache_prefill(kvpage_cache *cache,
                                    uint32_t q_heads,
                                    float scale,
                                    struct kvpage_error *err);
+
+// Rotates in place the stored keys of tokens `first..end` of `seq`, in every layer and
+// KV head, by `delta` positions under the rotary embedding `*params`: after a context
+// shift moved those tokens by `delta` (negative: towards the start), their keys read
+// as if computed at the new positions, without recomputing them. Values, the length
+// and the pending range are untouched; `first == end` or `delta == 0` writes nothing
+// (the checks below still apply).
+// The angles are computed in double precision, each key rounded once to the storage
+// dtype. Runs on the cache's kernel threads; the result does not depend on their
+// number. O((end - first) × layers × kv_heads × rotary_dims).
+//
+// Every block holding one of the tokens must belong to `seq` alone: a block another
+// sequence shares (a fork, a prefix hit) or one registered in the prefix cache (a
+// committed full block with token ids) is refused, since rotating it would change
+// what others read.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache; an unknown pairing, `value` = the code; rotary dims zero, odd or over
+// the head dim, `value` = rotary dims; a base that is not finite and above 1;
+// `first > end`), `KVPAGE_ERR_BEYOND_LENGTH` (`needed` = `end`, `available` = length),
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`,
+// `KVPAGE_ERR_BLOCK_SHARED` (`value` = the first such block, `needed` = its reference
+// count). Nothing is written on error.
+//
+// # Safety
+// `cache` is null or a live cache; `params` is null or readable.
+kvpage_result kvpage_cache_rotate_keys(kvpage_cache *cache,
+                                       kvpage_seq seq,
+                                       uint32_t first,
+                                       uint32_t end,
+                                       int64_t delta,
+                                       const struct kvpage_rope_params *params,
+                                       struct kvpage_error *err);
 
 // Removes tokens `first..end` of `seq` and moves the later ones down (llama's
 // `seq_rm`); they keep their positions. Block-aligned ranges drop whole blocks and copy

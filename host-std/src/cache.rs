@@ -35,7 +35,9 @@ use kvpage_core::{
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
 use crate::dtype::{for_dtype, Element};
 use crate::error::KernelError;
-use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
+use crate::kernels::{
+    self, AttentionParams, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool,
+};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
@@ -144,6 +146,26 @@ pub enum CacheError {
         /// `max_seqs`.
         max: usize,
     },
+    /// A token range that is reversed or reaches past the sequence's length.
+    BadRange {
+        /// First token index.
+        first: u32,
+        /// One past the last token index.
+        end: u32,
+        /// Length of the sequence.
+        len: u32,
+    },
+    /// An operation that changes K/V in place (re-rotating keys) would change a block
+    /// that other sequences read (reference count above 1) or that the prefix cache
+    /// offers to future prompts (registered).
+    BlockShared {
+        /// The first such block.
+        block: u32,
+        /// Its reference count.
+        refcount: u32,
+        /// Whether it is registered in the prefix cache.
+        registered: bool,
+    },
 }
 
 impl core::fmt::Display for CacheError {
@@ -172,6 +194,18 @@ impl core::fmt::Display for CacheError {
             Self::BatchTooLarge { seqs, max } => {
                 write!(f, "{seqs} sequences in one call, at most {max}")
             }
+            Self::BadRange { first, end, len } => {
+                write!(f, "token range {first}..{end} is not within 0..{len}")
+            }
+            Self::BlockShared {
+                block,
+                refcount,
+                registered,
+            } => write!(
+                f,
+                "block {block} is shared (refcount {refcount}, {}in the prefix cache)",
+                if *registered { "" } else { "not " }
+            ),
         }
     }
 }
@@ -603,6 +637,79 @@ impl KvCache {
             *s = blocks[(pos / bs) as usize] * bs + pos % bs;
         }
         Ok(tokens)
+    }
+
+    /// Rotates in place the keys of tokens `first..end` of `seq`, in every layer and KV
+    /// head, by `delta` positions under the rotary embedding `rope` (see
+    /// [`kernels::rotate_keys`]): after a context shift moved those tokens by `delta`,
+    /// their keys read as if computed at the new positions. Values are not touched;
+    /// the sequence's length, tokens and pending range do not change.
+    ///
+    /// Every block holding one of the tokens must belong to `seq` alone: rotating a
+    /// block another sequence reads, or one the prefix cache offers under its token ids,
+    /// would corrupt those readers (a sequence whose full blocks were committed with
+    /// known token ids has them registered: they must leave the prefix cache before
+    /// they can be rotated). All checks come before the first write, and apply to a
+    /// zero `delta` too; an empty range touches no block. Runs on the cache's workers
+    /// when large enough. O(blocks of the range) checks, then
+    /// O((end - first) × layers × kv_heads × rotary_dims).
+    ///
+    /// # Errors
+    /// Nothing is written on error. Handle errors ([`SeqError::StaleHandle`],
+    /// [`SeqError::ForeignHandle`], [`SeqError::Swapped`]), [`CacheError::BadRange`]
+    /// (`first > end` or `end > len`), [`KernelError::Rope`] for parameters that do not
+    /// fit the head dim, [`CacheError::BlockShared`] for the first block of the range
+    /// with a reference count above 1 or registered in the prefix cache.
+    pub fn rotate_keys(
+        &mut self,
+        seq: Seq,
+        first: u32,
+        end: u32,
+        delta: i64,
+        rope: RopeParams,
+    ) -> Result<(), CacheError> {
+        let m = self.tables.manager();
+        let len = m.len(seq.0)?;
+        let blocks = m.blocks(seq.0)?;
+        if first > end || end > len {
+            return Err(CacheError::BadRange { first, end, len });
+        }
+        let g = self.layout.geometry();
+        rope.check(g.head_dim()).map_err(KernelError::Rope)?;
+        let bs = g.block_size();
+        let range = if first == end {
+            &[][..]
+        } else {
+            &blocks[(first / bs) as usize..end.div_ceil(bs) as usize]
+        };
+        for &block in range {
+            // Every block of a live sequence is allocated: its count is at least 1.
+            let refcount = m.refcount(block).unwrap_or(0);
+            let registered = m.is_registered(block);
+            if refcount > 1 || registered {
+                return Err(CacheError::BlockShared {
+                    block,
+                    refcount,
+                    registered,
+                });
+            }
+        }
+        let table = BlockTable {
+            table: m.block_table(),
+            stride: m.config().max_blocks_per_seq,
+        };
+        let shift = [KeyShift {
+            row: seq.0.index(),
+            first,
+            end,
+            delta,
+        }];
+        let (layout, pool) = (&self.layout, &self.pool);
+        for_dtype!(g.dtype(), T => {
+            let arena = self.arena.as_mut_slice::<T>();
+            kernels::rotate_keys(layout, arena, table, &shift, rope, Some(pool))
+        })?;
+        Ok(())
     }
 
     /// Decode attention for layer `layer`: one query token per sequence (its last one,

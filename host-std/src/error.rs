@@ -8,6 +8,8 @@ use core::fmt;
 
 use kvpage_core::DType;
 
+use crate::kernels::RopeError;
+
 /// Which buffer of a kernel call had the wrong length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buffer {
@@ -135,6 +137,16 @@ pub enum KernelError {
         /// Tokens of context.
         context_len: u32,
     },
+    /// The rotary embedding parameters do not fit the geometry's head (see
+    /// [`crate::kernels::RopeParams::check`]).
+    Rope(RopeError),
+    /// A token range whose start is past its end.
+    BadTokenRange {
+        /// First token index.
+        first: u32,
+        /// One past the last token index.
+        end: u32,
+    },
 }
 
 impl fmt::Display for KernelError {
@@ -206,8 +218,19 @@ impl fmt::Display for KernelError {
                     "{queries} query tokens exceed the context of {context_len}"
                 )
             }
+            Self::Rope(e) => write!(f, "rotary embedding: {e}"),
+            Self::BadTokenRange { first, end } => {
+                write!(f, "token range {first}..{end} is reversed")
+            }
         }
     }
 }
 
-impl std::error::Error for KernelError {}
+impl std::error::Error for KernelError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Rope(e) => Some(e),
+            _ => None,
+        }
+    }
+}

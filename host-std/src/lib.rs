@@ -8,7 +8,8 @@
 //! - [`Element`]: storage types `f32`, `f16`, `bf16`; arithmetic is `f32`.
 //! - [`kernels`]: write K/V through the slot mapping, paged decode / chunked-prefill
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
-//!   a [`WorkerPool`] of threads started once (a cache owns one).
+//!   a [`WorkerPool`] of threads started once (a cache owns one); re-rotation of stored
+//!   keys by a position delta ([`RopeParams`]) for a context shift.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
 //!   blocking [`std::sync::Mutex`] (the core's own wrapper spins, for bare metal).
 //!
@@ -69,7 +70,7 @@ pub use dtype::Element;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
-pub use kernels::{Executor, WorkerPool};
+pub use kernels::{Executor, RopeError, RopePairing, RopeParams, WorkerPool};
 pub use kvpage_core::{
     BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, FinishReason, Finished,
     FinishedRequests, Geometry, GeometryError, PositionRun, Preemption, RequestId, RequestState,

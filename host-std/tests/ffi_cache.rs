@@ -349,6 +349,137 @@ fn c_attention_equals_rust_bit_for_bit_every_dtype() {
     c_equals_rust::<bf16>();
 }
 
+/// Re-rotating keys through the C API equals the Rust API bit for bit (checked through
+/// decode); every bad input returns its code and changes nothing, the arena included.
+fn c_rotate_keys_equals_rust<T: Element>() {
+    let mut rng = rng(u64::from(T::DTYPE as u8) + 60);
+    let mut t = Twin::new(T::DTYPE, 40);
+    // Token ids unknown: committed blocks are not registered in the prefix cache.
+    let rust = t.rust.create(0).unwrap();
+    let mut id = KVPAGE_SEQ_NONE;
+    // SAFETY: live cache, writable out.
+    ok(unsafe { kvpage_cache_create(t.c, 0, &mut id, null_mut()) });
+    let a = (rust, id);
+    t.append(a, 11);
+    t.write::<T>(a, 0, false, &mut rng);
+    let rope = kvpage_rope_params {
+        base: 10_000.0,
+        rotary_dims: 12,
+        pairing: KVPAGE_ROPE_HALF_SPLIT,
+    };
+    let rust_rope = kvpage::RopeParams {
+        base: 10_000.0,
+        rotary_dims: 12,
+        pairing: kvpage::RopePairing::HalfSplit,
+    };
+    t.rust.rotate_keys(a.0, 2, 11, -3_000, rust_rope).unwrap();
+    // SAFETY: live cache, readable params.
+    ok(unsafe { kvpage_cache_rotate_keys(t.c, a.1, 2, 11, -3_000, &rope, null_mut()) });
+    for layer in 0..LAYERS {
+        t.decode(layer, &[a], &mut rng);
+    }
+
+    // A fork shares every block of `a`; a released sequence is stale.
+    let b = t.fork(a);
+    let mut gone = KVPAGE_SEQ_NONE;
+    // SAFETY: live cache, writable out.
+    unsafe {
+        ok(kvpage_cache_create(t.c, 0, &mut gone, null_mut()));
+        ok(kvpage_cache_release(t.c, gone, null_mut()));
+    }
+    let chk = Checker::new(t.c, &[a.1, b.1]);
+    let with = |f: fn(&mut kvpage_rope_params)| {
+        let mut p = rope;
+        f(&mut p);
+        p
+    };
+    let c = t.c;
+    // SAFETY: every pointer is valid, or deliberately null / misaligned, which the
+    // library refuses before any access.
+    unsafe {
+        chk.fails(KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_cache_rotate_keys(null_mut(), a.1, 0, 1, 1, &rope, e)
+        });
+        chk.fails(KVPAGE_ERR_NULL_POINTER, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, null(), e)
+        });
+        let misaligned = (&rope as *const kvpage_rope_params)
+            .cast::<u8>()
+            .add(1)
+            .cast::<kvpage_rope_params>();
+        chk.fails(KVPAGE_ERR_MISALIGNED, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, misaligned, e)
+        });
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, &with(|p| p.pairing = 2), e)
+        });
+        assert_eq!(e.value, 2);
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, &with(|p| p.rotary_dims = 7), e)
+        });
+        assert_eq!(e.value, 7);
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, &with(|p| p.rotary_dims = 18), e)
+        });
+        assert_eq!((e.value, e.available), (18, u64::from(HEAD_DIM)));
+        for f in [
+            (|p: &mut kvpage_rope_params| p.rotary_dims = 0) as fn(&mut kvpage_rope_params),
+            |p| p.base = f32::NAN,
+            |p| p.base = 1.0,
+            |p| p.base = f32::INFINITY,
+        ] {
+            chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+                kvpage_cache_rotate_keys(c, a.1, 0, 1, 1, &with(f), e)
+            });
+        }
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 5, 4, 1, &rope, e)
+        });
+        assert_eq!((e.value, e.available), (5, 4));
+        let e = chk.fails(KVPAGE_ERR_BEYOND_LENGTH, |e| {
+            kvpage_cache_rotate_keys(c, a.1, 0, 12, 1, &rope, e)
+        });
+        assert_eq!((e.needed, e.available), (12, 11));
+        for bad in [gone, KVPAGE_SEQ_NONE] {
+            chk.fails(KVPAGE_ERR_STALE_SEQ, |e| {
+                kvpage_cache_rotate_keys(c, bad, 0, 1, 1, &rope, e)
+            });
+        }
+        for (s, first) in [(a.1, 0), (b.1, 10)] {
+            let e = chk.fails(KVPAGE_ERR_BLOCK_SHARED, |e| {
+                kvpage_cache_rotate_keys(c, s, first, first + 1, 1, &rope, e)
+            });
+            assert_eq!(e.needed, 2);
+            assert!(message(&e).contains("shared"), "{}", message(&e));
+        }
+        // Nothing to do: an empty range touches no block, shared or not.
+        ok(kvpage_cache_rotate_keys(c, a.1, 4, 4, 1, &rope, null_mut()));
+        ok(kvpage_cache_rotate_keys(
+            c,
+            b.1,
+            11,
+            11,
+            1,
+            &rope,
+            null_mut(),
+        ));
+    }
+    // The failures wrote nothing: both sides still decode alike.
+    for layer in 0..LAYERS {
+        t.decode(layer, &[a, b], &mut rng);
+    }
+}
+
+#[test]
+fn c_rotate_keys_equals_rust_and_bad_input_changes_nothing() {
+    c_rotate_keys_equals_rust::<f16>();
+    // Under Miri one dtype: the pointer checks and the kernel's writes are the same code.
+    if !cfg!(miri) {
+        c_rotate_keys_equals_rust::<f32>();
+        c_rotate_keys_equals_rust::<bf16>();
+    }
+}
+
 /// What a failed call must leave unchanged: the counters and every length.
 fn snapshot(c: *mut kvpage_cache, seqs: &[kvpage_seq]) -> (kvpage_stats, Vec<u32>) {
     let mut stats = kvpage_stats::default();

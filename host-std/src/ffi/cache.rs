@@ -7,6 +7,8 @@
 //! or `kvpage_cache_create_with_prompt` for a prompt), write their K/V in every layer
 //! (`kvpage_cache_write_kv`), run attention per layer (`kvpage_cache_decode` /
 //! `kvpage_cache_prefill`), then `kvpage_cache_commit` so full blocks become shareable.
+//! After a context shift moved tokens to new positions, `kvpage_cache_rotate_keys`
+//! turns their stored keys to match instead of recomputing them.
 
 use core::ffi::c_void;
 
@@ -18,6 +20,7 @@ use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagge
 use super::geometry::{dtype_from_c, kvpage_geometry};
 use super::ids::{kvpage_seq, seq_from_c, seq_to_c};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
+use super::rope::kvpage_rope_params;
 use super::stats::kvpage_stats;
 
 /// What a cache is built from; start from `kvpage_cache_default_params` and change
@@ -790,6 +793,54 @@ pub unsafe extern "C" fn kvpage_cache_prefill(
                 c.prefill.push((s, n));
             }
             c.cache.prefill(layer, &c.prefill, q, out, q_heads, scale)?;
+            Ok(())
+        })
+    }
+}
+
+/// Rotates in place the stored keys of tokens `first..end` of `seq`, in every layer and
+/// KV head, by `delta` positions under the rotary embedding `*params`: after a context
+/// shift moved those tokens by `delta` (negative: towards the start), their keys read
+/// as if computed at the new positions, without recomputing them. Values, the length
+/// and the pending range are untouched; `first == end` or `delta == 0` writes nothing
+/// (the checks below still apply).
+/// The angles are computed in double precision, each key rounded once to the storage
+/// dtype. Runs on the cache's kernel threads; the result does not depend on their
+/// number. O((end - first) × layers × kv_heads × rotary_dims).
+///
+/// Every block holding one of the tokens must belong to `seq` alone: a block another
+/// sequence shares (a fork, a prefix hit) or one registered in the prefix cache (a
+/// committed full block with token ids) is refused, since rotating it would change
+/// what others read.
+///
+/// # Errors
+/// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+/// (not a cache; an unknown pairing, `value` = the code; rotary dims zero, odd or over
+/// the head dim, `value` = rotary dims; a base that is not finite and above 1;
+/// `first > end`), `KVPAGE_ERR_BEYOND_LENGTH` (`needed` = `end`, `available` = length),
+/// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`,
+/// `KVPAGE_ERR_BLOCK_SHARED` (`value` = the first such block, `needed` = its reference
+/// count). Nothing is written on error.
+///
+/// # Safety
+/// `cache` is null or a live cache; `params` is null or readable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_cache_rotate_keys(
+    cache: *mut kvpage_cache,
+    seq: kvpage_seq,
+    first: u32,
+    end: u32,
+    delta: i64,
+    params: *const kvpage_rope_params,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `tagged_mut` / `obj`.
+    unsafe {
+        run(err, || {
+            let c = tagged_mut(cache)?;
+            let rope = obj(params, "params")?.to_rust()?;
+            let s = c.seq(seq);
+            c.cache.rotate_keys(s, first, end, delta, rope)?;
             Ok(())
         })
     }

@@ -19,7 +19,7 @@
 //!   cache spreads it over its own threads (`threads` in its parameters).
 //!
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
-//! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
+//! [`geometry`], [`rope`] (rotary embedding parameters), [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
 //! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions)
 //!    and [`engine`] (its engine step);
@@ -46,6 +46,7 @@ pub mod manager_swap;
 pub mod block_table;
 pub mod plan;
 pub mod result;
+pub mod rope;
 pub mod scheduler;
 pub mod stats;
 pub mod step;
@@ -63,6 +64,7 @@ pub use manager_seqs::*;
 pub use manager_swap::*;
 pub use plan::*;
 pub use result::*;
+pub use rope::*;
 pub use scheduler::*;
 pub use stats::*;
 pub use step::*;

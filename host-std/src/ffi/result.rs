@@ -10,6 +10,7 @@ use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
 
 use crate::cache::CacheError;
 use crate::error::KernelError;
+use crate::kernels::RopeError;
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
@@ -101,10 +102,13 @@ pub enum kvpage_result {
     KVPAGE_ERR_BAD_POSITIONS = 36,
     /// An edit would need more position runs than a sequence holds.
     KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
+    /// A block the operation would change in place is shared with another sequence or
+    /// registered in the prefix cache (`value` = block, `needed` = its reference count).
+    KVPAGE_ERR_BLOCK_SHARED = 38,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_TOO_MANY_POSITION_RUNS as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_BLOCK_SHARED as u32;
 
 use kvpage_result::*;
 
@@ -152,6 +156,7 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         35 => c"internal error",
         36 => c"positions not increasing or out of range",
         37 => c"too many position runs",
+        38 => c"block shared or in the prefix cache",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -366,6 +371,23 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(first.min(pending)),
         ),
         CacheError::BatchTooLarge { seqs, max } => (KVPAGE_ERR_BATCH_TOO_LARGE, n(seqs), n(max), 0),
+        CacheError::BadRange { first, end, .. } if first > end => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(end),
+            u64::from(first),
+        ),
+        CacheError::BadRange { end, len, .. } => {
+            (KVPAGE_ERR_BEYOND_LENGTH, u64::from(end), u64::from(len), 0)
+        }
+        CacheError::BlockShared {
+            block, refcount, ..
+        } => (
+            KVPAGE_ERR_BLOCK_SHARED,
+            u64::from(refcount),
+            0,
+            u64::from(block),
+        ),
     }
 }
 
@@ -508,6 +530,27 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
             u64::from(queries),
             u64::from(context_len),
             0,
+        ),
+        KernelError::Rope(RopeError::OddRotaryDims { rotary_dims }) => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, u64::from(rotary_dims))
+        }
+        KernelError::Rope(RopeError::RotaryDimsExceedHeadDim {
+            rotary_dims,
+            head_dim,
+        }) => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(head_dim),
+            u64::from(rotary_dims),
+        ),
+        KernelError::Rope(RopeError::ZeroRotaryDims | RopeError::BadBase) => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, 0, 0, 0)
+        }
+        KernelError::BadTokenRange { first, end } => (
+            KVPAGE_ERR_INVALID_ARGUMENT,
+            0,
+            u64::from(end),
+            u64::from(first),
         ),
     }
 }

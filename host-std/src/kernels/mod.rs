@@ -11,6 +11,8 @@
 //!   plus the new tokens); decode is the case of one query token per sequence
 //!   ([`SeqQuery::decode`]). Grouped-query attention, any block size, any length.
 //! - [`copy_blocks`]: copy whole blocks (copy-on-write).
+//! - [`rotate_keys`]: re-rotate stored keys by a position delta (rotary embedding), in
+//!   place — what a context shift needs instead of recomputing the moved tokens.
 //! - [`contiguous_attention`]: the same kernel over an unpaged layout, as a baseline.
 //! - [`WorkerPool`]: the threads an attention call runs on (or none: the calling thread).
 //!
@@ -27,12 +29,14 @@ mod math;
 mod online;
 mod parallel;
 mod pool;
+mod rope;
 mod write;
 
 pub use attention::paged_attention;
 pub use contiguous::{contiguous_attention, ContiguousKv};
 pub use copy::{copy_blocks, copy_blocks_between, move_rows};
 pub use pool::{Executor, WorkerPool, MAX_THREADS};
+pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
 /// Largest head dimension the kernels accept (their scratch is sized for it).
