@@ -88,6 +88,12 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // Patch version of the header.
 #define KVPAGE_VERSION_PATCH 0
 
+// The format version this build writes and reads.
+#define FORMAT_VERSION 1
+
+// Bytes of the version-1 header, its CRC included.
+#define HEADER_LEN 96
+
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
 // codes get new numbers). `kvpage_result_str` gives a static message for each.
@@ -172,6 +178,22 @@ enum kvpage_result
   // A bug inside kvpage was caught (a panic, a failed internal check); the object
   // is in an unknown state: free it.
   KVPAGE_ERR_INTERNAL = 35,
+  // The bytes are not a kvpage sequence blob (wrong magic).
+  KVPAGE_ERR_BLOB_FORMAT = 36,
+  // The blob's format version (`value`) or flags are newer than this library reads.
+  KVPAGE_ERR_BLOB_VERSION = 37,
+  // The blob was saved from a cache of another geometry (layers, KV heads, head dim,
+  // block size).
+  KVPAGE_ERR_BLOB_GEOMETRY = 38,
+  // The blob was saved under another model fingerprint.
+  KVPAGE_ERR_BLOB_MODEL = 39,
+  // The blob is shorter than its header says (`needed` bytes, `available` given).
+  KVPAGE_ERR_BLOB_TRUNCATED = 40,
+  // A checksum, a length or a framing field of the blob is wrong, or bytes follow
+  // its end (`value`: 0 header, 1 token ids, 2 positions, 3 K/V, 4 trailing bytes).
+  KVPAGE_ERR_BLOB_CORRUPT = 41,
+  // A file could not be written or read (`value` = the OS error number, 0 if none).
+  KVPAGE_ERR_IO = 42,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -31,6 +31,7 @@ use crate::arena::{Arena, ArenaAllocError, KvLayout};
 use crate::dtype::{for_dtype, Element};
 use crate::error::KernelError;
 use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
+use crate::persist::PersistError;
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
@@ -139,6 +140,8 @@ pub enum CacheError {
         /// `max_seqs`.
         max: usize,
     },
+    /// Saving or restoring a sequence failed (see [`crate::persist`]).
+    Persist(PersistError),
 }
 
 impl core::fmt::Display for CacheError {
@@ -167,6 +170,7 @@ impl core::fmt::Display for CacheError {
             Self::BatchTooLarge { seqs, max } => {
                 write!(f, "{seqs} sequences in one call, at most {max}")
             }
+            Self::Persist(e) => e.fmt(f),
         }
     }
 }
@@ -180,6 +184,7 @@ impl std::error::Error for CacheError {
             Self::Seq(e) => Some(e),
             Self::Engine(e) => Some(e),
             Self::Kernel(e) => Some(e),
+            Self::Persist(e) => Some(e),
             _ => None,
         }
     }
@@ -200,6 +205,12 @@ impl From<EngineError> for CacheError {
 impl From<KernelError> for CacheError {
     fn from(e: KernelError) -> Self {
         Self::Kernel(e)
+    }
+}
+
+impl From<PersistError> for CacheError {
+    fn from(e: PersistError) -> Self {
+        Self::Persist(e)
     }
 }
 
@@ -485,6 +496,14 @@ impl KvCache {
         self.pending[seq.0.index() as usize] = len;
         self.pending[child.index() as usize] = len;
         Ok(Seq(child))
+    }
+
+    /// Closes the pending range of `seq` (its K/V is written, as after a commit, without
+    /// offering blocks to the prefix cache): a restored sequence. O(1).
+    pub(crate) fn mark_written(&mut self, seq: Seq) {
+        if let Ok(len) = self.manager().len(seq.0) {
+            self.pending[seq.0.index() as usize] = len;
+        }
     }
 
     /// Shortens `seq` to `new_len` tokens. O(released blocks).

@@ -9,6 +9,8 @@
 //! - [`kernels`]: write K/V through the slot mapping, paged decode / chunked-prefill
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
 //!   a [`WorkerPool`] of threads started once (a cache owns one).
+//! - [`persist`]: save a sequence (token ids, positions, K/V blocks) into a buffer or a
+//!   file and restore it into any free blocks of a cache of the same geometry and model.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
 //!   blocking [`std::sync::Mutex`] (the core's own wrapper spins, for bare metal).
 //!
@@ -60,6 +62,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod kernels;
+pub mod persist;
 mod shared;
 mod tables;
 
@@ -75,4 +78,5 @@ pub use kvpage_core::{
     GeometryError, Preemption, RequestId, RequestState, Sampled, ScheduledSeq, SchedulerConfig,
     SeqError, Stats, Step,
 };
+pub use persist::{ModelFingerprint, PersistError, RestoredInfo, SeqBlob};
 pub use shared::SharedManager;

@@ -10,6 +10,7 @@ use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
 
 use crate::cache::CacheError;
 use crate::error::KernelError;
+use crate::persist::{PersistError, Section};
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
@@ -94,6 +95,22 @@ pub enum kvpage_result {
     /// A bug inside kvpage was caught (a panic, a failed internal check); the object
     /// is in an unknown state: free it.
     KVPAGE_ERR_INTERNAL = 35,
+    /// The bytes are not a kvpage sequence blob (wrong magic).
+    KVPAGE_ERR_BLOB_FORMAT = 36,
+    /// The blob's format version (`value`) or flags are newer than this library reads.
+    KVPAGE_ERR_BLOB_VERSION = 37,
+    /// The blob was saved from a cache of another geometry (layers, KV heads, head dim,
+    /// block size).
+    KVPAGE_ERR_BLOB_GEOMETRY = 38,
+    /// The blob was saved under another model fingerprint.
+    KVPAGE_ERR_BLOB_MODEL = 39,
+    /// The blob is shorter than its header says (`needed` bytes, `available` given).
+    KVPAGE_ERR_BLOB_TRUNCATED = 40,
+    /// A checksum, a length or a framing field of the blob is wrong, or bytes follow
+    /// its end (`value`: 0 header, 1 token ids, 2 positions, 3 K/V, 4 trailing bytes).
+    KVPAGE_ERR_BLOB_CORRUPT = 41,
+    /// A file could not be written or read (`value` = the OS error number, 0 if none).
+    KVPAGE_ERR_IO = 42,
 }
 
 use kvpage_result::*;
@@ -140,6 +157,13 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         33 => c"no host tier",
         34 => c"block or slot out of range",
         35 => c"internal error",
+        36 => c"not a kvpage sequence blob",
+        37 => c"unsupported blob version",
+        38 => c"blob geometry differs from the cache",
+        39 => c"blob saved for another model",
+        40 => c"blob truncated",
+        41 => c"blob corrupt",
+        42 => c"i/o error",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -354,6 +378,55 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(first.min(pending)),
         ),
         CacheError::BatchTooLarge { seqs, max } => (KVPAGE_ERR_BATCH_TOO_LARGE, n(seqs), n(max), 0),
+        CacheError::Persist(p) => classify_persist(p),
+    }
+}
+
+fn classify_persist(e: PersistError) -> (kvpage_result, u64, u64, u64) {
+    let n = |x: usize| x as u64;
+    match e {
+        PersistError::BadMagic => (KVPAGE_ERR_BLOB_FORMAT, 0, 0, 0),
+        PersistError::UnsupportedVersion { found } => {
+            (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(found))
+        }
+        PersistError::UnsupportedFlags { flags } => {
+            (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(flags))
+        }
+        PersistError::PositionsUnsupported => (KVPAGE_ERR_BLOB_VERSION, 0, 0, 0),
+        PersistError::GeometryMismatch { .. } => (KVPAGE_ERR_BLOB_GEOMETRY, 0, 0, 0),
+        PersistError::DtypeMismatch { blob, .. } => {
+            (KVPAGE_ERR_DTYPE_MISMATCH, 0, 0, u64::from(blob))
+        }
+        PersistError::ModelMismatch => (KVPAGE_ERR_BLOB_MODEL, 0, 0, 0),
+        PersistError::Truncated { needed, got } => (KVPAGE_ERR_BLOB_TRUNCATED, needed, got, 0),
+        PersistError::Corrupt { section } => {
+            let code = match section {
+                Section::Header => 0,
+                Section::Tokens => 1,
+                Section::Positions => 2,
+                Section::Kv => 3,
+            };
+            (KVPAGE_ERR_BLOB_CORRUPT, 0, 0, code)
+        }
+        PersistError::TrailingBytes { extra } => (KVPAGE_ERR_BLOB_CORRUPT, 0, extra, 4),
+        PersistError::TokenCountMismatch { expected, got } => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, u64::from(expected), n(got), 0)
+        }
+        PersistError::BufferTooSmall { needed, got } => {
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, n(needed), n(got), 0)
+        }
+        PersistError::NoSpace { needed, available } => (
+            KVPAGE_ERR_OUT_OF_BLOCKS,
+            u64::from(needed),
+            u64::from(available),
+            0,
+        ),
+        PersistError::Io { os_error, .. } => (
+            KVPAGE_ERR_IO,
+            0,
+            0,
+            os_error.map_or(0, |c| u64::from(c as u32)),
+        ),
     }
 }
 
@@ -517,7 +590,7 @@ mod tests {
     #[test]
     fn every_code_has_its_own_message() {
         let mut seen = std::collections::HashSet::new();
-        for code in 0..=KVPAGE_ERR_INTERNAL as u32 {
+        for code in 0..=KVPAGE_ERR_IO as u32 {
             // SAFETY: kvpage_result_str returns a static C string.
             let s = unsafe { CStr::from_ptr(kvpage_result_str(code)) };
             assert!(seen.insert(s.to_owned()), "code {code} repeats {s:?}");
