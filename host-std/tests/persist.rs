@@ -631,3 +631,30 @@ fn reseal_header(blob: &mut [u8]) {
     let crc = crc32fast::hash(&blob[..HEADER_LEN - 4]).to_le_bytes();
     blob[HEADER_LEN - 4..HEADER_LEN].copy_from_slice(&crc);
 }
+
+/// Writes the seed corpus of the `restore_seq` fuzz target (host-std/fuzz): valid blobs
+/// of its cache's geometry and fingerprint, with and without ids, a few lengths, each
+/// with mode byte 0 (as is) and 1 (checksums recomputed after mutation).
+#[test]
+#[ignore = "writes host-std/fuzz/corpus/restore_seq; run by hand"]
+fn write_fuzz_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/restore_seq");
+    std::fs::create_dir_all(&dir).unwrap();
+    let g = geometry(2, 2, 8, 4, DType::F16);
+    let model = ModelFingerprint::from_u64(0xf022);
+    let mut r = rng(10);
+    for len in [0, 1, 4, 6, 13] {
+        let mut a = cache(g, 8);
+        let (seq, tokens) = random_seq(&mut a, len, &mut r);
+        for ids in [None, Some(&tokens[..])] {
+            let mut blob = vec![0u8; a.saved_seq_size(seq, ids.is_some()).unwrap()];
+            a.save_seq(seq, ids, &model, &mut blob).unwrap();
+            for mode in [0u8, 1] {
+                let name = format!("len{len}-ids{}-mode{mode}", u8::from(ids.is_some()));
+                let mut seed = vec![mode];
+                seed.extend_from_slice(&blob);
+                std::fs::write(dir.join(name), seed).unwrap();
+            }
+        }
+    }
+}
