@@ -92,7 +92,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"kvpgCACH");
 #[repr(C)]
 pub struct kvpage_cache {
     magic: u64,
-    cache: KvCache,
+    pub(super) cache: KvCache,
     /// The sequences of a decode call (capacity `max_seqs`, never grown).
     decode: Vec<Seq>,
     /// The sequences and query counts of a prefill call (capacity `max_seqs`).
@@ -108,7 +108,7 @@ unsafe impl Tagged for kvpage_cache {
 
 impl kvpage_cache {
     /// The Rust handle of a C id (checked by every operation).
-    fn seq(&self, id: kvpage_seq) -> Seq {
+    pub(super) fn seq(&self, id: kvpage_seq) -> Seq {
         Seq::from_id(seq_from_c(id, self.cache.block_manager().config().instance))
     }
 

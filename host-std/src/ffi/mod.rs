@@ -21,7 +21,8 @@
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
-//! 1. [`cache`] (the owned cache) and [`engine`] (its engine step);
+//! 1. [`cache`] (the owned cache), [`seq_blob`] (saving and restoring its sequences)
+//!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
 //!    [`block_table`] (dense and CSR exports) and [`manager_swap`] (host-tier swap
@@ -43,6 +44,7 @@ pub mod block_table;
 pub mod plan;
 pub mod result;
 pub mod scheduler;
+pub mod seq_blob;
 pub mod stats;
 pub mod step;
 pub mod version;
@@ -58,6 +60,7 @@ pub use manager_swap::*;
 pub use plan::*;
 pub use result::*;
 pub use scheduler::*;
+pub use seq_blob::*;
 pub use stats::*;
 pub use step::*;
 pub use version::*;
