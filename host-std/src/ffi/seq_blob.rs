@@ -201,6 +201,31 @@ struct RestoreOut<'a> {
     n_tokens: Option<super::args::Out<usize>>,
 }
 
+impl RestoreOut<'_> {
+    /// The checked out-parameters of a restore.
+    ///
+    /// # Safety
+    /// `seq`, `len` and `n_tokens` are null or writable; `tokens.0` is null or writable
+    /// for `tokens.1` ids.
+    unsafe fn new(
+        seq: *mut kvpage_seq,
+        len: *mut u32,
+        tokens: (*mut u32, usize),
+        n_tokens: *mut usize,
+    ) -> Result<Self, Fail> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            Ok(Self {
+                seq: out(seq, "out_seq")?,
+                len: out_opt(len, "out_len")?,
+                want_tokens: !tokens.0.is_null(),
+                tokens: slice_mut(tokens.0, tokens.1, "out_tokens")?,
+                n_tokens: out_opt(n_tokens, "out_n_tokens")?,
+            })
+        }
+    }
+}
+
 /// Restores `blob` into `c` and fills `o`: the token buffer is checked against the
 /// blob's header before the cache changes.
 fn restore_into(
@@ -270,20 +295,13 @@ pub unsafe extern "C" fn kvpage_cache_seq_restore(
     out_n_tokens: *mut usize,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: pointers checked by `tagged_mut` / `slice` / `obj` / `out` / `out_opt` /
-    // `slice_mut`.
+    // SAFETY: pointers checked by `tagged_mut` / `slice` / `obj` / `RestoreOut::new`.
     unsafe {
         run(err, || {
             let c = tagged_mut(cache)?;
             let blob = slice(blob, blob_len, "blob")?;
             let model = ModelFingerprint(obj(model, "model")?.bytes);
-            let o = RestoreOut {
-                seq: out(out_seq, "out_seq")?,
-                len: out_opt(out_len, "out_len")?,
-                want_tokens: !out_tokens.is_null(),
-                tokens: slice_mut(out_tokens, out_tokens_len, "out_tokens")?,
-                n_tokens: out_opt(out_n_tokens, "out_n_tokens")?,
-            };
+            let o = RestoreOut::new(out_seq, out_len, (out_tokens, out_tokens_len), out_n_tokens)?;
             restore_into(c, blob, namespace, &model, o)
         })
     }
@@ -314,20 +332,14 @@ pub unsafe extern "C" fn kvpage_cache_seq_restore_file(
     out_n_tokens: *mut usize,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: pointers checked by `tagged_mut` / `path_from_c` / `obj` / `out` /
-    // `out_opt` / `slice_mut`.
+    // SAFETY: pointers checked by `tagged_mut` / `path_from_c` / `obj` /
+    // `RestoreOut::new`.
     unsafe {
         run(err, || {
             let c = tagged_mut(cache)?;
             let path = path_from_c(path)?;
             let model = ModelFingerprint(obj(model, "model")?.bytes);
-            let o = RestoreOut {
-                seq: out(out_seq, "out_seq")?,
-                len: out_opt(out_len, "out_len")?,
-                want_tokens: !out_tokens.is_null(),
-                tokens: slice_mut(out_tokens, out_tokens_len, "out_tokens")?,
-                n_tokens: out_opt(out_n_tokens, "out_n_tokens")?,
-            };
+            let o = RestoreOut::new(out_seq, out_len, (out_tokens, out_tokens_len), out_n_tokens)?;
             let bytes = read_file(&path)?;
             restore_into(c, &bytes, namespace, &model, o)
         })
