@@ -9,10 +9,11 @@ mod common;
 use common::{random_vec, rng};
 use kvpage::persist::{format::HEADER_LEN, BlobHeader, PersistError, Section};
 use kvpage::{
-    CacheConfig, CacheError, Capacity, DType, Geometry, KvCache, ModelFingerprint, SeqBlob,
-    SeqError, Stats,
+    CacheConfig, CacheError, Capacity, DType, Engine, EngineConfig, EngineError, Geometry, KvCache,
+    ModelFingerprint, Preemption, Sampled, SchedulerConfig, SeqBlob, SeqError, Stats,
 };
 use kvpage::{PromptSeq, Seq};
+use kvpage_core::SeqId;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -60,14 +61,19 @@ fn random_seq(cache: &mut KvCache, len: u32, r: &mut StdRng) -> (Seq, Vec<u32>) 
 /// The stored bytes of every token of `seq`: per token, per layer, K then V, per head,
 /// its `head_dim` elements. What the sequence reads, wherever its blocks are.
 fn token_rows(cache: &KvCache, seq: Seq) -> Vec<u8> {
+    token_rows_of(cache, seq.id())
+}
+
+/// [`token_rows`] of a core handle (an engine's sequence).
+fn token_rows_of(cache: &KvCache, seq: SeqId) -> Vec<u8> {
     let g = *cache.geometry();
     let layout = cache.layout();
     let esize = g.dtype().size_bytes() as usize;
     let dim = g.head_dim() as usize;
-    let blocks = cache.block_manager().blocks(seq.id()).unwrap();
+    let blocks = cache.block_manager().blocks(seq).unwrap();
     let bytes = cache.arena().as_bytes();
     let mut out = Vec::new();
-    for p in 0..cache.len(seq).unwrap() {
+    for p in 0..cache.block_manager().len(seq).unwrap() {
         let (b, off) = (blocks[(p / g.block_size()) as usize], p % g.block_size());
         for layer in 0..g.layers() {
             for kv in 0..2 {
@@ -257,6 +263,60 @@ fn restored_ids_reach_the_prefix_cache_once_committed() {
     let mut c = cache(g, 16);
     let (restored, _) = c.restore_seq(&blob, 3, &MODEL).unwrap();
     assert_eq!(c.commit(restored).unwrap(), 0);
+}
+
+#[test]
+fn an_engine_request_saves_with_its_ids_and_restores_into_a_cache() {
+    let mut r = rng(11);
+    let g = geometry(2, 2, 8, 4, DType::F16);
+    let mut engine = Engine::new(EngineConfig {
+        cache: config(g, 16),
+        max_requests: 2,
+        scheduler: SchedulerConfig {
+            token_budget: 16,
+            max_running: 2,
+            watermark_blocks: 0,
+            preemption: Preemption::Recompute,
+        },
+        host_capacity: Capacity::Blocks(0),
+    })
+    .unwrap();
+    let id = engine
+        .add_request(&[5, 6, 7, 8, 9, 10, 11], 0, Some(20))
+        .unwrap();
+    let mut seq = None;
+    for t in 0..4 {
+        let step = engine.step().unwrap();
+        let n = step.tokens() as usize * (2 * 8);
+        seq = step.seqs().next().map(|s| s.seq);
+        for layer in 0..2 {
+            let (k, v) = (random_vec(&mut r, n), random_vec(&mut r, n));
+            engine.write_kv(layer, &k, &v).unwrap();
+        }
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(
+            engine.save_request(id, &MODEL, &mut buf),
+            Err(CacheError::Engine(EngineError::StepInProgress))
+        );
+        let sample = Sampled {
+            request: id,
+            token: 100 + t,
+            stop: false,
+        };
+        engine.commit_step(&[sample]).unwrap();
+    }
+    let mut blob = vec![0u8; engine.saved_request_size(id).unwrap()];
+    engine.save_request(id, &MODEL, &mut blob).unwrap();
+    let tokens = engine.tokens(id).unwrap();
+    // Prompt and four samples; the last sample's K/V comes with the next step.
+    assert_eq!(tokens.len(), 11);
+    let mut b = cache(g, 16);
+    let (restored, info) = b.restore_seq(&blob, 0, &MODEL).unwrap();
+    assert_eq!(info.tokens.unwrap().to_vec(), &tokens[..10]);
+    assert_eq!(
+        token_rows(&b, restored),
+        token_rows_of(engine.cache(), seq.unwrap())
+    );
 }
 
 /// A small cache holding one other sequence, and the blob of a small sequence of the

@@ -5,6 +5,8 @@
 //! - [`format`]: the versioned byte format (header, framed sections, CRC-32s), encoded
 //!   field by field, little-endian.
 //! - `seq`: the [`KvCache`] methods, [`SeqBlob`] to look into a blob without a cache.
+//! - `request`: [`crate::Engine::save_request`], a request's sequence with the engine's
+//!   token ids.
 //! - `file`: crash-consistent writes (aside, fsync, rename, fsync the directory).
 //! - `positions`: the blob's position runs (a stand-in until the core has them).
 //!
@@ -47,6 +49,7 @@ mod error;
 mod file;
 pub mod format;
 mod positions;
+mod request;
 mod seq;
 
 pub use error::{BlobGeometry, PersistError, Section};
