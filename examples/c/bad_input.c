@@ -91,7 +91,7 @@ static int workload(kvpage_cache *c, float *out) {
 
 static void result_codes(void) {
   unsigned before = checks, code, other;
-  for (code = 0; code <= KVPAGE_ERR_IO; code++) {
+  for (code = 0; code <= KVPAGE_RESULT_LAST; code++) {
     const char *s = kvpage_result_str(code);
     int distinct = s != NULL && strcmp(s, "unknown result code") != 0;
     for (other = 0; distinct && other < code; other++)

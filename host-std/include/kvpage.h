@@ -67,6 +67,9 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // The sequence is full; the last sampled token was reported but not stored.
 #define KVPAGE_FINISH_LENGTH 2
 
+// The highest result code (for tables of messages and tests that walk every code).
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_IO
+
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
 

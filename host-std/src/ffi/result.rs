@@ -113,6 +113,9 @@ pub enum kvpage_result {
     KVPAGE_ERR_IO = 42,
 }
 
+/// The highest result code (for tables of messages and tests that walk every code).
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_IO as u32;
+
 use kvpage_result::*;
 
 /// A static, NUL-terminated English message for `code`, e.g. "out of blocks". Unknown
@@ -590,7 +593,7 @@ mod tests {
     #[test]
     fn every_code_has_its_own_message() {
         let mut seen = std::collections::HashSet::new();
-        for code in 0..=KVPAGE_ERR_IO as u32 {
+        for code in 0..=KVPAGE_RESULT_LAST {
             // SAFETY: kvpage_result_str returns a static C string.
             let s = unsafe { CStr::from_ptr(kvpage_result_str(code)) };
             assert!(seen.insert(s.to_owned()), "code {code} repeats {s:?}");
