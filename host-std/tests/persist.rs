@@ -242,6 +242,39 @@ fn restores_into_scattered_free_blocks_only_when_they_suffice() {
 }
 
 #[test]
+fn restore_evicts_cached_blocks_when_free_ones_run_out() {
+    let mut r = rng(12);
+    let g = geometry(1, 1, 8, 4, DType::F16);
+    let mut a = cache(g, 16);
+    let (big, big_ids) = random_seq(&mut a, 19, &mut r); // 5 blocks
+    let (huge, _) = random_seq(&mut a, 27, &mut r); // 7 blocks
+    let blob = save(&a, big, Some(&big_ids));
+    let too_big = save(&a, huge, None);
+
+    // 8 blocks: 2 held, 4 cached (a committed prompt, released), 2 free.
+    let mut b = cache(g, 8);
+    let _held = random_seq(&mut b, 8, &mut r);
+    let (prompt, _) = random_seq(&mut b, 16, &mut r);
+    assert_eq!(b.commit(prompt).unwrap(), 4);
+    b.release(prompt).unwrap();
+    let s = b.stats();
+    assert_eq!((s.free_blocks, s.cached_blocks), (2, 4));
+    let before = snapshot(&b);
+    assert_eq!(
+        b.restore_seq(&too_big, 0, &MODEL).unwrap_err(),
+        CacheError::Persist(PersistError::NoSpace {
+            needed: 7,
+            available: 6
+        })
+    );
+    assert_eq!(snapshot(&b), before);
+    let (restored, _) = b.restore_seq(&blob, 0, &MODEL).unwrap();
+    assert_eq!(token_rows(&b, restored), token_rows(&a, big));
+    let s = b.stats();
+    assert_eq!((s.free_blocks, s.cached_blocks, s.used_blocks), (0, 1, 7));
+}
+
+#[test]
 fn restored_ids_reach_the_prefix_cache_once_committed() {
     let mut r = rng(5);
     let g = geometry(1, 1, 8, 4, DType::F32);
