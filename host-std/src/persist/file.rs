@@ -86,6 +86,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "file system: Miri's isolation forbids it")]
     fn writes_the_whole_content_and_leaves_no_temporary() {
         let dir = scratch("ok");
         let path = dir.join("seq.kv");
@@ -97,6 +98,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "file system: Miri's isolation forbids it")]
     fn a_failed_write_keeps_the_old_file_and_removes_the_temporary() {
         let dir = scratch("fail");
         let path = dir.join("seq.kv");
