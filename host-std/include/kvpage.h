@@ -1804,7 +1804,7 @@ struct kvpage_fingerprint kvpage_fingerprint_from_u64(uint64_t id);
 
 // Writes the bytes of the blob of `seq` to `*out_size`: with its token ids
 // (`with_tokens` non-zero) or without. The buffer `kvpage_cache_seq_save` needs:
-// about `ceil(len / block_size) * bytes_per_block` plus 4 bytes per id and 168. O(1).
+// about `ceil(len / block_size) * bytes_per_block` plus 4 bytes per id and 164. O(1).
 //
 // # Errors
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`

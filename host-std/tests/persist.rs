@@ -589,6 +589,8 @@ fn save_checks_before_it_writes() {
     let (seq, tokens) = random_seq(&mut a, 6, &mut r);
     let size = a.saved_seq_size(seq, true).unwrap();
     assert_eq!(size, a.saved_seq_size(seq, false).unwrap() + 4 * 6);
+    // Two blocks of 2 x 4 x 4 f32 (128 bytes each), 164 bytes of header and framing.
+    assert_eq!(a.saved_seq_size(seq, false).unwrap(), 2 * 128 + 164);
     let mut out = vec![0x5au8; size - 1];
     assert_eq!(
         a.save_seq(seq, Some(&tokens), &MODEL, &mut out),

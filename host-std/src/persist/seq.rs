@@ -194,7 +194,7 @@ impl KvCache {
 
     /// Bytes of the blob of `seq` (with its token ids when `with_tokens`): the buffer
     /// [`KvCache::save_seq`] needs. About `ceil(len / block_size) * bytes_per_block`
-    /// plus 4 bytes per id and 168 bytes. O(1).
+    /// plus 4 bytes per id and 164 bytes (header, framing, one position run). O(1).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`];
