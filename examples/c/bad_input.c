@@ -2,10 +2,10 @@
  * Feeds every function of the C API bad input — null pointers, zero sizes, stale,
  * never-issued and foreign ids, double release, buffers too short, configurations that
  * cannot fit, a wrong dtype, rotary parameters that do not fit, keys shared with a
- * fork — and checks that each call returns its code, fills the error struct, changes
- * nothing (statistics and lengths are compared before and after) and that every object
- * works normally afterwards (its results equal those of an object that never saw a bad
- * call). Run under AddressSanitizer, UBSan and
+ * fork, damaged sequence blobs — and checks that each call returns its code, fills the
+ * error struct, changes nothing (statistics and lengths are compared before and after)
+ * and that every object works normally afterwards (its results equal those of an object
+ * that never saw a bad call). Run under AddressSanitizer, UBSan and
  * LeakSanitizer by the tests: nothing may crash or leak.
  */
 #include <kvpage.h>
@@ -388,6 +388,113 @@ static void rotate_calls(void) {
   section("rotate calls", before);
 }
 
+/* Saving and restoring a sequence: bad arguments, damaged blobs (every byte flipped in
+ * turn, truncated, trailing bytes, another version, model or geometry), files that
+ * cannot be written or read. Each fails with its code and the target cache's
+ * statistics stay as they were; then a good restore decodes like the original. */
+static void seq_blob_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8);
+  kvpage_cache *c = NULL, *d = NULL, *other = NULL;
+  kvpage_seq s, gone, r = KVPAGE_SEQ_NONE;
+  kvpage_stats st0, st1;
+  kvpage_fingerprint model = kvpage_fingerprint_from_u64(7), wrong = kvpage_fingerprint_from_u64(8);
+  uint32_t prompt[5] = {1, 2, 3, 4, 5}, ids[8] = {0}, len = 0, layer, i;
+  size_t size = 0, written = 0, n_ids = 0, accepted = 0;
+  static uint8_t blob[4096], bad[4097];
+  float k[5 * ROW], v[5 * ROW], q[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM];
+  const char *missing = "/nonexistent-kvpage-dir/seq.kv", *file = "bad_input_seq.kvseq";
+
+  for (i = 0; i < 5 * ROW; i++) k[i] = value(i + 3000), v[i] = value(i + 4000);
+  for (i = 0; i < Q_HEADS * HEAD_DIM; i++) q[i] = value(i + 5000);
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &d, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(c, 0, prompt, 5, &s, NULL, &err));
+  for (layer = 0; layer < LAYERS; layer++)
+    EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c, s, layer, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(c, 0, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_save_size(c, s, 1, &size, &err));
+  EXPECT_TRUE(size > 0 && size < sizeof blob);
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_save(c, s, prompt, 5, &model, blob, sizeof blob, &written, &err));
+  EXPECT_TRUE(written == size);
+
+  /* Null pointers; a stale id; ids that are not one per token; a short buffer. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save_size(NULL, s, 1, &size, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save_size(c, s, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save(c, s, NULL, 5, &model, bad, sizeof bad, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save(c, s, prompt, 5, NULL, bad, sizeof bad, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save(c, s, prompt, 5, &model, NULL, size, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_save_file(c, s, prompt, 5, &model, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_restore(d, NULL, size, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_restore(d, blob, size, 0, NULL, &r, NULL, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_restore(d, blob, size, 0, &model, NULL, NULL, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_restore_file(d, NULL, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_save_size(c, gone, 1, &written, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_save(c, gone, NULL, 0, &model, bad, sizeof bad, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_seq_save(c, s, prompt, 4, &model, bad, sizeof bad, NULL, &err));
+  EXPECT_TRUE(kvpage_cache_seq_save(c, s, prompt, 5, &model, bad, size - 1, NULL, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == size && err.available == size - 1);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_seq_save_file(c, s, prompt, 5, &model, "", &err));
+  EXPECT(KVPAGE_ERR_IO, kvpage_cache_seq_save_file(c, s, prompt, 5, &model, missing, &err));
+
+  /* Damaged blobs, another model or geometry, a short id buffer, a missing file. */
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(d, &st0, &err));
+  EXPECT_TRUE(kvpage_cache_seq_restore(d, blob, size - 1, 0, &model, &r, NULL, NULL, 0, NULL, &err) == KVPAGE_ERR_BLOB_TRUNCATED && err.needed == size && err.available == size - 1);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BLOB_TRUNCATED, kvpage_cache_seq_restore(d, blob, 3, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  memcpy(bad, blob, size);
+  bad[0] = 'X';
+  EXPECT(KVPAGE_ERR_BLOB_FORMAT, kvpage_cache_seq_restore(d, bad, size, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  memcpy(bad, blob, size);
+  bad[8] = 2;
+  EXPECT(KVPAGE_ERR_BLOB_VERSION, kvpage_cache_seq_restore(d, bad, size, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  memcpy(bad, blob, size);
+  bad[16] ^= 1;
+  EXPECT_TRUE(kvpage_cache_seq_restore(d, bad, size, 0, &model, &r, NULL, NULL, 0, NULL, &err) == KVPAGE_ERR_BLOB_CORRUPT && err.value == 0);
+  memcpy(bad, blob, size);
+  bad[size - 10] ^= 0x40;
+  EXPECT_TRUE(kvpage_cache_seq_restore(d, bad, size, 0, &model, &r, NULL, NULL, 0, NULL, &err) == KVPAGE_ERR_BLOB_CORRUPT && err.value == 3);
+  memcpy(bad, blob, size);
+  bad[size] = 0;
+  EXPECT_TRUE(kvpage_cache_seq_restore(d, bad, size + 1, 0, &model, &r, NULL, NULL, 0, NULL, &err) == KVPAGE_ERR_BLOB_CORRUPT && err.value == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_BLOB_MODEL, kvpage_cache_seq_restore(d, blob, size, 0, &wrong, &r, NULL, NULL, 0, NULL, &err));
+  EXPECT_TRUE(kvpage_cache_seq_restore(d, blob, size, 0, &model, &r, NULL, ids, 4, NULL, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == 5 && err.available == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_IO, kvpage_cache_seq_restore_file(d, missing, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  p.geometry.block_size = 2 * BLOCK;
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &other, &err));
+  EXPECT(KVPAGE_ERR_BLOB_GEOMETRY, kvpage_cache_seq_restore(other, blob, size, 0, &model, &r, NULL, NULL, 0, NULL, &err));
+  /* Every byte flipped in turn: never accepted. */
+  for (i = 0; i < size; i++) {
+    memcpy(bad, blob, size);
+    bad[i] ^= 0x5a;
+    accepted += kvpage_cache_seq_restore(d, bad, size, 0, &model, &r, NULL, NULL, 0, NULL, NULL) == KVPAGE_OK;
+  }
+  EXPECT_TRUE(accepted == 0);
+  EXPECT_TRUE(r == KVPAGE_SEQ_NONE); /* no out-parameter written on failure */
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(d, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+
+  /* A good restore, from the buffer and from a file: decodes like the original. */
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_restore(d, blob, size, 9, &model, &r, &len, ids, 8, &n_ids, &err));
+  EXPECT_TRUE(len == 5 && n_ids == 5 && memcmp(ids, prompt, sizeof prompt) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(c, 1, &s, 1, q, Q_HEADS * HEAD_DIM, want, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(d, 1, &r, 1, q, Q_HEADS * HEAD_DIM, got, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_release(d, r, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_save_file(c, s, prompt, 5, &model, file, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_seq_restore_file(d, file, 0, &model, &r, &len, NULL, 0, NULL, &err));
+  EXPECT_TRUE(len == 5 && remove(file) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(d, 1, &r, 1, q, Q_HEADS * HEAD_DIM, got, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(other, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(d, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  section("sequence blobs", before);
+}
+
 static kvpage_engine_params engine_params(void) {
   kvpage_engine_params p = kvpage_engine_default_params(GEOMETRY);
   p.cache = cache_params(16);
@@ -660,6 +767,7 @@ int main(void) {
   cache_configs();
   cache_calls();
   rotate_calls();
+  seq_blob_calls();
   engine_calls();
   manager_and_scheduler_calls();
   manager_seq_calls();

@@ -68,7 +68,7 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 #define KVPAGE_FINISH_LENGTH 2
 
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_BLOCK_SHARED
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_IO
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
@@ -80,6 +80,9 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // Pairing of the rotary dims: `(j, j + rotary_dims / 2)` (GPT-NeoX, Hugging Face Llama;
 // llama.cpp's `LLAMA_ROPE_TYPE_NEOX`).
 #define KVPAGE_ROPE_HALF_SPLIT 1
+
+// The sequence blob format version this library writes and reads.
+#define KVPAGE_SEQ_BLOB_VERSION 1
 
 // The request waits: not admitted yet, or preempted by recompute.
 #define KVPAGE_REQUEST_WAITING 0
@@ -193,6 +196,22 @@ enum kvpage_result
   // A block the operation would change in place is shared with another sequence or
   // registered in the prefix cache (`value` = block, `needed` = its reference count).
   KVPAGE_ERR_BLOCK_SHARED = 38,
+  // The bytes are not a kvpage sequence blob (wrong magic).
+  KVPAGE_ERR_BLOB_FORMAT = 39,
+  // The blob's format version (`value`) or flags are newer than this library reads.
+  KVPAGE_ERR_BLOB_VERSION = 40,
+  // The blob was saved from a cache of another geometry (layers, KV heads, head dim,
+  // block size).
+  KVPAGE_ERR_BLOB_GEOMETRY = 41,
+  // The blob was saved under another model fingerprint.
+  KVPAGE_ERR_BLOB_MODEL = 42,
+  // The blob is shorter than its header says (`needed` bytes, `available` given).
+  KVPAGE_ERR_BLOB_TRUNCATED = 43,
+  // A checksum, a length or a framing field of the blob is wrong, or bytes follow
+  // its end (`value`: 0 header, 1 token ids, 2 positions, 3 K/V, 4 trailing bytes).
+  KVPAGE_ERR_BLOB_CORRUPT = 44,
+  // A file could not be written or read (`value` = the OS error number, 0 if none).
+  KVPAGE_ERR_IO = 45,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -556,6 +575,14 @@ typedef struct kvpage_scheduler_config {
   // Token budget, running limit, watermark and preemption mode of every step.
   struct kvpage_scheduler_params scheduler;
 } kvpage_scheduler_config;
+
+// The caller's name for a model: 32 bytes (e.g. a SHA-256 of its weights), or a
+// 64-bit id made by `kvpage_fingerprint_from_u64`. A blob saved under one fingerprint
+// is refused under another (`KVPAGE_ERR_BLOB_MODEL`).
+typedef struct kvpage_fingerprint {
+  // The bytes, compared as they are.
+  uint8_t bytes[32];
+} kvpage_fingerprint;
 
 // An id no sequence ever has, for "no sequence" in the caller's own tables.
 #define KVPAGE_SEQ_NONE UINT64_MAX
@@ -2164,6 +2191,130 @@ kvpage_result kvpage_scheduler_request_tokens(const kvpage_scheduler *scheduler,
 kvpage_result kvpage_scheduler_stats(const kvpage_scheduler *scheduler,
                                      struct kvpage_engine_counters *out_stats,
                                      struct kvpage_error *err);
+
+// The fingerprint of a 64-bit model id: its 8 little-endian bytes, then 24 zero bytes.
+// O(1); cannot fail; thread-safe.
+struct kvpage_fingerprint kvpage_fingerprint_from_u64(uint64_t id);
+
+// Writes the bytes of the blob of `seq` to `*out_size`: with its token ids
+// (`with_tokens` non-zero) or without. The buffer `kvpage_cache_seq_save` needs:
+// about `ceil(len / block_size) * bytes_per_block` plus 4 bytes per id and 164. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache; `out_size` is null or writable.
+kvpage_result kvpage_cache_seq_save_size(const kvpage_cache *cache,
+                                         kvpage_seq seq,
+                                         uint32_t with_tokens,
+                                         size_t *out_size,
+                                         struct kvpage_error *err);
+
+// Saves `seq` into `out[..n]` and writes `n` to `*out_written` when non-null: a header
+// with the cache's geometry and `*model`, the `n_tokens` ids of `tokens` (NULL: none;
+// else one per token, e.g. the prompt and the sampled tokens: the cache does not keep
+// them), the positions, and the sequence's blocks. Reads the cache only.
+// O(len + blocks × bytes_per_block).
+//
+// # Errors
+// Nothing is written on error. `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache; `n_tokens` not the sequence's length:
+// `needed` = length, `available` = `n_tokens`), `KVPAGE_ERR_STALE_SEQ`,
+// `KVPAGE_ERR_FOREIGN_SEQ`, `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed`, `available`
+// bytes).
+//
+// # Safety
+// `cache` is null or a live cache; `tokens` is null or readable for `n_tokens` ids;
+// `model` is null or readable; `out` is null or writable for `out_len` bytes;
+// `out_written` is null or writable.
+kvpage_result kvpage_cache_seq_save(const kvpage_cache *cache,
+                                    kvpage_seq seq,
+                                    const uint32_t *tokens,
+                                    size_t n_tokens,
+                                    const struct kvpage_fingerprint *model,
+                                    uint8_t *out,
+                                    size_t out_len,
+                                    size_t *out_written,
+                                    struct kvpage_error *err);
+
+// `kvpage_cache_seq_save` into the file at `path` (NUL-terminated), crash-consistently:
+// written to a temporary file beside it, flushed to disk, renamed over `path`, the
+// directory flushed; `path` holds its old content or the whole blob, never a mix.
+// Streams (the blob is never held in memory). O(blob bytes) plus the file system's.
+//
+// # Errors
+// As `kvpage_cache_seq_save` (checked before the file is created), and
+// `KVPAGE_ERR_INVALID_ARGUMENT` (empty path), `KVPAGE_ERR_IO` (`value` = the OS error
+// number); the temporary file is removed on error.
+//
+// # Safety
+// `cache` is null or a live cache; `tokens` is null or readable for `n_tokens` ids;
+// `model` is null or readable; `path` is null or a NUL-terminated string.
+kvpage_result kvpage_cache_seq_save_file(const kvpage_cache *cache,
+                                         kvpage_seq seq,
+                                         const uint32_t *tokens,
+                                         size_t n_tokens,
+                                         const struct kvpage_fingerprint *model,
+                                         const char *path,
+                                         struct kvpage_error *err);
+
+// Restores the `blob_len` bytes of `blob` into any free blocks of `cache` as a new
+// sequence of `namespace`, and writes its id to `*out_seq`, its length to `*out_len`
+// when non-null, and, when `out_tokens` is non-null, its token ids to
+// `out_tokens[..n]` and `n` to `*out_n_tokens` when non-null (`n` = 0 when the blob has
+// no ids). Everything is checked first: the blob (magic, version, geometry, dtype,
+// `*model`, lengths, every checksum), the length against `max_seq_len`, free blocks
+// and a sequence slot, and the size of `out_tokens`. With ids, the sequence knows
+// them (`kvpage_cache_commit` offers its full blocks to the prefix cache); its K/V
+// counts as written. O(blob bytes). Allocates nothing.
+//
+// # Errors
+// Nothing changes on error. `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache), `KVPAGE_ERR_BLOB_FORMAT`,
+// `KVPAGE_ERR_BLOB_VERSION`, `KVPAGE_ERR_BLOB_GEOMETRY`, `KVPAGE_ERR_DTYPE_MISMATCH`,
+// `KVPAGE_ERR_BLOB_MODEL`, `KVPAGE_ERR_BLOB_TRUNCATED`, `KVPAGE_ERR_BLOB_CORRUPT`,
+// `KVPAGE_ERR_SEQ_TOO_LONG`, `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_NO_FREE_SEQ`,
+// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`out_tokens`: `needed` ids, `available` given).
+//
+// # Safety
+// `cache` is null or a live cache; `blob` is null or readable for `blob_len` bytes;
+// `model` is null or readable; `out_tokens` is null or writable for `out_tokens_len`
+// ids; `out_seq`, `out_len` and `out_n_tokens` are null or writable.
+kvpage_result kvpage_cache_seq_restore(kvpage_cache *cache,
+                                       const uint8_t *blob,
+                                       size_t blob_len,
+                                       uint64_t namespace_,
+                                       const struct kvpage_fingerprint *model,
+                                       kvpage_seq *out_seq,
+                                       uint32_t *out_len,
+                                       uint32_t *out_tokens,
+                                       size_t out_tokens_len,
+                                       size_t *out_n_tokens,
+                                       struct kvpage_error *err);
+
+// `kvpage_cache_seq_restore` from the file at `path` (NUL-terminated; read whole into
+// memory, then restored). O(file bytes).
+//
+// # Errors
+// As `kvpage_cache_seq_restore`, and `KVPAGE_ERR_INVALID_ARGUMENT` (empty path),
+// `KVPAGE_ERR_IO` (`value` = the OS error number), `KVPAGE_ERR_OUT_OF_MEMORY`.
+//
+// # Safety
+// `cache` is null or a live cache; `path` is null or a NUL-terminated string; `model`
+// is null or readable; `out_tokens` is null or writable for `out_tokens_len` ids;
+// `out_seq`, `out_len` and `out_n_tokens` are null or writable.
+kvpage_result kvpage_cache_seq_restore_file(kvpage_cache *cache,
+                                            const char *path,
+                                            uint64_t namespace_,
+                                            const struct kvpage_fingerprint *model,
+                                            kvpage_seq *out_seq,
+                                            uint32_t *out_len,
+                                            uint32_t *out_tokens,
+                                            size_t out_tokens_len,
+                                            size_t *out_n_tokens,
+                                            struct kvpage_error *err);
 
 // The linked library's version as `major * 10000 + minor * 100 + patch`; compare it
 // with `KVPAGE_VERSION_MAJOR` etc. of the header. O(1); thread-safe.

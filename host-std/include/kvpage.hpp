@@ -136,6 +136,42 @@ class Cache {
   Status stats(kvpage_stats &out) const noexcept {
     return Status::of([&](kvpage_error *e) { return kvpage_cache_stats(c_.get(), &out, e); });
   }
+  /// Bytes of the blob of `seq` (with its ids when `with_tokens`).
+  Status seq_save_size(kvpage_seq seq, bool with_tokens, std::size_t &size) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_seq_save_size(c_.get(), seq, with_tokens ? 1u : 0u, &size, e);
+    });
+  }
+  /// Saves `seq` (ids: `tokens`, or null for none) into `out`; `written` bytes.
+  Status seq_save(kvpage_seq seq, const uint32_t *tokens, std::size_t n_tokens,
+                  const kvpage_fingerprint &model, uint8_t *out, std::size_t out_len,
+                  std::size_t &written) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_seq_save(c_.get(), seq, tokens, n_tokens, &model, out, out_len,
+                                   &written, e);
+    });
+  }
+  /// Saves `seq` into the file at `path`, crash-consistently.
+  Status seq_save_file(kvpage_seq seq, const uint32_t *tokens, std::size_t n_tokens,
+                       const kvpage_fingerprint &model, const char *path) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_seq_save_file(c_.get(), seq, tokens, n_tokens, &model, path, e);
+    });
+  }
+  /// Restores a blob as a new sequence of `ns`; its ids into `tokens[..n_tokens]`.
+  Status seq_restore(const uint8_t *blob, std::size_t len, uint64_t ns,
+                     const kvpage_fingerprint &model, kvpage_seq &seq, uint32_t *tokens,
+                     std::size_t tokens_len, std::size_t &n_tokens) noexcept {
+    return call(kvpage_cache_seq_restore, blob, len, ns, &model, &seq,
+                static_cast<uint32_t *>(nullptr), tokens, tokens_len, &n_tokens);
+  }
+  /// Restores the blob in the file at `path`, as `seq_restore`.
+  Status seq_restore_file(const char *path, uint64_t ns, const kvpage_fingerprint &model,
+                          kvpage_seq &seq, uint32_t *tokens, std::size_t tokens_len,
+                          std::size_t &n_tokens) noexcept {
+    return call(kvpage_cache_seq_restore_file, path, ns, &model, &seq,
+                static_cast<uint32_t *>(nullptr), tokens, tokens_len, &n_tokens);
+  }
 
  private:
   using Handle = detail::Owner<kvpage_cache, detail::free_cache>;

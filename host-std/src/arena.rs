@@ -219,6 +219,19 @@ impl Arena {
         unsafe { core::slice::from_raw_parts(self.lines.as_ptr().cast::<T>(), len) }
     }
 
+    /// The arena's bytes (`len_bytes` of them), e.g. to compare or checksum blocks. O(1).
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: `lines` holds at least `bytes` initialised bytes; `u8` has alignment 1
+        // and accepts every bit pattern.
+        unsafe { core::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.bytes) }
+    }
+
+    /// The arena's bytes, mutable (restoring a saved sequence copies whole blocks). O(1).
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`, and `&mut self` makes the view unique.
+        unsafe { core::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.bytes) }
+    }
+
     /// The arena as mutable elements of `T`. O(1).
     pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
         let len = self.bytes / core::mem::size_of::<T>();

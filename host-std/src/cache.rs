@@ -38,6 +38,7 @@ use crate::error::KernelError;
 use crate::kernels::{
     self, AttentionParams, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool,
 };
+use crate::persist::PersistError;
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
@@ -166,6 +167,8 @@ pub enum CacheError {
         /// Whether it is registered in the prefix cache.
         registered: bool,
     },
+    /// Saving or restoring a sequence failed (see [`crate::persist`]).
+    Persist(PersistError),
 }
 
 impl core::fmt::Display for CacheError {
@@ -206,6 +209,7 @@ impl core::fmt::Display for CacheError {
                 "block {block} is shared (refcount {refcount}, {}in the prefix cache)",
                 if *registered { "" } else { "not " }
             ),
+            Self::Persist(e) => e.fmt(f),
         }
     }
 }
@@ -219,6 +223,7 @@ impl std::error::Error for CacheError {
             Self::Seq(e) => Some(e),
             Self::Engine(e) => Some(e),
             Self::Kernel(e) => Some(e),
+            Self::Persist(e) => Some(e),
             _ => None,
         }
     }
@@ -239,6 +244,12 @@ impl From<EngineError> for CacheError {
 impl From<KernelError> for CacheError {
     fn from(e: KernelError) -> Self {
         Self::Kernel(e)
+    }
+}
+
+impl From<PersistError> for CacheError {
+    fn from(e: PersistError) -> Self {
+        Self::Persist(e)
     }
 }
 
@@ -536,6 +547,14 @@ impl KvCache {
         self.pending[seq.0.index() as usize] = len;
         self.pending[child.index() as usize] = len;
         Ok(Seq(child))
+    }
+
+    /// Closes the pending range of `seq` (its K/V is written, as after a commit, without
+    /// offering blocks to the prefix cache): a restored sequence. O(1).
+    pub(crate) fn mark_written(&mut self, seq: Seq) {
+        if let Ok(len) = self.manager().len(seq.0) {
+            self.pending[seq.0.index() as usize] = len;
+        }
     }
 
     /// Shortens `seq` to `new_len` tokens. O(released blocks).

@@ -77,7 +77,8 @@ impl Engine {
         &self.cache
     }
 
-    fn engine(&self) -> &kvpage_core::Engine<'_> {
+    /// The core's request engine. O(1).
+    pub(crate) fn engine(&self) -> &kvpage_core::Engine<'_> {
         core_engine(&self.cache.tables)
     }
 

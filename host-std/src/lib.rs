@@ -10,6 +10,9 @@
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
 //!   a [`WorkerPool`] of threads started once (a cache owns one); re-rotation of stored
 //!   keys by a position delta ([`RopeParams`]) for a context shift.
+//!   a [`WorkerPool`] of threads started once (a cache owns one).
+//! - [`persist`]: save a sequence (token ids, positions, K/V blocks) into a buffer or a
+//!   file and restore it into any free blocks of a cache of the same geometry and model.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
 //!   blocking [`std::sync::Mutex`] (the core's own wrapper spins, for bare metal).
 //!
@@ -61,6 +64,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod kernels;
+pub mod persist;
 mod shared;
 mod tables;
 
@@ -76,4 +80,5 @@ pub use kvpage_core::{
     FinishedRequests, Geometry, GeometryError, PositionRun, Preemption, RequestId, RequestState,
     RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
 };
+pub use persist::{ModelFingerprint, PersistError, RestoredInfo, SeqBlob};
 pub use shared::SharedManager;

@@ -173,7 +173,10 @@ mod tests {
     use crate::kernels::SeqQuery;
 
     #[test]
-    #[cfg_attr(miri, ignore = "Miri aborts on an allocation past its memory instead of failing it")]
+    #[cfg_attr(
+        miri,
+        ignore = "Miri aborts on an allocation past its memory instead of failing it"
+    )]
     fn impossible_table_sizes_are_typed_errors() {
         // Not validated (`KvCache::new` validates first): more words than a `usize` holds.
         let config = Config {

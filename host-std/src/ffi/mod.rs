@@ -21,7 +21,8 @@
 //! Modules, one concern each: [`result`] (codes, error struct), [`version`], [`ids`],
 //! [`geometry`], [`rope`] (rotary embedding parameters), [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
-//! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions)
+//! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions),
+//!    [`seq_blob`] (saving and restoring its sequences)
 //!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
@@ -48,6 +49,7 @@ pub mod plan;
 pub mod result;
 pub mod rope;
 pub mod scheduler;
+pub mod seq_blob;
 pub mod stats;
 pub mod step;
 pub mod version;
@@ -66,6 +68,7 @@ pub use plan::*;
 pub use result::*;
 pub use rope::*;
 pub use scheduler::*;
+pub use seq_blob::*;
 pub use stats::*;
 pub use step::*;
 pub use version::*;

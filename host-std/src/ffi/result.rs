@@ -11,6 +11,7 @@ use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
 use crate::cache::CacheError;
 use crate::error::KernelError;
 use crate::kernels::RopeError;
+use crate::persist::{PersistError, Section};
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
@@ -105,10 +106,26 @@ pub enum kvpage_result {
     /// A block the operation would change in place is shared with another sequence or
     /// registered in the prefix cache (`value` = block, `needed` = its reference count).
     KVPAGE_ERR_BLOCK_SHARED = 38,
+    /// The bytes are not a kvpage sequence blob (wrong magic).
+    KVPAGE_ERR_BLOB_FORMAT = 39,
+    /// The blob's format version (`value`) or flags are newer than this library reads.
+    KVPAGE_ERR_BLOB_VERSION = 40,
+    /// The blob was saved from a cache of another geometry (layers, KV heads, head dim,
+    /// block size).
+    KVPAGE_ERR_BLOB_GEOMETRY = 41,
+    /// The blob was saved under another model fingerprint.
+    KVPAGE_ERR_BLOB_MODEL = 42,
+    /// The blob is shorter than its header says (`needed` bytes, `available` given).
+    KVPAGE_ERR_BLOB_TRUNCATED = 43,
+    /// A checksum, a length or a framing field of the blob is wrong, or bytes follow
+    /// its end (`value`: 0 header, 1 token ids, 2 positions, 3 K/V, 4 trailing bytes).
+    KVPAGE_ERR_BLOB_CORRUPT = 44,
+    /// A file could not be written or read (`value` = the OS error number, 0 if none).
+    KVPAGE_ERR_IO = 45,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_BLOCK_SHARED as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_IO as u32;
 
 use kvpage_result::*;
 
@@ -157,6 +174,13 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         36 => c"positions not increasing or out of range",
         37 => c"too many position runs",
         38 => c"block shared or in the prefix cache",
+        39 => c"not a kvpage sequence blob",
+        40 => c"unsupported blob version",
+        41 => c"blob geometry differs from the cache",
+        42 => c"blob saved for another model",
+        43 => c"blob truncated",
+        44 => c"blob corrupt",
+        45 => c"i/o error",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -387,6 +411,55 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(refcount),
             0,
             u64::from(block),
+        ),
+        CacheError::Persist(p) => classify_persist(p),
+    }
+}
+
+fn classify_persist(e: PersistError) -> (kvpage_result, u64, u64, u64) {
+    let n = |x: usize| x as u64;
+    match e {
+        PersistError::BadMagic => (KVPAGE_ERR_BLOB_FORMAT, 0, 0, 0),
+        PersistError::UnsupportedVersion { found } => {
+            (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(found))
+        }
+        PersistError::UnsupportedFlags { flags } => {
+            (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(flags))
+        }
+        PersistError::PositionsUnsupported => (KVPAGE_ERR_BLOB_VERSION, 0, 0, 0),
+        PersistError::GeometryMismatch { .. } => (KVPAGE_ERR_BLOB_GEOMETRY, 0, 0, 0),
+        PersistError::DtypeMismatch { blob, .. } => {
+            (KVPAGE_ERR_DTYPE_MISMATCH, 0, 0, u64::from(blob))
+        }
+        PersistError::ModelMismatch => (KVPAGE_ERR_BLOB_MODEL, 0, 0, 0),
+        PersistError::Truncated { needed, got } => (KVPAGE_ERR_BLOB_TRUNCATED, needed, got, 0),
+        PersistError::Corrupt { section } => {
+            let code = match section {
+                Section::Header => 0,
+                Section::Tokens => 1,
+                Section::Positions => 2,
+                Section::Kv => 3,
+            };
+            (KVPAGE_ERR_BLOB_CORRUPT, 0, 0, code)
+        }
+        PersistError::TrailingBytes { extra } => (KVPAGE_ERR_BLOB_CORRUPT, 0, extra, 4),
+        PersistError::TokenCountMismatch { expected, got } => {
+            (KVPAGE_ERR_INVALID_ARGUMENT, u64::from(expected), n(got), 0)
+        }
+        PersistError::BufferTooSmall { needed, got } => {
+            (KVPAGE_ERR_BUFFER_TOO_SMALL, n(needed), n(got), 0)
+        }
+        PersistError::NoSpace { needed, available } => (
+            KVPAGE_ERR_OUT_OF_BLOCKS,
+            u64::from(needed),
+            u64::from(available),
+            0,
+        ),
+        PersistError::Io { os_error, .. } => (
+            KVPAGE_ERR_IO,
+            0,
+            0,
+            os_error.map_or(0, |c| u64::from(c as u32)),
         ),
     }
 }

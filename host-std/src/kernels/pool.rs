@@ -492,8 +492,8 @@ mod tests {
         );
         assert!(inner_runs.iter().all(|n| n.load(Ordering::Relaxed) == 1));
         // Calls from several threads at once on one shared pool.
+        let (threads, calls) = if cfg!(miri) { (2, 5) } else { (4, 50) };
         std::thread::scope(|s| {
-            let (threads, calls) = if cfg!(miri) { (2, 5) } else { (4, 50) };
             for _ in 0..threads {
                 s.spawn(|| {
                     for _ in 0..calls {

@@ -97,3 +97,19 @@ pub fn cases<T>(cases: &[T], under_miri: usize) -> &[T] {
         cases
     }
 }
+
+/// Asserts that two runs of the same attention over the same K/V agree: bit for bit
+/// natively; under Miri, which perturbs the last bits of each call of a math function
+/// such as `exp`, within 1e-5 relative.
+#[track_caller]
+pub fn assert_same_output(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    if cfg!(miri) {
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{g} vs {w}");
+        }
+    } else {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(got), bits(want));
+    }
+}
