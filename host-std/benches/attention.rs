@@ -45,14 +45,13 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{fill, numeric_args, stats};
+use common::{fill, numeric_args, shuffled_arena, stats};
 use kvpage::kernels::{
     contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
     WorkerPool,
 };
-use kvpage::{f16, Arena, Element, Geometry, KvLayout};
+use kvpage::{f16, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 
 const SEQS: u32 = 32;
@@ -101,11 +100,7 @@ fn run(block_size: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let blocks_per_seq = CONTEXT.div_ceil(block_size);
     let num_blocks = SEQS * blocks_per_seq;
     let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, f16::DTYPE).expect("geometry");
-    let layout = KvLayout::new(geometry, num_blocks).expect("layout");
-    let mut arena = Arena::for_layout(&layout).expect("arena");
-    fill(rng, arena.as_mut_slice::<f16>());
-    let mut physical: Vec<u32> = (0..num_blocks).collect();
-    physical.shuffle(rng);
+    let (layout, arena, physical) = shuffled_arena::<f16>(geometry, num_blocks, rng);
     let table = BlockTable {
         table: &physical,
         stride: blocks_per_seq,
@@ -214,11 +209,7 @@ fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) 
     let block_size = 16;
     let blocks = context.div_ceil(block_size);
     let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, T::DTYPE).expect("geometry");
-    let layout = KvLayout::new(geometry, blocks).expect("layout");
-    let mut arena = Arena::for_layout(&layout).expect("arena");
-    fill(rng, arena.as_mut_slice::<T>());
-    let mut physical: Vec<u32> = (0..blocks).collect();
-    physical.shuffle(rng);
+    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
     let table = BlockTable {
         table: &physical,
         stride: blocks,

@@ -54,11 +54,10 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{fill, numeric_args, stats};
+use common::{fill, numeric_args, shuffled_arena, stats};
 use kvpage::kernels::{rotate_keys, write_kv, BlockTable, KeyShift, WorkerPool};
-use kvpage::{bf16, f16, Arena, Element, Geometry, KvLayout, RopePairing, RopeParams};
+use kvpage::{bf16, f16, Element, Geometry, KvLayout, RopePairing, RopeParams};
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 const LAYERS: u32 = 32;
@@ -181,11 +180,7 @@ impl Recompute {
 fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: bool) {
     let blocks = tokens.div_ceil(BLOCK);
     let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
-    let layout = KvLayout::new(geometry, blocks).expect("layout");
-    let mut arena = Arena::for_layout(&layout).expect("arena");
-    fill(rng, arena.as_mut_slice::<T>());
-    let mut physical: Vec<u32> = (0..blocks).collect();
-    physical.shuffle(rng);
+    let (layout, mut arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
     let table = BlockTable {
         table: &physical,
         stride: blocks,

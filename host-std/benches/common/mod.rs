@@ -1,11 +1,13 @@
-//! Shared by the benchmarks: random fill of storage elements, the median and best of a
-//! run's timings, and the numbers given on the command line.
+//! Shared by the benchmarks: random fill of storage elements, an arena of random K/V
+//! with its blocks in shuffled order, the median and best of a run's timings, and the
+//! numbers given on the command line.
 #![allow(dead_code)]
 
 use std::time::Duration;
 
-use kvpage::Element;
+use kvpage::{Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::RngExt;
 
 /// Median and minimum.
@@ -37,4 +39,20 @@ pub fn numeric_args(default: u32) -> Vec<u32> {
     } else {
         given
     }
+}
+
+/// An arena of `blocks` blocks of `geometry` in storage `T`, filled with random values,
+/// and the block ids `0..blocks` shuffled: a block table whose logical order is not the
+/// physical one, as after a while of serving.
+pub fn shuffled_arena<T: Element>(
+    geometry: Geometry,
+    blocks: u32,
+    rng: &mut StdRng,
+) -> (KvLayout, Arena, Vec<u32>) {
+    let layout = KvLayout::new(geometry, blocks).expect("layout");
+    let mut arena = Arena::for_layout(&layout).expect("arena");
+    fill(rng, arena.as_mut_slice::<T>());
+    let mut physical: Vec<u32> = (0..blocks).collect();
+    physical.shuffle(rng);
+    (layout, arena, physical)
 }
