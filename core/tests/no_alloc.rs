@@ -77,6 +77,7 @@ fn random_operations_allocate_nothing() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -195,6 +196,7 @@ fn engine_steps_allocate_nothing() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

@@ -68,7 +68,7 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 #define KVPAGE_FINISH_LENGTH 2
 
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_TOO_MANY_POSITION_RUNS
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_QUOTA_REFUSED
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
@@ -182,6 +182,14 @@ enum kvpage_result
   KVPAGE_ERR_BAD_POSITIONS = 36,
   // An edit would need more position runs than a sequence holds.
   KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
+  // The sequence's namespace would exceed its block quota even after evicting its
+  // own cached blocks (`needed` blocks, `available` = what the quota still allows).
+  KVPAGE_ERR_QUOTA_EXCEEDED = 38,
+  // A namespace quota cannot be set: the reservation exceeds the limit, the
+  // namespace table is full, the namespace holds more than the new limit (`needed` =
+  // held, `available` = limit), or the free blocks cannot cover the reservations
+  // (`needed`, `available` = free).
+  KVPAGE_ERR_QUOTA_REFUSED = 39,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -516,7 +516,11 @@ fn bad_configs_are_refused() {
     // Under Miri, which would touch the 256 MiB arena byte by byte, the same defaults
     // with a 1 MiB capacity.
     let built = kvpage_cache_params {
-        capacity_bytes: if cfg!(miri) { 1 << 20 } else { d.capacity_bytes },
+        capacity_bytes: if cfg!(miri) {
+            1 << 20
+        } else {
+            d.capacity_bytes
+        },
         ..d
     };
     let c = new_cache(&built);

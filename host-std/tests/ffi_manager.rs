@@ -231,6 +231,7 @@ fn code(e: SeqError) -> kvpage_result {
         SeqError::BeyondLength { .. } | SeqError::BadRange { .. } => KVPAGE_ERR_BEYOND_LENGTH,
         SeqError::BadPositions => KVPAGE_ERR_BAD_POSITIONS,
         SeqError::TooManyPositionRuns { .. } => KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
+        SeqError::QuotaExceeded { .. } => KVPAGE_ERR_QUOTA_EXCEEDED,
     }
 }
 

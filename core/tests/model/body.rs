@@ -13,6 +13,7 @@ const CONFIG: Config = Config {
     hash_key: 0x5eed,
     prefix_cache: PREFIX_CACHE,
     max_position_runs: 3,
+    max_namespaces: 0,
 };
 const BS: u32 = CONFIG.block_size;
 

@@ -52,6 +52,7 @@ impl kvpage_manager_config {
             hash_key: self.hash_key,
             prefix_cache: self.prefix_cache != 0,
             max_position_runs: kvpage_core::DEFAULT_POSITION_RUNS,
+            max_namespaces: 0,
         }
     }
 }

@@ -101,10 +101,18 @@ pub enum kvpage_result {
     KVPAGE_ERR_BAD_POSITIONS = 36,
     /// An edit would need more position runs than a sequence holds.
     KVPAGE_ERR_TOO_MANY_POSITION_RUNS = 37,
+    /// The sequence's namespace would exceed its block quota even after evicting its
+    /// own cached blocks (`needed` blocks, `available` = what the quota still allows).
+    KVPAGE_ERR_QUOTA_EXCEEDED = 38,
+    /// A namespace quota cannot be set: the reservation exceeds the limit, the
+    /// namespace table is full, the namespace holds more than the new limit (`needed` =
+    /// held, `available` = limit), or the free blocks cannot cover the reservations
+    /// (`needed`, `available` = free).
+    KVPAGE_ERR_QUOTA_REFUSED = 39,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_TOO_MANY_POSITION_RUNS as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_QUOTA_REFUSED as u32;
 
 use kvpage_result::*;
 
@@ -152,6 +160,8 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         35 => c"internal error",
         36 => c"positions not increasing or out of range",
         37 => c"too many position runs",
+        38 => c"namespace quota exceeded",
+        39 => c"namespace quota refused",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -413,6 +423,12 @@ fn classify_seq(e: SeqError) -> (kvpage_result, u64, u64, u64) {
             KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
             u64::from(needed),
             u64::from(capacity),
+            0,
+        ),
+        SeqError::QuotaExceeded { needed, allowed } => (
+            KVPAGE_ERR_QUOTA_EXCEEDED,
+            u64::from(needed),
+            u64::from(allowed),
             0,
         ),
     }
