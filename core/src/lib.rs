@@ -58,6 +58,7 @@ pub mod index_set;
 mod log;
 mod manager;
 mod prefix;
+mod quota_plan;
 mod retention;
 pub mod scheduler;
 mod shared;

@@ -219,3 +219,112 @@ fn quota_settings_are_checked() {
     assert_eq!(kv.namespace_blocks(1), 1);
     assert_eq!(kv.stats().cached_blocks, 1);
 }
+
+mod engine {
+    use super::*;
+    use kvpage_core::{Engine, EngineConfig, Preemption, RequestId, Sampled, SchedulerConfig};
+
+    const KV: Config = Config {
+        num_blocks: 12,
+        max_seqs: 4,
+        ..CONFIG
+    };
+    const ENGINE: EngineConfig = EngineConfig {
+        max_requests: 8,
+        scheduler: SchedulerConfig {
+            token_budget: 64,
+            max_running: 4,
+            watermark_blocks: 0,
+            preemption: Preemption::Recompute,
+        },
+        host_blocks: 0,
+    };
+
+    /// Steps until every request finished, sampling a stop token at once.
+    fn drain(engine: &mut Engine<'_>, kv: &mut BlockManager<'_>) -> Vec<RequestId> {
+        let mut done = Vec::new();
+        for _ in 0..50 {
+            if engine.in_flight() == 0 {
+                break;
+            }
+            let step = engine.step(kv, None).unwrap();
+            let samples: Vec<Sampled> = step
+                .seqs()
+                .filter(|s| s.emits)
+                .map(|s| Sampled {
+                    request: s.request,
+                    token: 1,
+                    stop: true,
+                })
+                .collect();
+            done.extend(
+                engine
+                    .commit_step(kv, &samples)
+                    .unwrap()
+                    .iter()
+                    .map(|f| f.request),
+            );
+        }
+        done
+    }
+
+    #[test]
+    fn a_pinned_system_prompt_survives_other_traffic() {
+        let mut kv_words = vec![0u64; KV.storage_words()];
+        let mut kv = BlockManager::new(KV, &mut kv_words).unwrap();
+        let mut words = vec![0u64; ENGINE.storage_words(&KV)];
+        let mut engine = Engine::new(ENGINE, &KV, &mut words).unwrap();
+        let system = prompt(1, 3);
+        engine
+            .add_request_at(&system, 0, Some(1), Priority::Pinned)
+            .unwrap();
+        drain(&mut engine, &mut kv);
+        // Traffic of one-off prompts filling the pool many times over.
+        for base in 10..30 {
+            engine.add_request(&prompt(base, 4), 0, Some(1)).unwrap();
+            drain(&mut engine, &mut kv);
+        }
+        assert_eq!(kv.cached_prefix_tokens(0, &system), 12);
+        assert_eq!(kv.pinned_blocks(), 3);
+    }
+
+    #[test]
+    fn a_tenant_at_its_quota_waits_while_another_runs() {
+        let mut kv_words = vec![0u64; KV.storage_words()];
+        let mut kv = BlockManager::new(KV, &mut kv_words).unwrap();
+        kv.set_namespace_quota(
+            1,
+            NamespaceQuota {
+                max_blocks: 4,
+                reserved_blocks: 0,
+            },
+        )
+        .unwrap();
+        let mut words = vec![0u64; ENGINE.storage_words(&KV)];
+        let mut engine = Engine::new(ENGINE, &KV, &mut words).unwrap();
+        // Two tenant-1 requests of 3 blocks each: only one fits its quota at a time.
+        let a = engine.add_request(&prompt(1, 3)[..12], 1, Some(2)).unwrap();
+        let b = engine.add_request(&prompt(2, 3)[..12], 1, Some(2)).unwrap();
+        let c = engine.add_request(&prompt(3, 3)[..12], 0, Some(2)).unwrap();
+        let step = engine.step(&mut kv, None).unwrap();
+        let scheduled: Vec<RequestId> = step.seqs().map(|s| s.request).collect();
+        assert_eq!(
+            scheduled,
+            [a, c],
+            "b waits for its namespace, c overtakes it"
+        );
+        let samples: Vec<Sampled> = step
+            .seqs()
+            .map(|s| Sampled {
+                request: s.request,
+                token: 1,
+                stop: false,
+            })
+            .collect();
+        engine.commit_step(&mut kv, &samples).unwrap();
+        assert!(kv.namespace_blocks(1) <= 4);
+        let done = drain(&mut engine, &mut kv);
+        assert_eq!(done.len(), 3, "every request finishes");
+        assert!(done.contains(&b));
+    }
+}

@@ -112,6 +112,21 @@ impl<'a> BlockPool<'a> {
         }
     }
 
+    /// Blocks allocations for *any* namespace can take now: free blocks not reserved
+    /// plus the cached blocks every namespace may evict (those of slots above their
+    /// reservation). Never more than [`BlockPool::room`] of any slot, and an allocation
+    /// for any slot lowers it by at most one. O(slots).
+    pub(crate) fn shared_room(&self, prefix: &PrefixCache<'_>) -> u32 {
+        let t = &self.tenants;
+        let lru = prefix.lru();
+        // Slot 0 reserves nothing: what is kept from it is every reservation.
+        let mut blocks = u64::from(self.free.count().saturating_sub(t.reserved_for_others(0)));
+        for o in 0..t.slots() {
+            blocks += u64::from(lru.evictable_in(o).min(t.excess(o)));
+        }
+        blocks.min(u64::from(u32::MAX)) as u32
+    }
+
     /// Sets the quota of `namespace` (taking a table slot if it has none), first
     /// evicting its own cached blocks down to the new limit. Checks everything before
     /// changing anything. O(slots + evicted).

@@ -165,6 +165,26 @@ impl BlockManager<'_> {
         }
     }
 
+    /// Blocks `namespace`'s quota still allows right now, its own evictable cached
+    /// blocks included (`u32::MAX` without a quota): the limit part of
+    /// [`BlockManager::available_blocks_for`], which also bounds it by the pool.
+    /// O(max_namespaces).
+    pub fn quota_room(&self, namespace: u64) -> u32 {
+        self.pool
+            .room(self.pool.tenants.slot_of(namespace), &self.prefix)
+            .quota
+    }
+
+    /// Blocks allocations for every namespace can take right now: free blocks not kept
+    /// for reservations plus the cached blocks any namespace may evict. At most
+    /// [`BlockManager::available_blocks_for`] of every namespace, equal to
+    /// [`BlockManager::available_blocks`] without reservations, and each block
+    /// allocated (for any namespace) lowers it by at most one, so a plan whose blocks
+    /// fit in it fits whichever namespaces take them (quota limits aside). O(max_namespaces).
+    pub fn shared_available_blocks(&self) -> u32 {
+        self.pool.shared_room(&self.prefix)
+    }
+
     /// Blocks used or cached that are charged to `namespace` (0 without a quota: those
     /// are not counted per namespace). O(max_namespaces).
     pub fn namespace_blocks(&self, namespace: u64) -> u32 {

@@ -299,8 +299,10 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
     let reserved: u32 = model.quotas.iter().map(|(&ns, q)| q.reserved_blocks.saturating_sub(kv.namespace_blocks(ns))).sum();
     assert!(stats.free_blocks >= reserved, "free blocks do not cover the reservations");
     for ns in 0..3u64 {
+        assert!(kv.shared_available_blocks() <= kv.available_blocks_for(ns) || kv.namespace_quota(ns).max_blocks < u32::MAX);
         assert!(kv.available_blocks_for(ns) <= kv.available_blocks() || !model.quotas.is_empty());
         if model.quotas.is_empty() {
+            assert_eq!(kv.shared_available_blocks(), kv.available_blocks());
             assert_eq!(kv.available_blocks_for(ns), kv.available_blocks());
         }
     }
