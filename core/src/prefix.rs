@@ -261,7 +261,9 @@ impl<'a> PrefixCache<'a> {
     /// Whether the cache knows anything about `b` (registered or hashed). O(1).
     #[inline]
     pub(crate) fn is_tracked(&self, b: u32) -> bool {
-        self.flags.get(b as usize).is_some_and(|&f| f != 0)
+        self.flags
+            .get(b as usize)
+            .is_some_and(|&f| f & (REGISTERED | HASHED) != 0)
     }
 
     /// Whether `b` is registered (always `false` when the cache is off). O(1).

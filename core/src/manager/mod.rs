@@ -484,12 +484,15 @@ impl<'a> BlockManager<'a> {
     /// What [`BlockManager::create_with_prompt`] would reuse from the prefix cache of
     /// `namespace` for the prompt `tokens` right now: the leading tokens (as
     /// [`BlockManager::cached_prefix_tokens`]) and how many of those blocks no sequence
-    /// references (cached, idle: they count in [`BlockManager::available_blocks`] until
-    /// the new sequence takes them). Changes nothing. O(prompt length).
+    /// references and are not pinned (cached, idle: they count in
+    /// [`BlockManager::available_blocks`] until the new sequence takes them). Changes
+    /// nothing. O(prompt length).
     pub fn prefix_lookup(&self, namespace: u64, tokens: &[u32]) -> PrefixHit {
         let mut idle_blocks = 0u32;
         let walk = self.prefix.walk(namespace, tokens, |_, b| {
-            idle_blocks += u32::from(self.pool.refcount(b) == Some(0));
+            idle_blocks += u32::from(
+                self.pool.refcount(b) == Some(0) && self.prefix.priority(b) != Priority::Pinned,
+            );
         });
         PrefixHit {
             tokens: walk.blocks * self.config.block_size,
