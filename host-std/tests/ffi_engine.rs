@@ -428,6 +428,7 @@ fn manager_config(host_blocks: u32, instance: u32) -> kvpage_manager_config {
         prefix_cache: 1,
         hash_key: 42,
         host_blocks,
+        max_namespaces: 0,
     }
 }
 

@@ -457,6 +457,7 @@ fn config(block_size: u32, prefix_cache: bool, instance: u32) -> kvpage_manager_
         prefix_cache: u32::from(prefix_cache),
         hash_key: 0x1234_5678,
         host_blocks: 20,
+        max_namespaces: 2,
     }
 }
 

@@ -40,6 +40,7 @@ pub mod geometry;
 pub mod ids;
 pub mod manager;
 pub mod manager_edit;
+pub mod manager_retain;
 pub mod manager_seqs;
 pub mod manager_swap;
 // After the manager's modules, so the header lists its block-table exports after them.

@@ -6,7 +6,7 @@ use core::ffi::c_char;
 use core::fmt::{self, Write as _};
 use std::panic::{self, AssertUnwindSafe};
 
-use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
+use kvpage_core::{EngineError, GeometryError, InitError, QuotaError, SeqError};
 
 use crate::cache::CacheError;
 use crate::error::KernelError;
@@ -326,6 +326,24 @@ impl From<SeqError> for Fail {
 impl From<EngineError> for Fail {
     fn from(e: EngineError) -> Self {
         CacheError::Engine(e).into()
+    }
+}
+
+impl From<QuotaError> for Fail {
+    fn from(e: QuotaError) -> Self {
+        let fail = |message| Fail::new(KVPAGE_ERR_QUOTA_REFUSED, message);
+        match e {
+            QuotaError::ReserveAboveLimit => fail("reserved blocks exceed the block limit"),
+            QuotaError::TableFull => fail("namespace table full (max_namespaces)"),
+            QuotaError::HeldAboveLimit { held, limit } => {
+                fail("namespace holds more blocks than the new limit")
+                    .with_sizes(u64::from(held), u64::from(limit))
+            }
+            QuotaError::ReserveUnavailable { needed, free } => {
+                fail("free blocks cannot cover the reservations")
+                    .with_sizes(u64::from(needed), u64::from(free))
+            }
+        }
     }
 }
 
