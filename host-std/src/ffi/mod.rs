@@ -60,6 +60,7 @@ pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
 pub use manager_edit::*;
+pub use manager_retain::*;
 pub use manager_seqs::*;
 pub use manager_swap::*;
 pub use plan::*;
