@@ -48,7 +48,7 @@ impl BlockManager<'_> {
     }
 
     /// Sets the retention priority of `seq` and of every block it holds now (exactly
-    /// `priority`, lowering included: see the [module docs](self)). The blocks it
+    /// `priority`, lowering included: see [`Priority`]). The blocks it
     /// commits or reuses later are raised to at least `priority`. `Pinned` blocks are
     /// never evicted while registered; unpin by setting a lower priority (or
     /// [`BlockManager::unpin_cached`] once no sequence holds them). O(blocks of `seq`).
