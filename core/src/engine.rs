@@ -33,8 +33,10 @@
 //!   namespace's youngest running sequence by recompute (itself when it is the
 //!   youngest; such a preemption only frees blocks, so the copy order stays safe), and
 //!   a swapped-out sequence or waiting request whose blocks the limit cannot take
-//!   waits while other namespaces go ahead. A request longer than its namespace's
-//!   limit waits until the quota is raised or it is cancelled.
+//!   waits while other namespaces go ahead. When nothing runs and the next request in
+//!   line is longer than its namespace's limit, [`Engine::step`] reports it
+//!   [`EngineError::Unschedulable`] (with the limit as `total_blocks`): cancel it or
+//!   raise the quota.
 //! - A request's retention [`crate::Priority`] ([`Engine::add_request_at`]) applies to
 //!   the prompt blocks it commits and reuses: `Pinned` keeps a hot system prompt cached
 //!   for every later request.
@@ -1008,11 +1010,18 @@ impl<'a> Engine<'a> {
             if let Some(&r) = head {
                 let s = self.slots[r as usize];
                 let needed = self.blocks_needed(s.total) + u64::from(s.state == SWAPPED);
-                if needed > u64::from(self.kv.num_blocks) {
+                // Its namespace's limit bounds it too (blocks of its own; no watermark).
+                let own = u64::from(s.total.div_ceil(bs));
+                let limit = kv.namespace_quota(s.namespace()).max_blocks;
+                let (needed, total) = match own > u64::from(limit) {
+                    true => (own, limit),
+                    false => (needed, self.kv.num_blocks),
+                };
+                if needed > u64::from(total) {
                     return Err(EngineError::Unschedulable {
                         request: Some(self.handle(r as usize)),
                         needed_blocks: needed,
-                        total_blocks: self.kv.num_blocks,
+                        total_blocks: total,
                     });
                 }
             }

@@ -326,5 +326,16 @@ mod engine {
         let done = drain(&mut engine, &mut kv);
         assert_eq!(done.len(), 3, "every request finishes");
         assert!(done.contains(&b));
+        // A prompt longer than the namespace's limit is reported once nothing runs.
+        let long = engine.add_request(&prompt(4, 5)[..20], 1, Some(1)).unwrap();
+        assert_eq!(
+            engine.step(&mut kv, None).unwrap_err(),
+            kvpage_core::EngineError::Unschedulable {
+                request: Some(long),
+                needed_blocks: 5,
+                total_blocks: 4
+            }
+        );
+        engine.cancel(&mut kv, None, long).unwrap();
     }
 }

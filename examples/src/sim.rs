@@ -224,7 +224,7 @@ impl fmt::Display for SimError {
             SimError::Engine(m) => write!(f, "engine failed: {m}"),
             SimError::Stuck { line, tokens } => write!(
                 f,
-                "the request of trace line {line} ({tokens} tokens) cannot be admitted even into an empty cache"
+                "the request of trace line {line} ({tokens} tokens) cannot be admitted even into an empty cache (or within its namespace quota)"
             ),
             SimError::BadRequests => write!(f, "request ids must be 0..n in arrival order"),
         }
