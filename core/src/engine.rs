@@ -931,7 +931,9 @@ impl<'a> Engine<'a> {
         self.counts = StepCounts::default();
         self.preempt_for_quotas(kv)?;
         let stats = kv.stats();
-        let shared = stats.blocks_saved_by_sharing > 0;
+        // Pinned blocks stay cached when released, so preempting frees less than a
+        // sequence's blocks: count them then too.
+        let shared = stats.blocks_saved_by_sharing > 0 || kv.any_pinned();
         let n_running = self.running.len;
         for (k, &r) in self.running.as_slice().iter().enumerate() {
             let s = self.slots[r as usize];

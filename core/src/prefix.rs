@@ -158,6 +158,8 @@ pub(crate) struct PrefixCache<'a> {
     tokens: &'a mut [u32],
     table: &'a mut [u32],
     lru: LruLists<'a>,
+    /// Blocks whose priority is `Pinned`, in any state.
+    pinned_marked: u32,
 }
 
 impl<'a> PrefixCache<'a> {
@@ -208,6 +210,7 @@ impl<'a> PrefixCache<'a> {
                 config.prefix_cache,
                 carve,
             ),
+            pinned_marked: 0,
         };
         debug_assert_eq!((carve.taken() - start) as u128, Self::storage_words(config));
         cache
@@ -291,6 +294,7 @@ impl<'a> PrefixCache<'a> {
     /// caller has unregistered it first.
     pub(crate) fn clear(&mut self, b: u32) {
         debug_assert!(!self.is_registered(b));
+        self.pinned_marked -= u32::from(self.priority(b) == Priority::Pinned);
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = 0;
         }
@@ -449,6 +453,20 @@ impl<'a> PrefixCache<'a> {
         self.lru.len()
     }
 
+    /// Blocks whose priority is [`Priority::Pinned`], whatever their state (used,
+    /// cached, or unregistered awaiting reuse). O(1).
+    #[inline]
+    pub(crate) fn pinned_marked(&self) -> u32 {
+        self.pinned_marked
+    }
+
+    /// Whether block `b` stays cached, unavailable, when its last holder releases it:
+    /// registered and pinned. O(1).
+    #[inline]
+    pub(crate) fn stays_pinned(&self, b: u32) -> bool {
+        self.is_registered(b) && self.priority(b) == Priority::Pinned
+    }
+
     /// Cached blocks at [`Priority::Pinned`] (never evicted). O(1).
     #[inline]
     pub(crate) fn lru_pinned(&self) -> u32 {
@@ -492,7 +510,8 @@ impl<'a> PrefixCache<'a> {
     /// Sets the priority of block `b` (nothing with the cache off). A cached block
     /// (`listed`) moves to the back of the list of its new level. O(1).
     pub(crate) fn set_priority(&mut self, b: u32, p: Priority, listed: bool) {
-        if self.priority(b) == p {
+        let old = self.priority(b);
+        if old == p {
             return;
         }
         let slot = listed.then(|| self.lru.list_of(b).0);
@@ -501,6 +520,8 @@ impl<'a> PrefixCache<'a> {
         }
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = (*f & !PRIO_MASK) | ((p as u32 ^ Priority::Normal as u32) << PRIO_SHIFT);
+            self.pinned_marked += u32::from(p == Priority::Pinned);
+            self.pinned_marked -= u32::from(old == Priority::Pinned);
         }
         if let Some(slot) = slot {
             self.lru.push_back(b, slot, p);

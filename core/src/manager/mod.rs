@@ -460,8 +460,9 @@ impl<'a> BlockManager<'a> {
         Ok(())
     }
 
-    /// Blocks of `seq` referenced by no other sequence: what preempting it frees.
-    /// O(blocks of `seq`).
+    /// Blocks of `seq` referenced by no other sequence, less the registered pinned ones
+    /// (released, those stay cached and are not available): what preempting it makes
+    /// available. O(blocks of `seq`).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`].
@@ -469,8 +470,15 @@ impl<'a> BlockManager<'a> {
         let blocks = self.blocks(seq)?;
         Ok(blocks
             .iter()
-            .filter(|&&b| self.pool.is_exclusive(b))
+            .filter(|&&b| self.pool.is_exclusive(b) && !self.prefix.stays_pinned(b))
             .count() as u32)
+    }
+
+    /// Whether any block has priority [`Priority::Pinned`] (held, cached or awaiting
+    /// reuse): when none has, every exclusive block of a sequence becomes available on
+    /// release. O(1).
+    pub(crate) fn any_pinned(&self) -> bool {
+        self.prefix.pinned_marked() > 0
     }
 
     /// Leading tokens of `tokens` that [`BlockManager::create_with_prompt`] would reuse
