@@ -57,7 +57,8 @@ RETENTION
   0's requests carry the shared system prompt. --pin-prefix pins the whole blocks of the
   shared prompts (never evicted); --namespace-quota BLOCKS[:RESERVED] limits every
   tenant to BLOCKS blocks held or cached (a tenant at its quota evicts its own cached
-  blocks first; RESERVED are kept for it). --retention-table replays the first
+  blocks first; RESERVED are kept for it; pinned prompts count against it). A variant
+  that leaves a request no room reports it in its row. --retention-table replays the first
   prefix-cache policy four ways (baseline, pin-prefix, quota, both) and prints prefix
   hit tokens and the shared-prompt tokens computed, e.g.
       replay --limit 300 --policies paged-prefix --tenants 2 \
@@ -858,10 +859,11 @@ pub fn main_with(a: &Args) -> Result<String, String> {
 /// The `--retention-table` run mode: the first prefix-cache policy of `s` replayed
 /// without retention, with the shared prompts pinned, with every tenant under a quota
 /// (`--namespace-quota`, or an equal share of the blocks) and with both, in parallel;
-/// one row each.
+/// one row each (a variant that fails, say a request that no longer fits next to the
+/// pinned prompts or within its quota, gets its error as its row).
 ///
 /// # Errors
-/// A message when no policy has a prefix cache or a run fails.
+/// A message when no policy has a prefix cache or the flags are malformed.
 pub fn retention_table(a: &Args, s: &Setup) -> Result<String, String> {
     let p = s
         .policies
@@ -957,7 +959,14 @@ pub fn retention_table(a: &Args, s: &Setup) -> Result<String, String> {
         "TTFT p50"
     );
     for ((name, _), r) in variants.iter().zip(results) {
-        let r = r?.report;
+        let r = match r {
+            Ok(out) => out.report,
+            // A quota or pinned prompts can leave a request no room: say so in its row.
+            Err(e) => {
+                let _ = writeln!(o, "{name:<11} failed: {e}");
+                continue;
+            }
+        };
         let _ = writeln!(
             o,
             "{:<11} {:>16} {:>22} {:>16} {:>18} {:>12} {:>9.2}s",
