@@ -284,6 +284,17 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
         .filter(|&b| kv.refcount(b) == Some(0) && kv.is_registered(b) && kv.block_priority(b) == Some(Priority::Pinned))
         .count() as u32;
     assert_eq!(kv.pinned_blocks(), pinned);
+    // What preempting a sequence frees: its own blocks, less those that stay cached pinned.
+    for &s in model.seqs.keys() {
+        let frees = kv
+            .blocks(s)
+            .unwrap()
+            .iter()
+            .filter(|&&b| kv.refcount(b) == Some(1))
+            .filter(|&&b| !(kv.is_registered(b) && kv.block_priority(b) == Some(Priority::Pinned)))
+            .count() as u32;
+        assert_eq!(kv.exclusive_blocks(s), Ok(frees));
+    }
     assert_eq!(kv.available_blocks(), stats.free_blocks + stats.cached_blocks - pinned);
     // Quotas: never exceeded, reservations always within reach, charges within the pool.
     let mut charged = 0;
@@ -497,7 +508,9 @@ fn run(ops: &[Op]) {
             Op::Release { seq } => match pick(&model, seq) {
                 None => None,
                 Some(s) => {
+                    let (available, frees) = (kv.available_blocks(), kv.exclusive_blocks(s).unwrap());
                     kv.release(s).unwrap();
+                    assert_eq!(kv.available_blocks(), available + frees, "release frees its exclusive blocks");
                     model.seqs.remove(&s);
                     model.stale.push(s);
                     None
