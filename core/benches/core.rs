@@ -66,6 +66,7 @@ fn append(c: &mut Criterion) {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
@@ -118,6 +119,7 @@ const LONG_SEQS: Config = Config {
     hash_key: 0,
     prefix_cache: true,
     max_position_runs: 4,
+    max_namespaces: 0,
 };
 
 /// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it

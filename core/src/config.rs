@@ -39,7 +39,18 @@ pub struct Config {
     /// [`crate::SeqError::TooManyPositionRuns`]. Between 1 and [`MAX_POSITION_RUNS`];
     /// [`Config::for_geometry`] picks [`DEFAULT_POSITION_RUNS`]. Costs `2 * max_seqs` `u32` per run.
     pub max_position_runs: u32,
+    /// Namespaces that can have a quota ([`crate::BlockManager::set_namespace_quota`]):
+    /// the size of the namespace table, at most [`MAX_NAMESPACES`]. 0 (the default of
+    /// [`Config::for_geometry`]) means no quotas. Eviction compares one list head per
+    /// namespace slot, so it costs O(max_namespaces + 1) per evicted block; the table
+    /// costs a few words per namespace plus, when not 0, one `u32` (owner) and one `u64`
+    /// (LRU stamp) per block.
+    pub max_namespaces: u32,
 }
+
+/// The largest [`Config::max_namespaces`] [`Config::validate`] accepts (eviction scans
+/// one list head per namespace slot).
+pub const MAX_NAMESPACES: u32 = 256;
 
 /// The [`Config::max_position_runs`] of [`Config::for_geometry`] (and of the C API's
 /// configurations): enough for a context shift or two edits between compactions.
@@ -72,6 +83,7 @@ impl Config {
             hash_key: 0,
             prefix_cache: true,
             max_position_runs: DEFAULT_POSITION_RUNS,
+            max_namespaces: 0,
         }
     }
 
@@ -97,7 +109,8 @@ impl Config {
     ///
     /// # Errors
     /// [`InitError::ZeroSize`] for a zero size field (`max_position_runs` included);
-    /// [`InitError::TooLarge`] when `max_position_runs` exceeds [`MAX_POSITION_RUNS`], when a
+    /// [`InitError::TooLarge`] when `max_position_runs` exceeds [`MAX_POSITION_RUNS`] or
+    /// `max_namespaces` exceeds [`MAX_NAMESPACES`], when a
     /// token slot `num_blocks * block_size`, the block table `max_seqs *
     /// max_blocks_per_seq`, or the tokens of one sequence do not fit in a `u32`, when
     /// `num_blocks` exceeds 2^30 (the prefix cache's hash table would not fit a `u32`),
@@ -120,6 +133,7 @@ impl Config {
             || seq_tokens > u32::MAX as u64
             || self.num_blocks > (1 << 30)
             || self.max_position_runs > MAX_POSITION_RUNS
+            || self.max_namespaces > MAX_NAMESPACES
         {
             return Err(InitError::TooLarge);
         }
@@ -153,6 +167,12 @@ impl Config {
         }
     }
 
+    /// Namespace slots: one per [`Config::max_namespaces`] plus slot 0, shared by every
+    /// namespace without a quota.
+    pub(crate) const fn namespace_slots(&self) -> u32 {
+        self.max_namespaces + 1
+    }
+
     const fn storage_words_u128(&self) -> u128 {
         crate::manager::BlockManager::storage_words(self)
     }
@@ -161,12 +181,12 @@ impl Config {
     /// `usize::MAX` when the configuration is too large to address (which `new` then
     /// rejects). O(1), usable in `const` contexts to size a `static` array.
     ///
-    /// With the prefix cache, about `num_blocks * (7 + block_size / 2) + max_seqs *
+    /// With the prefix cache, about `num_blocks * (7.5 + block_size / 2) + max_seqs *
     /// (6 + max_blocks_per_seq / 2)` words plus a hash table of one `u32` per two to four
-    /// blocks: 1M blocks of 16 tokens take about 122 MiB, small next to their KV bytes.
+    /// blocks: 1M blocks of 16 tokens take about 126 MiB, small next to their KV bytes.
     /// Without it ([`Config::prefix_cache`] off), about `num_blocks * 1.03 + max_seqs *
     /// (6 + max_blocks_per_seq / 2)` words: a block costs 8 bytes of metadata instead of
-    /// 60 plus its token ids.
+    /// 64 plus its token ids (and, with [`Config::max_namespaces`], 12 more per block).
     pub const fn storage_words(&self) -> usize {
         let w = self.storage_words_u128();
         if w > usize::MAX as u128 {

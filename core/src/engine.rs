@@ -27,6 +27,19 @@
 //! - The copy order above is safe: swap-outs read blocks before anything this step writes
 //!   them; swap-ins and admissions only happen in a step without preemptions, so a
 //!   swap-in never writes a block a copy-on-write of the same step reads.
+//! - Namespace quotas ([`BlockManager::set_namespace_quota`]) hold: the scheduler is
+//!   told [`BlockManager::shared_available_blocks`] (no reservation is counted), a
+//!   running sequence whose growth its namespace's limit cannot take first preempts the
+//!   namespace's youngest running sequence by recompute (itself when it is the
+//!   youngest; such a preemption only frees blocks, so the copy order stays safe), and
+//!   a swapped-out sequence or waiting request whose blocks the limit cannot take
+//!   waits while other namespaces go ahead. When nothing runs and the next request in
+//!   line is longer than its namespace's limit, [`Engine::step`] reports it
+//!   [`EngineError::Unschedulable`] (with the limit as `total_blocks`): cancel it or
+//!   raise the quota.
+//! - A request's retention [`crate::Priority`] ([`Engine::add_request_at`]) applies to
+//!   the prompt blocks it commits and reuses: `Pinned` keeps a hot system prompt cached
+//!   for every later request.
 //! - Each request finishes exactly once; its [`RequestId`] is stale afterwards.
 //! - After [`Engine::new`] nothing allocates; every misuse is an [`EngineError`] and a
 //!   refused call changes nothing.
@@ -43,6 +56,8 @@ use crate::config::Config;
 use crate::error::{InitError, SeqError};
 use crate::host_tier::HostPool;
 use crate::manager::{BlockCopy, BlockManager, SeqId};
+use crate::quota_plan::QuotaPlan;
+use crate::retention::Priority;
 use crate::scheduler::{
     schedule_lazy, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig, StepInput,
     SwappedSeq, WaitingSeq,
@@ -95,6 +110,8 @@ struct Slot {
     held: u32,
     generated: u32,
     max_new: u32,
+    /// Retention [`Priority`] level of the request's sequence.
+    priority: u32,
 }
 
 impl Slot {
@@ -535,6 +552,7 @@ impl EngineConfig {
             + words_for_pods::<BlockCopy>(if h < n { h } else { n }) as u128
             + words_for_pods::<PreemptRecord>(r) as u128
             + words_for_pods::<FinishedRecord>(r) as u128
+            + QuotaPlan::storage_words(kv.max_namespaces)
     }
 }
 
@@ -598,6 +616,7 @@ pub struct Engine<'a> {
     swap_in: &'a mut [BlockCopy],
     preempted: &'a mut [PreemptRecord],
     finished: &'a mut [FinishedRecord],
+    quota: QuotaPlan<'a>,
     counts: StepCounts,
     in_step: bool,
     stats: EngineStats,
@@ -672,6 +691,9 @@ impl<'a> Engine<'a> {
             swap_in: carve.pods::<BlockCopy>(n.min(config.host_blocks as usize)),
             preempted: carve.pods::<PreemptRecord>(r),
             finished: carve.pods::<FinishedRecord>(r),
+            quota: QuotaPlan::new(
+                carve.words(QuotaPlan::storage_words(kv.max_namespaces) as usize),
+            ),
             counts: StepCounts::default(),
             in_step: false,
             stats: EngineStats::default(),
@@ -795,6 +817,23 @@ impl<'a> Engine<'a> {
         namespace: u64,
         max_new_tokens: Option<u32>,
     ) -> Result<RequestId, EngineError> {
+        self.add_request_at(prompt, namespace, max_new_tokens, Priority::Normal)
+    }
+
+    /// [`Engine::add_request`] for a sequence of retention `priority`: the prompt's
+    /// blocks it commits or reuses are kept at least that long in the prefix cache
+    /// ([`Priority::Pinned`]: never evicted, for a hot system prompt; see
+    /// [`BlockManager::set_priority`]). O(prompt).
+    ///
+    /// # Errors
+    /// As [`Engine::add_request`].
+    pub fn add_request_at(
+        &mut self,
+        prompt: &[u32],
+        namespace: u64,
+        max_new_tokens: Option<u32>,
+        priority: Priority,
+    ) -> Result<RequestId, EngineError> {
         if self.in_step {
             return Err(EngineError::StepInProgress);
         }
@@ -836,6 +875,7 @@ impl<'a> Engine<'a> {
             namespace_hi: (namespace >> 32) as u32,
             total: prompt.len() as u32,
             max_new: max_new_tokens.unwrap_or(UNLIMITED),
+            priority: u32::from(priority.level()),
             ..Slot::default()
         };
         self.waiting.push_back(i as u32);
@@ -884,53 +924,75 @@ impl<'a> Engine<'a> {
 
         // Describe the state to the scheduler. With no block shared anywhere (O(1) to
         // know), every sequence's blocks are its own and need no walk.
+        // Namespace quotas: running sequences whose growth their namespace's quota
+        // cannot take are preempted first (youngest of the namespace first); a swapped
+        // one or a waiting request whose blocks it cannot take stays out of the plan
+        // and waits (see `quota_plan`).
+        self.counts = StepCounts::default();
+        self.preempt_for_quotas(kv)?;
         let stats = kv.stats();
-        let shared = stats.blocks_saved_by_sharing > 0;
+        // Pinned blocks stay cached when released, so preempting frees less than a
+        // sequence's blocks: count them then too.
+        let shared = stats.blocks_saved_by_sharing > 0 || kv.any_pinned();
+        let n_running = self.running.len;
         for (k, &r) in self.running.as_slice().iter().enumerate() {
             let s = self.slots[r as usize];
             let seq = SeqId::from_parts(s.seq_index, s.seq_generation, self.kv.instance);
             let blocks = s.held.div_ceil(bs);
+            let cow_blocks = u32::from(kv.append_copies(seq).map_err(EngineError::PlanFailed)?);
+            // Blocks of a namespace with a reservation may stay kept for it when
+            // released: preempting such a sequence is counted as freeing nothing.
+            let exclusive_blocks = match (shared, kv.namespace_quota(s.namespace()).reserved_blocks)
+            {
+                (_, 1..) => 0,
+                (true, 0) => kv.exclusive_blocks(seq).map_err(EngineError::PlanFailed)?,
+                (false, 0) => blocks,
+            };
             self.in_running[k] = RunningSeq {
                 id: r,
                 held_tokens: s.held,
                 pending_tokens: s.total - s.held,
-                exclusive_blocks: match shared {
-                    true => kv.exclusive_blocks(seq).map_err(EngineError::PlanFailed)?,
-                    false => blocks,
-                },
+                exclusive_blocks,
                 blocks,
-                cow_blocks: u32::from(kv.append_copies(seq).map_err(EngineError::PlanFailed)?),
+                cow_blocks,
             };
         }
-        for (k, &r) in self.swapped.as_slice().iter().enumerate() {
-            self.in_swapped[k] = SwappedSeq {
-                id: r,
-                blocks: self.slots[r as usize].held.div_ceil(bs),
-            };
+        let mut n_swapped = 0;
+        for &r in self.swapped.as_slice() {
+            let s = self.slots[r as usize];
+            let blocks = s.held.div_ceil(bs);
+            if self.quota.take(kv, s.namespace(), u64::from(blocks)) {
+                self.in_swapped[n_swapped] = SwappedSeq { id: r, blocks };
+                n_swapped += 1;
+            }
         }
         let input = StepInput {
-            running: &self.in_running[..self.running.len],
-            swapped: &self.in_swapped[..self.swapped.len],
+            running: &self.in_running[..n_running],
+            swapped: &self.in_swapped[..n_swapped],
             waiting: &[],
             block_size: bs,
-            available_blocks: kv.available_blocks(),
+            available_blocks: kv.shared_available_blocks(),
             host_free_blocks: host.as_ref().map_or(0, |h| h.free_blocks()),
             free_seqs: self.kv.max_seqs - stats.live_seqs,
         };
         // Waiting requests are described as the scheduler draws them: admission stops at
         // the first that does not fit, so only those prompts are looked up.
         let (kv_ref, slots, tokens) = (&*kv, &*self.slots, &*self.tokens);
+        let quota = &mut self.quota;
         let per_request = self.kv.max_tokens_per_seq() as usize;
-        let waiting = self.waiting.as_slice().iter().map(|&r| {
+        let waiting = self.waiting.as_slice().iter().filter_map(|&r| {
             let s = slots[r as usize];
             let start = r as usize * per_request;
             let hit = kv_ref.prefix_lookup(s.namespace(), &tokens[start..start + s.total as usize]);
-            WaitingSeq {
-                id: r,
-                prompt_tokens: s.total,
-                cached_tokens: hit.tokens,
-                cached_idle_blocks: hit.idle_blocks,
-            }
+            let blocks = s.total.div_ceil(bs) - hit.tokens / bs + hit.idle_blocks;
+            quota
+                .take(kv_ref, s.namespace(), u64::from(blocks))
+                .then_some(WaitingSeq {
+                    id: r,
+                    prompt_tokens: s.total,
+                    cached_tokens: hit.tokens,
+                    cached_idle_blocks: hit.idle_blocks,
+                })
         });
         let mut n_actions = 0;
         let actions = &mut *self.actions;
@@ -939,7 +1001,7 @@ impl<'a> Engine<'a> {
             n_actions += 1;
         })
         .map_err(EngineError::Schedule)?;
-        if plan.actions == 0 && self.running.len == 0 {
+        if plan.actions == 0 && self.running.len == 0 && self.counts.preempted == 0 {
             // Nothing holds blocks: the pool is all free or cached. If the head still
             // does not fit, it never will.
             let head = self
@@ -950,18 +1012,24 @@ impl<'a> Engine<'a> {
             if let Some(&r) = head {
                 let s = self.slots[r as usize];
                 let needed = self.blocks_needed(s.total) + u64::from(s.state == SWAPPED);
-                if needed > u64::from(self.kv.num_blocks) {
+                // Its namespace's limit bounds it too (blocks of its own; no watermark).
+                let own = u64::from(s.total.div_ceil(bs));
+                let limit = kv.namespace_quota(s.namespace()).max_blocks;
+                let (needed, total) = match own > u64::from(limit) {
+                    true => (own, limit),
+                    false => (needed, self.kv.num_blocks),
+                };
+                if needed > u64::from(total) {
                     return Err(EngineError::Unschedulable {
                         request: Some(self.handle(r as usize)),
                         needed_blocks: needed,
-                        total_blocks: self.kv.num_blocks,
+                        total_blocks: total,
                     });
                 }
             }
         }
 
         // Execute the plan, in order.
-        self.counts = StepCounts::default();
         let mut joined = 0usize;
         for k in 0..n_actions {
             let a = self.actions[k];
@@ -1053,6 +1121,51 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
+    /// Blocks running request `i` takes when all its pending tokens run: new blocks
+    /// plus a copy-on-write block.
+    fn growth(&self, kv: &BlockManager<'_>, i: usize) -> Result<u64, EngineError> {
+        let s = self.slots[i];
+        let cow = kv
+            .append_copies(self.seq_of(i))
+            .map_err(EngineError::PlanFailed)?;
+        let bs = self.kv.block_size;
+        Ok(u64::from(s.total.div_ceil(bs) - s.held.div_ceil(bs)) + u64::from(cow))
+    }
+
+    /// Charges every running sequence's growth to its namespace's quota (oldest first),
+    /// preempting by recompute the youngest running sequence of a namespace whose quota
+    /// cannot take it (possibly the sequence itself), until all fit. Leaves the quota
+    /// table charged with the running growth. O(running² + preempted blocks).
+    fn preempt_for_quotas(&mut self, kv: &mut BlockManager<'_>) -> Result<(), EngineError> {
+        self.quota.reset();
+        if kv.config().max_namespaces == 0 {
+            return Ok(());
+        }
+        let mut k = 0;
+        while k < self.running.len {
+            let i = self.running.as_slice()[k] as usize;
+            let namespace = self.slots[i].namespace();
+            let grow = self.growth(kv, i)?;
+            if self.quota.take(kv, namespace, grow) {
+                k += 1;
+                continue;
+            }
+            let running = self.running.as_slice();
+            let victim = running[k..]
+                .iter()
+                .rev()
+                .map(|&j| j as usize)
+                .find(|&j| self.slots[j].namespace() == namespace)
+                .unwrap_or(i);
+            self.preempt(kv, None, victim, false)
+                .map_err(EngineError::PlanFailed)?;
+            // Rooms changed: charge again from the oldest.
+            self.quota.reset();
+            k = 0;
+        }
+        Ok(())
+    }
+
     /// Records a scheduled sequence whose slots were just written at the step's token
     /// offset.
     fn record_scheduled(&mut self, i: usize, first_pos: u32, tokens: u32) {
@@ -1124,8 +1237,10 @@ impl<'a> Engine<'a> {
         let hit = kv.prefix_lookup(s.namespace(), all).tokens;
         let len = hit.saturating_add(tokens).min(s.total);
         let off = self.counts.tokens;
-        let start = kv.create_with_prompt(
+        let priority = Priority::from_level(s.priority as u8).unwrap_or_default();
+        let start = kv.create_with_prompt_at(
             s.namespace(),
+            priority,
             &all[..len as usize],
             &mut self.step_slots[off..],
         )?;

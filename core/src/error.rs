@@ -138,7 +138,57 @@ pub enum SeqError {
         /// Runs a sequence can hold.
         capacity: u32,
     },
+    /// The sequence's namespace would hold more blocks than its
+    /// [`crate::NamespaceQuota::max_blocks`], even after evicting its own cached blocks.
+    QuotaExceeded {
+        /// Blocks the operation needs.
+        needed: u32,
+        /// Blocks the quota still allows (its own evictable cached blocks included).
+        allowed: u32,
+    },
 }
+
+/// Why [`crate::BlockManager::set_namespace_quota`] failed. A failed call changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum QuotaError {
+    /// `reserved_blocks` exceeds `max_blocks`.
+    ReserveAboveLimit,
+    /// The namespace has no slot and all [`crate::Config::max_namespaces`] are taken.
+    TableFull,
+    /// The namespace's used and pinned blocks alone exceed the new limit.
+    HeldAboveLimit {
+        /// Blocks the namespace holds that cannot be evicted.
+        held: u32,
+        /// The limit asked for.
+        limit: u32,
+    },
+    /// The free blocks cannot cover the reservations (this one included): evict cached
+    /// blocks or release sequences first.
+    ReserveUnavailable {
+        /// Free blocks all reservations would need.
+        needed: u32,
+        /// Free blocks (after evicting the namespace's own blocks above its limit).
+        free: u32,
+    },
+}
+
+impl fmt::Display for QuotaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ReserveAboveLimit => f.write_str("reserved blocks exceed the block limit"),
+            Self::TableFull => f.write_str("namespace table full"),
+            Self::HeldAboveLimit { held, limit } => {
+                write!(f, "namespace holds {held} blocks, above the limit {limit}")
+            }
+            Self::ReserveUnavailable { needed, free } => {
+                write!(f, "reservations need {needed} free blocks, {free} free")
+            }
+        }
+    }
+}
+
+impl core::error::Error for QuotaError {}
 
 impl fmt::Display for SeqError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -183,6 +233,12 @@ impl fmt::Display for SeqError {
                 write!(
                     f,
                     "positions need {needed} runs, a sequence holds {capacity}"
+                )
+            }
+            Self::QuotaExceeded { needed, allowed } => {
+                write!(
+                    f,
+                    "namespace quota exceeded: need {needed} blocks, {allowed} allowed"
                 )
             }
         }

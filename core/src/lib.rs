@@ -16,6 +16,7 @@
 //!     hash_key: 0,
 //!     prefix_cache: true,
 //!     max_position_runs: 4,
+//!     max_namespaces: 0,
 //! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -57,24 +58,27 @@ pub mod index_set;
 mod log;
 mod manager;
 mod prefix;
+mod quota_plan;
+mod retention;
 pub mod scheduler;
 mod shared;
 mod stats;
 mod storage;
 
-pub use config::{Config, DEFAULT_POSITION_RUNS, MAX_POSITION_RUNS};
+pub use config::{Config, DEFAULT_POSITION_RUNS, MAX_NAMESPACES, MAX_POSITION_RUNS};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
     RequestId, RequestState, Sampled, ScheduledSeq, Step,
 };
-pub use error::{GeometryError, InitError, SeqError};
+pub use error::{GeometryError, InitError, QuotaError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use host_tier::HostPool;
 pub use index_set::IndexSet;
 pub use manager::{
-    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, PositionRun, PrefixHit,
-    PromptStart, RowMove, SeqId,
+    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, NamespaceQuota,
+    PositionRun, PrefixHit, PromptStart, RowMove, SeqId,
 };
+pub use retention::Priority;
 pub use scheduler::{
     schedule, schedule_with, Action, Preemption, RunningSeq, ScheduleError, SchedulerConfig,
     StepInput, StepPlan, SwappedSeq, WaitingSeq,

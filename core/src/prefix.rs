@@ -11,8 +11,10 @@
 //!
 //! The hash table is open addressing with linear probing over a power-of-two array of
 //! block ids (`id + 1`, 0 = empty) with backward-shift deletion, at most half full, so
-//! lookup, insert and remove are O(1) expected and never scan the pool. The LRU list is
-//! intrusive (`prev`/`next` per block), so touch and evict are O(1).
+//! lookup, insert and remove are O(1) expected and never scan the pool. Cached blocks
+//! wait in the eviction lists of [`crate::retention`] (intrusive, per namespace slot and
+//! priority), so touch is O(1) and evict O(namespace slots). A block's [`Priority`] is
+//! kept in its flags while the cache knows it.
 //!
 //! Invariants: a block is in the table iff its `REGISTERED` flag is set; a block is in the
 //! LRU list iff it is registered and its reference count is zero (kept by the manager).
@@ -21,6 +23,7 @@
 //! do nothing.
 
 use crate::config::Config;
+use crate::retention::{LruLists, Priority};
 use crate::storage::{u32_words, Carver};
 
 /// "No block" in links and list pointers.
@@ -29,6 +32,10 @@ pub(crate) const NIL: u32 = u32::MAX;
 const REGISTERED: u32 = 1;
 /// The block was committed (full, token ids known): `hash` and `link` are valid.
 const HASHED: u32 = 2;
+/// The block's priority level, stored xor [`Priority::Normal`] in these flag bits so a
+/// cleared block (flags 0) reads `Normal`.
+const PRIO_SHIFT: u32 = 8;
+const PRIO_MASK: u32 = 3 << PRIO_SHIFT;
 
 /// Identity of a registered block at one moment: its id and registration generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,28 +155,27 @@ pub(crate) struct PrefixCache<'a> {
     /// Registered block standing for this block's content when it was committed.
     link: &'a mut [u32],
     link_gen: &'a mut [u32],
-    prev: &'a mut [u32],
-    next: &'a mut [u32],
     tokens: &'a mut [u32],
     table: &'a mut [u32],
-    head: u32,
-    tail: u32,
-    lru_len: u32,
+    lru: LruLists<'a>,
+    /// Blocks whose priority is `Pinned`, in any state.
+    pinned_marked: u32,
 }
 
 impl<'a> PrefixCache<'a> {
     /// `u64` words the prefix cache of `config` takes: per block a hash, a namespace,
-    /// eight `u32` fields and `block_size` token ids, plus the hash table; none at all
-    /// when [`Config::prefix_cache`] is off. O(1).
+    /// six `u32` fields and `block_size` token ids, the hash table and the eviction
+    /// lists; none at all when [`Config::prefix_cache`] is off. O(1).
     pub(crate) const fn storage_words(config: &Config) -> u128 {
         if !config.prefix_cache {
             return 0;
         }
         let n = config.num_blocks as u128;
         2 * n
-            + 8 * u32_words(n)
+            + 6 * u32_words(n)
             + u32_words(n * config.block_size as u128)
             + u32_words(config.hash_capacity() as u128)
+            + LruLists::storage_words(config.num_blocks, config.namespace_slots(), true)
     }
 
     /// Carves the arrays counted by [`PrefixCache::storage_words`]: all empty when the
@@ -196,13 +202,15 @@ impl<'a> PrefixCache<'a> {
             gen: carve.u32s(n),
             link: carve.u32s(n),
             link_gen: carve.u32s(n),
-            prev: carve.u32s(n),
-            next: carve.u32s(n),
             tokens: carve.u32s(tokens),
             table: carve.u32s(table),
-            head: NIL,
-            tail: NIL,
-            lru_len: 0,
+            lru: LruLists::new(
+                config.num_blocks,
+                config.namespace_slots(),
+                config.prefix_cache,
+                carve,
+            ),
+            pinned_marked: 0,
         };
         debug_assert_eq!((carve.taken() - start) as u128, Self::storage_words(config));
         cache
@@ -256,7 +264,9 @@ impl<'a> PrefixCache<'a> {
     /// Whether the cache knows anything about `b` (registered or hashed). O(1).
     #[inline]
     pub(crate) fn is_tracked(&self, b: u32) -> bool {
-        self.flags.get(b as usize).is_some_and(|&f| f != 0)
+        self.flags
+            .get(b as usize)
+            .is_some_and(|&f| f & (REGISTERED | HASHED) != 0)
     }
 
     /// Whether `b` is registered (always `false` when the cache is off). O(1).
@@ -284,6 +294,7 @@ impl<'a> PrefixCache<'a> {
     /// caller has unregistered it first.
     pub(crate) fn clear(&mut self, b: u32) {
         debug_assert!(!self.is_registered(b));
+        self.pinned_marked -= u32::from(self.priority(b) == Priority::Pinned);
         if let Some(f) = self.flags.get_mut(b as usize) {
             *f = 0;
         }
@@ -436,51 +447,85 @@ impl<'a> PrefixCache<'a> {
         self.table[hole] = 0;
     }
 
-    /// Registered blocks with no references (evictable). O(1).
+    /// Registered blocks with no references (cached), pinned ones included. O(1).
     #[inline]
     pub(crate) fn lru_len(&self) -> u32 {
-        self.lru_len
+        self.lru.len()
     }
 
-    /// Appends `b` as most recently used. O(1).
-    pub(crate) fn lru_push_back(&mut self, b: u32) {
-        let i = b as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = b;
-        } else {
-            self.next[self.tail as usize] = b;
-        }
-        self.tail = b;
-        self.lru_len += 1;
+    /// Blocks whose priority is [`Priority::Pinned`], whatever their state (used,
+    /// cached, or unregistered awaiting reuse). O(1).
+    #[inline]
+    pub(crate) fn pinned_marked(&self) -> u32 {
+        self.pinned_marked
     }
 
-    /// Unlinks `b`, which is in the list. O(1).
+    /// Whether block `b` stays cached, unavailable, when its last holder releases it:
+    /// registered and pinned. O(1).
+    #[inline]
+    pub(crate) fn stays_pinned(&self, b: u32) -> bool {
+        self.is_registered(b) && self.priority(b) == Priority::Pinned
+    }
+
+    /// Cached blocks at [`Priority::Pinned`] (never evicted). O(1).
+    #[inline]
+    pub(crate) fn lru_pinned(&self) -> u32 {
+        self.lru.pinned()
+    }
+
+    /// The eviction lists (read-only). O(1).
+    pub(crate) fn lru(&self) -> &LruLists<'a> {
+        &self.lru
+    }
+
+    /// Lists cached block `b` as most recently used among the blocks of namespace slot
+    /// `slot` at its priority. O(1).
+    pub(crate) fn lru_push_back(&mut self, b: u32, slot: usize) {
+        let level = self.priority(b);
+        self.lru.push_back(b, slot, level);
+    }
+
+    /// Unlinks cached block `b` from its list. O(1).
     pub(crate) fn lru_remove(&mut self, b: u32) {
-        let i = b as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.lru_len -= 1;
+        self.lru.remove(b);
     }
 
-    /// Unlinks and returns the least recently used block. O(1).
-    pub(crate) fn lru_pop_front(&mut self) -> Option<u32> {
-        let b = self.head;
-        if b == NIL {
-            return None;
+    /// Unlinks and returns the block eviction takes next among the slots `eligible`
+    /// accepts (see [`LruLists::pop_lowest`]); never a pinned one. O(slots).
+    pub(crate) fn lru_pop(&mut self, eligible: impl Fn(usize) -> bool) -> Option<u32> {
+        self.lru.pop_lowest(eligible)
+    }
+
+    /// The priority of block `b` (`Normal` for a block the cache knows nothing of, and
+    /// with the cache off). O(1).
+    #[inline]
+    pub(crate) fn priority(&self, b: u32) -> Priority {
+        let bits = self
+            .flags
+            .get(b as usize)
+            .map_or(0, |f| (f & PRIO_MASK) >> PRIO_SHIFT);
+        Priority::ALL[(bits ^ Priority::Normal as u32) as usize]
+    }
+
+    /// Sets the priority of block `b` (nothing with the cache off). A cached block
+    /// (`listed`) moves to the back of the list of its new level. O(1).
+    pub(crate) fn set_priority(&mut self, b: u32, p: Priority, listed: bool) {
+        let old = self.priority(b);
+        if old == p {
+            return;
         }
-        self.lru_remove(b);
-        Some(b)
+        let slot = listed.then(|| self.lru.list_of(b).0);
+        if slot.is_some() {
+            self.lru.remove(b);
+        }
+        if let Some(f) = self.flags.get_mut(b as usize) {
+            *f = (*f & !PRIO_MASK) | ((p as u32 ^ Priority::Normal as u32) << PRIO_SHIFT);
+            self.pinned_marked += u32::from(p == Priority::Pinned);
+            self.pinned_marked -= u32::from(old == Priority::Pinned);
+        }
+        if let Some(slot) = slot {
+            self.lru.push_back(b, slot, p);
+        }
     }
 }
 
@@ -491,7 +536,7 @@ mod tests {
     const N: u32 = 8;
     const BS: u32 = 2;
     /// Storage of a cache of 8 blocks of 2 tokens (a 16-entry table).
-    type Arrays = [u64; 64];
+    type Arrays = [u64; 74];
 
     fn config(key: u64) -> Config {
         Config {
@@ -503,12 +548,13 @@ mod tests {
             hash_key: key,
             prefix_cache: true,
             max_position_runs: 4,
+            max_namespaces: 0,
         }
     }
 
     fn arrays() -> Arrays {
-        assert_eq!(PrefixCache::storage_words(&config(0)), 64);
-        [0; 64]
+        assert_eq!(PrefixCache::storage_words(&config(0)), 74);
+        [0; 74]
     }
 
     fn cache(a: &mut Arrays) -> PrefixCache<'_> {
@@ -645,21 +691,5 @@ mod tests {
             );
             assert_eq!(c.walk(4, &[5, 6, 7, 8, 9, 10, 0], |_, _| {}).blocks, 0);
         }
-    }
-
-    #[test]
-    fn lru_order() {
-        let mut a = arrays();
-        let mut c = cache(&mut a);
-        for b in [3, 1, 2] {
-            c.lru_push_back(b);
-        }
-        c.lru_remove(1);
-        c.lru_push_back(1);
-        assert_eq!(c.lru_len(), 3);
-        assert_eq!(c.lru_pop_front(), Some(3));
-        assert_eq!(c.lru_pop_front(), Some(2));
-        assert_eq!(c.lru_pop_front(), Some(1));
-        assert_eq!(c.lru_pop_front(), None);
     }
 }

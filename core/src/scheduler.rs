@@ -97,8 +97,9 @@ pub struct WaitingSeq {
     /// Leading prompt tokens already in the prefix cache (a multiple of the block size;
     /// see [`crate::BlockManager::prefix_lookup`]), 0 without a prefix cache.
     pub cached_tokens: u32,
-    /// Blocks of that cached prefix that no sequence references now: they count as
-    /// available (evictable) until the admission takes them, and then they do not.
+    /// Blocks of that cached prefix that no sequence references now and are not pinned:
+    /// they count as available (evictable) until the admission takes them, and then
+    /// they do not.
     pub cached_idle_blocks: u32,
 }
 

@@ -11,7 +11,8 @@ pub struct Stats {
     pub total_blocks: u32,
     /// Blocks never registered in the prefix cache and referenced by no sequence.
     pub free_blocks: u32,
-    /// Registered blocks referenced by no sequence: reusable on a prefix hit, evictable.
+    /// Registered blocks referenced by no sequence: reusable on a prefix hit, evictable
+    /// unless pinned ([`crate::BlockManager::pinned_blocks`] of them are).
     pub cached_blocks: u32,
     /// Blocks referenced by at least one sequence.
     pub used_blocks: u32,

@@ -15,6 +15,7 @@ const CONFIG: Config = Config {
     hash_key: 0,
     prefix_cache: true,
     max_position_runs: 4,
+    max_namespaces: 0,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -62,6 +63,7 @@ fn config_for_a_geometry() {
             hash_key: 0,
             prefix_cache: true,
             max_position_runs: 4,
+            max_namespaces: 0,
         }
     );
     assert_eq!(Config::for_geometry(&g, 64, 4, 256).max_blocks_per_seq, 16);
@@ -118,24 +120,27 @@ fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     let without = Config {
         prefix_cache: false,
         ..with
     };
-    // Pool: free bitset (32 + 1 u32 = 17 words), refcount and fill (2 × 512 words).
-    let pool = 17 + 2 * 512;
+    // Pool: free bitset (32 + 1 u32 = 17 words), refcount and fill (2 × 512 words), the
+    // namespace table of slot 0 alone (limit, reserve, charged: 3 × 1 word).
+    let pool = 17 + 2 * 512 + 3;
     // Sequences: free bitset (3 u32 = 2 words), table 64 × 256 u32, 9 u32 + 2 u64 a row,
     // 4 position runs (one word each) a row.
     let seqs = 2 + 64 * 256 / 2 + 9 * 32 + 2 * 64 + 4 * 64;
-    // Prefix cache: hash and namespace (2 × 1024 words), 8 u32 a block (4096 words),
-    // 16 token ids a block (8192 words), hash table of 2048 u32 (1024 words).
-    let prefix = 2 * 1024 + 8 * 512 + 1024 * 16 / 2 + 2048 / 2;
-    assert_eq!((pool, seqs, prefix), (1041, 8866, 15360));
+    // Prefix cache: hash and namespace (2 × 1024 words), 6 u32 a block (3072 words),
+    // 16 token ids a block (8192 words), hash table of 2048 u32 (1024 words), eviction
+    // lists: 3 u32 a block (1536 words) and 4 lists' head, tail, length (3 × 2 words).
+    let prefix = 2 * 1024 + 6 * 512 + 1024 * 16 / 2 + 2048 / 2 + 3 * 512 + 3 * 2;
+    assert_eq!((pool, seqs, prefix), (1044, 8866, 15878));
     assert_eq!(with.storage_words(), pool + seqs + prefix);
     assert_eq!(without.storage_words(), pool + seqs);
-    // Per block: 128 bytes of metadata with the cache, 8 without.
-    assert_eq!((pool + prefix) * 8 / 1024, 128);
+    // Per block: 132 bytes of metadata with the cache, 8 without.
+    assert_eq!((pool + prefix) * 8 / 1024, 132);
     assert_eq!(pool * 8 / 1024, 8);
     // Exactly that much storage builds either manager.
     for config in [with, without] {

@@ -12,6 +12,7 @@ const CONFIG: Config = Config {
     hash_key: 0,
     prefix_cache: true,
     max_position_runs: 4,
+    max_namespaces: 0,
 };
 
 fn run(index: u32, position: u32) -> PositionRun {

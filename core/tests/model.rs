@@ -9,5 +9,6 @@
 
 const BLOCK_SIZE: u32 = 4;
 const PREFIX_CACHE: bool = true;
+const MAX_NAMESPACES: u32 = 0;
 mod common;
 include!("model/body.rs");

@@ -4,7 +4,7 @@
 //! Only the test's own thread is counted: the test harness allocates on its threads
 //! while the test runs.
 
-use kvpage_core::{BlockCopy, BlockManager, Config, RowMove, SeqId};
+use kvpage_core::{BlockCopy, BlockManager, Config, NamespaceQuota, Priority, RowMove, SeqId};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -77,6 +77,7 @@ fn random_operations_allocate_nothing() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 2,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -103,12 +104,18 @@ fn random_operations_allocate_nothing() {
                 for (i, t) in prompt[..len].iter_mut().enumerate() {
                     *t = base * 1000 + i as u32;
                 }
-                kv.create_with_prompt(0, &prompt[..len], &mut slots)
-                    .and_then(|p| {
-                        live[k] = Some(p.seq);
-                        kv.commit(p.seq, len as u32)
-                    })
-                    .is_ok()
+                let priority = Priority::from_level(rng.below(4) as u8).unwrap();
+                kv.create_with_prompt_at(
+                    u64::from(rng.below(3)),
+                    priority,
+                    &prompt[..len],
+                    &mut slots,
+                )
+                .and_then(|p| {
+                    live[k] = Some(p.seq);
+                    kv.commit(p.seq, len as u32)
+                })
+                .is_ok()
             }
             (2, Some(s)) => kv.append(s, rng.below(40), &mut slots).is_ok(),
             (3, Some(s)) => {
@@ -123,6 +130,9 @@ fn random_operations_allocate_nothing() {
             }
             (5, Some(s)) => {
                 let len = kv.len(s).unwrap();
+                let level = Priority::from_level(rng.below(4) as u8).unwrap();
+                kv.set_range_priority(s, rng.below(len + 1), len, level)
+                    .unwrap();
                 kv.truncate(s, rng.below(len + 1)).is_ok()
             }
             (6, Some(s)) => {
@@ -156,6 +166,14 @@ fn random_operations_allocate_nothing() {
             }
             _ => {
                 kv.evict_cached(rng.below(4));
+                let quota = NamespaceQuota {
+                    max_blocks: 64 + rng.below(256),
+                    reserved_blocks: rng.below(32),
+                };
+                let _ = kv.set_namespace_quota(u64::from(rng.below(3)), quota);
+                if rng.below(16) == 0 {
+                    kv.unpin_cached();
+                }
                 false
             }
         };
@@ -195,6 +213,7 @@ fn engine_steps_allocate_nothing() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

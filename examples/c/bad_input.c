@@ -536,6 +536,10 @@ static void engine_calls(void) {
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request(e, 0, NULL, 6, 2, &r, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request(e, 0, prompt, 6, 2, NULL, &err));
   EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_add_request(e, 0, prompt, 0, 2, &r, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request_at(NULL, 0, prompt, 6, 2, KVPAGE_PRIORITY_HIGH, &r, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_add_request_at(e, 0, prompt, 6, 2, KVPAGE_PRIORITY_HIGH, NULL, &err));
+  EXPECT_TRUE(kvpage_engine_add_request_at(e, 0, prompt, 6, 2, 4, &r, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 4);
+  memset(&err, 0, sizeof err);
   EXPECT(KVPAGE_ERR_NO_STEP_IN_PROGRESS, kvpage_engine_commit_step(e, NULL, 0, fin, 4, &n, &err));
   EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_cancel(e, 77, &err));
   EXPECT(KVPAGE_ERR_STALE_REQUEST, kvpage_engine_request_state(e, KVPAGE_REQUEST_NONE, &state, &err));
@@ -762,6 +766,75 @@ static void manager_seq_calls(void) {
   section("manager sequence calls", before);
 }
 
+/* Retention: priorities, unpinning and namespace quotas of a tier-2 manager. */
+static void manager_retention_calls(void) {
+  unsigned before = checks;
+  kvpage_manager_config mc;
+  kvpage_manager *m = NULL;
+  size_t bytes = 0;
+  uint64_t *storage;
+  uint64_t garbage[4] = {1, 2, 3, 4}; /* not a manager */
+  kvpage_seq s, gone;
+  kvpage_prompt_start start;
+  kvpage_stats st0, st1;
+  uint32_t prompt[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, slots[64], n = 9, held = 9;
+
+  EXPECT(KVPAGE_OK, kvpage_manager_config_for_geometry(&GEOMETRY, 8, 4, 32, &mc, &err));
+  mc.host_blocks = 0;
+  mc.max_namespaces = 2;
+  EXPECT(KVPAGE_OK, kvpage_manager_storage_size(&mc, &bytes, &err));
+  storage = malloc(bytes);
+  if (!storage) exit(1);
+  EXPECT(KVPAGE_OK, kvpage_manager_init(&mc, storage, bytes, &m, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_create_with_prompt(m, 1, prompt, 9, slots, 64, &start, &err));
+  s = start.seq;
+  EXPECT(KVPAGE_OK, kvpage_manager_commit(m, s, 9, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_create(m, 1, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_release(m, gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st0, &err));
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_set_priority(NULL, s, KVPAGE_PRIORITY_PINNED, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_set_priority((kvpage_manager *)garbage, s, 0, &err));
+  EXPECT_TRUE(kvpage_manager_set_priority(m, s, 4, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 4);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_set_range_priority(m, s, 0, 4, 99, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_set_priority(m, gone, KVPAGE_PRIORITY_LOW, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_manager_set_range_priority(m, KVPAGE_SEQ_NONE, 0, 0, 0, &err));
+  EXPECT_TRUE(kvpage_manager_set_range_priority(m, s, 2, 10, KVPAGE_PRIORITY_HIGH, &err) == KVPAGE_ERR_BEYOND_LENGTH && err.needed == 10 && err.available == 9 && err.value == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_unpin_cached(NULL, &n, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_unpin_cached((kvpage_manager *)garbage, &n, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_set_namespace_quota(NULL, 2, 4, 0, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_manager_set_namespace_quota(m, 2, 4, 5, &err));
+  EXPECT_TRUE(kvpage_manager_set_namespace_quota(m, 2, 8, 8, &err) == KVPAGE_ERR_QUOTA_REFUSED && err.needed == 8 && err.available == 5);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_manager_namespace_blocks(m, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_manager_namespace_blocks((kvpage_manager *)garbage, 2, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_stats(m, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+
+  /* Quotas work: namespace 2 may hold 2 blocks, a 3-block prompt is refused. */
+  EXPECT(KVPAGE_OK, kvpage_manager_set_namespace_quota(m, 2, 2, 1, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_set_namespace_quota(m, 3, 8, 0, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_manager_set_namespace_quota(m, 4, 8, 0, &err)); /* table full */
+  EXPECT_TRUE(kvpage_manager_create_with_prompt(m, 2, prompt, 9, slots, 64, &start, &err) == KVPAGE_ERR_QUOTA_EXCEEDED && err.needed == 3 && err.available == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_OK, kvpage_manager_create_with_prompt(m, 2, prompt, 8, slots, 64, &start, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_namespace_blocks(m, 2, &held, &err));
+  EXPECT_TRUE(held == 2);
+  /* Pinned blocks stay through eviction until unpinned. */
+  EXPECT(KVPAGE_OK, kvpage_manager_set_priority(m, s, KVPAGE_PRIORITY_PINNED, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_release(m, s, &err));
+  EXPECT(KVPAGE_OK, kvpage_manager_evict_cached(m, 8, &n, &err));
+  EXPECT_TRUE(n == 0);
+  EXPECT(KVPAGE_OK, kvpage_manager_unpin_cached(m, &n, &err));
+  EXPECT_TRUE(n == 2);
+  EXPECT(KVPAGE_OK, kvpage_manager_evict_cached(m, 8, &n, &err));
+  EXPECT_TRUE(n == 2);
+  free(storage);
+  section("manager retention calls", before);
+}
+
 int main(void) {
   result_codes();
   cache_configs();
@@ -771,6 +844,7 @@ int main(void) {
   engine_calls();
   manager_and_scheduler_calls();
   manager_seq_calls();
+  manager_retention_calls();
   if (failures) {
     printf("%u of %u checks failed\n", failures, checks);
     return 1;

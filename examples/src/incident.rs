@@ -75,6 +75,7 @@ fn side(requests: &[Request], memory: &MemoryConfig, name: &str) -> Result<Side,
         max_batched_tokens: 1 << 20,
         preemption: Preemption::Recompute,
         record_series: false,
+        retention: Default::default(),
     };
     let mut views = Vec::new();
     let mut obs = |v: &StepView| views.push(*v);

@@ -7,6 +7,7 @@ pub mod memory;
 pub mod metrics;
 pub mod presets;
 pub mod replay;
+pub mod retention;
 pub mod rng;
 pub mod sim;
 #[cfg(test)]

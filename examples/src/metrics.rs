@@ -67,6 +67,11 @@ pub struct Extra {
     pub swap_bytes: u64,
     /// Prompt tokens prefilled again after a recompute preemption.
     pub recomputed_tokens: u64,
+    /// Tokens computed (prefill and decode), over all steps.
+    pub computed_tokens: u64,
+    /// Tokens of the shared system prompts computed (every computation after a group's
+    /// first is one the prefix cache missed).
+    pub shared_prompt_computed_tokens: u64,
     /// Wall-clock seconds the replay of this policy took (its own thread; policies run
     /// concurrently).
     pub wall_s: f64,

@@ -8,11 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvpage_core::{DType, Geometry};
+use kvpage_core::{DType, Geometry, NamespaceQuota};
 
 use crate::memory::MemoryConfig;
 use crate::metrics::Report;
 use crate::presets::{self, DeviceSpec, ModelSpec};
+use crate::retention::Retention;
 use crate::sim::{run, Hooks, Preemption, RunOutput, SimConfig, TokenSource};
 use crate::step_model::Roofline;
 use crate::svg;
@@ -50,6 +51,18 @@ POLICIES
   paged-prefix   paged plus the prefix cache: requests share one of --prefix-groups system
                  prompts of --shared-prefix-tokens tokens (drawn with --seed)
   paged-prefix-swap  both
+
+RETENTION
+  --tenants N sends request i as tenant i mod N (a prefix-cache namespace); only tenant
+  0's requests carry the shared system prompt. --pin-prefix pins the whole blocks of the
+  shared prompts (never evicted); --namespace-quota BLOCKS[:RESERVED] limits every
+  tenant to BLOCKS blocks held or cached (a tenant at its quota evicts its own cached
+  blocks first; RESERVED are kept for it; pinned prompts count against it). A variant
+  that leaves a request no room reports it in its row. --retention-table replays the first
+  prefix-cache policy four ways (baseline, pin-prefix, quota, both) and prints prefix
+  hit tokens and the shared-prompt tokens computed, e.g.
+      replay --limit 300 --policies paged-prefix --tenants 2 \
+             --shared-prefix-tokens 1024 --kv-budget-gb 4 --retention-table
 
 METRICS
   kv utilization = tokens stored / token slots reserved (time-integrated); waste = slots
@@ -155,6 +168,55 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     pub quiet: bool,
+    /// Spread the requests over N tenants (prefix-cache namespaces), request i to tenant
+    /// i mod N; only tenant 0's requests carry the shared system prompt, the others send
+    /// one-off prompts competing for the same memory
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tenants: u32,
+    /// Pin the whole blocks of the shared system prompts: never evicted
+    #[arg(long)]
+    pub pin_prefix: bool,
+    /// Quota of every tenant: at most BLOCKS blocks held or cached, RESERVED of them kept
+    /// for it (a tenant at its quota evicts its own cached blocks first)
+    #[arg(long, value_name = "BLOCKS[:RESERVED]")]
+    pub namespace_quota: Option<String>,
+    /// Compare retention on the first prefix-cache policy: baseline, --pin-prefix and
+    /// --namespace-quota (default: all blocks but the shared prompts', per tenant),
+    /// printing prefix hits and the tokens computed
+    #[arg(long)]
+    pub retention_table: bool,
+}
+
+/// The [`Retention`] the flags ask for.
+///
+/// # Errors
+/// A message for a malformed `--namespace-quota`.
+pub fn retention(a: &Args) -> Result<Retention, String> {
+    let quota = a.namespace_quota.as_deref().map(parse_quota).transpose()?;
+    Ok(Retention {
+        tenants: a.tenants,
+        pin_prefix: a.pin_prefix,
+        quota,
+    })
+}
+
+/// `BLOCKS[:RESERVED]` as a quota.
+fn parse_quota(text: &str) -> Result<NamespaceQuota, String> {
+    let bad = || {
+        format!(
+            "--namespace-quota {text:?}: expected BLOCKS or BLOCKS:RESERVED, RESERVED <= BLOCKS"
+        )
+    };
+    let (max, reserved) = text.split_once(':').unwrap_or((text, "0"));
+    let max_blocks: u32 = max.trim().parse().map_err(|_| bad())?;
+    let reserved_blocks: u32 = reserved.trim().parse().map_err(|_| bad())?;
+    if reserved_blocks > max_blocks {
+        return Err(bad());
+    }
+    Ok(NamespaceQuota {
+        max_blocks,
+        reserved_blocks,
+    })
 }
 
 /// A policy to run, parsed from its name.
@@ -464,7 +526,24 @@ pub fn run_policy(
     progress: Option<&AtomicU64>,
     record_series: bool,
 ) -> Result<RunOutput, String> {
+    run_policy_with(a, s, p, tokens, progress, record_series, retention(a)?)
+}
+
+/// [`run_policy`] with the retention settings `retention` instead of the flags'.
+///
+/// # Errors
+/// As [`run_policy`].
+pub fn run_policy_with(
+    a: &Args,
+    s: &Setup,
+    p: &PolicySpec,
+    tokens: &TokenSource,
+    progress: Option<&AtomicU64>,
+    record_series: bool,
+    retention: Retention,
+) -> Result<RunOutput, String> {
     let cfg = SimConfig {
+        retention,
         max_num_seqs: a.max_num_seqs,
         max_batched_tokens: a.max_batched_tokens,
         preemption: if p.swap {
@@ -531,7 +610,8 @@ pub fn run_all(a: &Args, s: &Setup) -> Result<Vec<RunOutput>, String> {
         a.shared_prefix_tokens,
         a.prefix_groups,
         a.seed,
-    );
+    )
+    .with_tenants(&retention(a)?);
     let counters: Vec<AtomicU64> = s.policies.iter().map(|_| AtomicU64::new(0)).collect();
     let done = AtomicBool::new(false);
     let total = (s.requests.len() * s.policies.len()) as u64;
@@ -720,6 +800,16 @@ pub fn main_with(a: &Args) -> Result<String, String> {
     let started = Instant::now();
     let s = setup(a)?;
     let mut out = describe(a, &s);
+    if a.retention_table {
+        out.push('\n');
+        out.push_str(&retention_table(a, &s)?);
+        let _ = writeln!(
+            out,
+            "\nreplay wall time: {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+        return Ok(out);
+    }
     let results = run_all(a, &s)?;
     let reports: Vec<Report> = results.iter().map(|r| r.report.clone()).collect();
     out.push('\n');
@@ -764,6 +854,132 @@ pub fn main_with(a: &Args) -> Result<String, String> {
         started.elapsed().as_secs_f64()
     );
     Ok(out)
+}
+
+/// The `--retention-table` run mode: the first prefix-cache policy of `s` replayed
+/// without retention, with the shared prompts pinned, with every tenant under a quota
+/// (`--namespace-quota`, or an equal share of the blocks) and with both, in parallel;
+/// one row each (a variant that fails, say a request that no longer fits next to the
+/// pinned prompts or within its quota, gets its error as its row).
+///
+/// # Errors
+/// A message when no policy has a prefix cache or the flags are malformed.
+pub fn retention_table(a: &Args, s: &Setup) -> Result<String, String> {
+    let p = s
+        .policies
+        .iter()
+        .find(|p| p.prefix)
+        .ok_or("--retention-table needs a prefix-cache policy (paged-prefix)")?;
+    let base = Retention {
+        tenants: a.tenants,
+        ..Retention::default()
+    };
+    // Default quota: every block but the shared prompts' (so no tenant can flush them),
+    // and never less than one longest sequence.
+    let bs = u64::from(s.geometry.block_size());
+    let blocks = s.geometry.blocks_in(s.budget_bytes);
+    let prompts = u64::from(a.shared_prefix_tokens).div_ceil(bs) * u64::from(a.prefix_groups);
+    let longest = u64::from(a.max_seq_len).div_ceil(bs) + 1;
+    let share = blocks.saturating_sub(prompts).max(longest);
+    let quota = match retention(a)?.quota {
+        Some(q) => q,
+        None => NamespaceQuota {
+            max_blocks: u32::try_from(share).unwrap_or(u32::MAX),
+            reserved_blocks: 0,
+        },
+    };
+    let variants = [
+        ("baseline", base),
+        (
+            "pin-prefix",
+            Retention {
+                pin_prefix: true,
+                ..base
+            },
+        ),
+        (
+            "quota",
+            Retention {
+                quota: Some(quota),
+                ..base
+            },
+        ),
+        (
+            "pin+quota",
+            Retention {
+                pin_prefix: true,
+                quota: Some(quota),
+                ..base
+            },
+        ),
+    ];
+    let tokens = TokenSource::new(
+        s.requests.len(),
+        a.shared_prefix_tokens,
+        a.prefix_groups,
+        a.seed,
+    )
+    .with_tenants(&base);
+    let results: Vec<Result<RunOutput, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = variants
+            .iter()
+            .map(|&(_, r)| {
+                let tokens = &tokens;
+                scope.spawn(move || run_policy_with(a, s, p, tokens, None, false, r))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a replay thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "retention on {} ({} tenants; tenant 0 shares {} prompt(s) of {} tokens; quota {} blocks, {} reserved, per tenant)",
+        p.name,
+        base.tenant_count(),
+        a.prefix_groups,
+        a.shared_prefix_tokens,
+        quota.max_blocks,
+        quota.reserved_blocks
+    );
+    let _ = writeln!(
+        o,
+        "{:<11} {:>16} {:>22} {:>16} {:>18} {:>12} {:>10}",
+        "variant",
+        "prefix hit tok",
+        "shared-prompt tok comp",
+        "tokens computed",
+        "recomputed tok",
+        "preemptions",
+        "TTFT p50"
+    );
+    for ((name, _), r) in variants.iter().zip(results) {
+        let r = match r {
+            Ok(out) => out.report,
+            // A quota or pinned prompts can leave a request no room: say so in its row.
+            Err(e) => {
+                let _ = writeln!(o, "{name:<11} failed: {e}");
+                continue;
+            }
+        };
+        let _ = writeln!(
+            o,
+            "{:<11} {:>16} {:>22} {:>16} {:>18} {:>12} {:>9.2}s",
+            name,
+            r.prefix_hit_tokens,
+            r.extra.shared_prompt_computed_tokens,
+            r.extra.computed_tokens,
+            r.extra.recomputed_tokens,
+            r.preemptions,
+            r.ttft_p50_s
+        );
+    }
+    Ok(o)
 }
 
 #[cfg(test)]
@@ -853,6 +1069,71 @@ mod tests {
         assert_eq!(names, ["contiguous", "paged", "paged-swap"]);
         let s = setup(&args(&["--shared-prefix-tokens", "64", "--limit", "1"])).unwrap();
         assert_eq!(s.policies.len(), 4);
+    }
+
+    #[test]
+    fn retention_flags_parse_and_the_table_shows_pinning_and_quotas() {
+        assert!(retention(&args(&["--namespace-quota", "10:11"])).is_err());
+        assert!(retention(&args(&["--namespace-quota", "x"])).is_err());
+        let r = retention(&args(&[
+            "--tenants",
+            "3",
+            "--pin-prefix",
+            "--namespace-quota",
+            "300:20",
+        ]))
+        .unwrap();
+        assert_eq!(
+            r,
+            Retention {
+                tenants: 3,
+                pin_prefix: true,
+                quota: Some(NamespaceQuota {
+                    max_blocks: 300,
+                    reserved_blocks: 20
+                }),
+            }
+        );
+        // A hot shared prompt under memory pressure next to a tenant of one-off prompts.
+        let a = args(&[
+            "--limit",
+            "300",
+            "--policies",
+            "paged-prefix",
+            "--tenants",
+            "2",
+            "--shared-prefix-tokens",
+            "1024",
+            "--kv-budget-gb",
+            "4",
+            "--retention-table",
+        ]);
+        let s = setup(&a).unwrap();
+        let text = retention_table(&a, &s).unwrap();
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip(2)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            rows.iter().map(|r| r[0]).collect::<Vec<_>>(),
+            ["baseline", "pin-prefix", "quota", "pin+quota"]
+        );
+        let shared_computed = |r: &Vec<&str>| r[2].parse::<u64>().unwrap();
+        // Pinned, the shared prompt is computed far less often than without.
+        assert!(
+            shared_computed(&rows[1]) * 2 < shared_computed(&rows[0]),
+            "{text}"
+        );
+        assert!(
+            shared_computed(&rows[2]) < shared_computed(&rows[0]),
+            "{text}"
+        );
+        // Without a prefix-cache policy the mode says so.
+        let a = args(&["--limit", "10", "--policies", "paged", "--retention-table"]);
+        assert!(retention_table(&a, &setup(&a).unwrap())
+            .unwrap_err()
+            .contains("prefix-cache policy"));
     }
 
     #[test]

@@ -44,6 +44,7 @@ use kvpage_core::{
 
 use crate::memory::{MemoryConfig, Usage};
 use crate::metrics::{percentile, Extra, Report};
+use crate::retention::Retention;
 use crate::rng::{mix, SplitMix64};
 use crate::step_model::{BatchShape, StepCost};
 use crate::trace::Request;
@@ -59,6 +60,8 @@ pub struct SimConfig {
     pub preemption: Preemption,
     /// Record the per-step series for plotting.
     pub record_series: bool,
+    /// Tenants, pinning of the shared prompts and quotas (the default: none).
+    pub retention: Retention,
 }
 
 impl SimConfig {
@@ -80,6 +83,8 @@ pub struct TokenSource {
     groups: Vec<u32>,
     prefix_tokens: u32,
     seed: u64,
+    /// Which requests share a prompt ([`Retention::shares_prefix`]).
+    retention: Retention,
 }
 
 impl TokenSource {
@@ -96,12 +101,34 @@ impl TokenSource {
             groups,
             prefix_tokens,
             seed,
+            retention: Retention::default(),
+        }
+    }
+
+    /// The same source with the requests spread over `retention`'s tenants: only tenant
+    /// 0's requests share a system prompt (see [`crate::retention`]). O(1).
+    pub fn with_tenants(self, retention: &Retention) -> Self {
+        Self {
+            retention: *retention,
+            ..self
         }
     }
 
     /// The group of request `id`, if prompts are shared. O(1).
     pub fn group(&self, id: u32) -> Option<u32> {
-        self.groups.get(id as usize).copied()
+        match self.retention.shares_prefix(id) {
+            true => self.groups.get(id as usize).copied(),
+            false => None,
+        }
+    }
+
+    /// Leading tokens of request `req` that are its group's shared prompt (0 without a
+    /// group). O(1).
+    pub fn shared_tokens(&self, req: &Request) -> u32 {
+        match self.group(req.id) {
+            Some(_) => self.prefix_tokens.min(req.prompt_tokens),
+            None => 0,
+        }
     }
 
     /// Token id at position `pos` of request `req`. O(1).
@@ -197,7 +224,7 @@ impl fmt::Display for SimError {
             SimError::Engine(m) => write!(f, "engine failed: {m}"),
             SimError::Stuck { line, tokens } => write!(
                 f,
-                "the request of trace line {line} ({tokens} tokens) cannot be admitted even into an empty cache"
+                "the request of trace line {line} ({tokens} tokens) cannot be admitted even into an empty cache (or within its namespace quota)"
             ),
             SimError::BadRequests => write!(f, "request ids must be 0..n in arrival order"),
         }
@@ -266,12 +293,15 @@ pub fn run(
     {
         return Err(SimError::BadRequests);
     }
-    let core = memory.core_config();
+    let core = cfg.retention.core_config(memory.core_config());
     core.validate()
         .map_err(|e| SimError::Engine(format!("block manager configuration {core:?}: {e}")))?;
     let mut kv_words = storage::<u64>(core.storage_words(), "block manager")?;
     let mut kv = BlockManager::new(core, &mut kv_words)
         .map_err(|e| SimError::Engine(format!("block manager: {e}")))?;
+    cfg.retention
+        .apply(&mut kv)
+        .map_err(|e| SimError::Engine(format!("namespace quota: {e}")))?;
     let host_blocks = memory.host_blocks();
     let mut host_words = storage::<u32>(HostPool::storage_words(host_blocks), "host pool")?;
     let mut host = match host_blocks {
@@ -304,6 +334,8 @@ pub fn run(
     let mut arrived: VecDeque<u32> = VecDeque::new();
     let mut prompt: Vec<u32> = Vec::new();
     let mut samples: Vec<Sampled> = Vec::new();
+    // Requests computing their shared prompt this step, and its length.
+    let mut prefilled: Vec<(kvpage_core::RequestId, u32)> = Vec::new();
     let mut series = Vec::new();
     let mut next = 0usize;
     let mut now = 0.0f64;
@@ -328,7 +360,8 @@ pub fn run(
             prompt.extend((0..req.prompt_tokens).map(|p| tokens.token(req, p)));
             // Without a prefix cache (`Config::prefix_cache` off) nothing is shared,
             // whatever the token ids.
-            match engine.add_request(&prompt, 0, Some(req.output_tokens)) {
+            let namespace = cfg.retention.namespace(req.id);
+            match engine.add_request(&prompt, namespace, Some(req.output_tokens)) {
                 Ok(r) => by_slot[r.index() as usize] = id,
                 Err(EngineError::TooLong { .. } | EngineError::Unschedulable { .. }) => {
                     return Err(stuck(req))
@@ -348,8 +381,16 @@ pub fn run(
         };
         let mut shape = BatchShape::default();
         samples.clear();
+        prefilled.clear();
         for s in step.seqs() {
             shape.add_run(u64::from(s.first_pos), u64::from(s.tokens));
+            let req = &requests[by_slot[s.request.index() as usize] as usize];
+            let shared = tokens.shared_tokens(req);
+            let (a, b) = (s.first_pos, s.first_pos + s.tokens);
+            ex.shared_prompt_computed_tokens += u64::from(b.min(shared).saturating_sub(a));
+            if a < shared {
+                prefilled.push((s.request, shared));
+            }
             if s.emits {
                 let id = by_slot[s.request.index() as usize] as usize;
                 let req = &requests[id];
@@ -365,6 +406,12 @@ pub fn run(
             outcomes[by_slot[r.index() as usize] as usize].preempted += 1;
         }
 
+        for &(r, shared) in &prefilled {
+            if let Ok(seq) = engine.seq(r) {
+                cfg.retention.pin(&mut kv, seq, shared);
+            }
+        }
+        ex.computed_tokens += shape.tokens;
         let usage = memory.usage(&kv, host.as_ref());
         let waiting = engine.waiting_len() + arrived.len();
         if shape.tokens == 0 && shape.swap_bytes == 0 {

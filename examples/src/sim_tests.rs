@@ -30,6 +30,7 @@ fn engine(preemption: Preemption, max_batched_tokens: u32) -> SimConfig {
         max_batched_tokens,
         preemption,
         record_series: true,
+        retention: Default::default(),
     }
 }
 

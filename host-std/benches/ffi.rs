@@ -53,6 +53,7 @@ fn c_config() -> kvpage_manager_config {
         prefix_cache: 1,
         hash_key: 0,
         host_blocks: 0,
+        max_namespaces: 0,
     }
 }
 

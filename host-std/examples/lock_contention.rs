@@ -24,6 +24,7 @@ const CONFIG: Config = Config {
     hash_key: 0,
     prefix_cache: false,
     max_position_runs: 4,
+    max_namespaces: 0,
 };
 
 /// Runs a closure on the manager under the lock.

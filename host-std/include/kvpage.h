@@ -52,6 +52,18 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // Storage dtype: bfloat16.
 #define KVPAGE_DTYPE_BF16 2
 
+// Evicted first.
+#define KVPAGE_PRIORITY_LOW 0
+
+// The default.
+#define KVPAGE_PRIORITY_NORMAL 1
+
+// Evicted only when no lower-priority block is cached.
+#define KVPAGE_PRIORITY_HIGH 2
+
+// Never evicted while registered (a hot system prompt).
+#define KVPAGE_PRIORITY_PINNED 3
+
 // Preemption frees a victim's blocks; it is prefilled again later.
 #define KVPAGE_PREEMPT_RECOMPUTE 0
 
@@ -68,7 +80,7 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 #define KVPAGE_FINISH_LENGTH 2
 
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_IO
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_QUOTA_REFUSED
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
@@ -212,6 +224,14 @@ enum kvpage_result
   KVPAGE_ERR_BLOB_CORRUPT = 44,
   // A file could not be written or read (`value` = the OS error number, 0 if none).
   KVPAGE_ERR_IO = 45,
+  // The sequence's namespace would exceed its block quota even after evicting its
+  // own cached blocks (`needed` blocks, `available` = what the quota still allows).
+  KVPAGE_ERR_QUOTA_EXCEEDED = 46,
+  // A namespace quota cannot be set: the reservation exceeds the limit, the
+  // namespace table is full, the namespace holds more than the new limit (`needed` =
+  // held, `available` = limit), or the free blocks cannot cover the reservations
+  // (`needed`, `available` = free).
+  KVPAGE_ERR_QUOTA_REFUSED = 47,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -499,6 +519,9 @@ typedef struct kvpage_manager_config {
   uint64_t hash_key;
   // Blocks of the host tier for swapped-out sequences; 0 for none.
   uint32_t host_blocks;
+  // Namespaces that can have a quota (`kvpage_manager_set_namespace_quota`), at most
+  // 256; 0 for none (eviction compares one list per namespace slot).
+  uint32_t max_namespaces;
 } kvpage_manager_config;
 
 // Token rows the caller's kernels move after a sequence edit (tier 2): `count` rows from
@@ -1148,6 +1171,26 @@ kvpage_result kvpage_engine_add_request(kvpage_engine *engine,
                                         kvpage_request *out_request,
                                         struct kvpage_error *err);
 
+// `kvpage_engine_add_request` for a request of retention `priority` (a
+// `KVPAGE_PRIORITY_*` level): the prompt blocks it computes or reuses stay cached at
+// least that long; `KVPAGE_PRIORITY_PINNED` keeps a hot system prompt for every later
+// request. O(n).
+//
+// # Errors
+// As `kvpage_engine_add_request`, and `KVPAGE_ERR_INVALID_ARGUMENT` for a level above
+// `KVPAGE_PRIORITY_PINNED` (`value` = level).
+//
+// # Safety
+// As `kvpage_engine_add_request`.
+kvpage_result kvpage_engine_add_request_at(kvpage_engine *engine,
+                                           uint64_t ns,
+                                           const uint32_t *prompt,
+                                           size_t n,
+                                           uint32_t max_new_tokens,
+                                           uint32_t priority,
+                                           kvpage_request *out_request,
+                                           struct kvpage_error *err);
+
 // Plans and executes one step — preemptions, growth, swap-ins, admissions — and its
 // block copies, and writes it to `*out_step` (pointers borrowed from the engine, see
 // `kvpage_step`; its block table is the cache's). A step may schedule nothing. Then
@@ -1591,6 +1634,92 @@ kvpage_result kvpage_manager_seq_pos_max(const kvpage_manager *manager,
                                          kvpage_seq seq,
                                          int64_t *out_pos,
                                          struct kvpage_error *err);
+
+// Sets the retention priority of `seq` (a `KVPAGE_PRIORITY_*` level) and of every
+// block it holds now, exactly (lowering included); the blocks it commits later are
+// raised to at least it. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager; a level above `KVPAGE_PRIORITY_PINNED`: `value` = level),
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_SEQ_SWAPPED`.
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`.
+kvpage_result kvpage_manager_set_priority(kvpage_manager *manager,
+                                          kvpage_seq seq,
+                                          uint32_t priority,
+                                          struct kvpage_error *err);
+
+// Sets the priority of the blocks of `seq` holding tokens `first..end` (every block
+// with a token in the range) to `priority`, raises its blocks before the range to at
+// least it and lowers those after it to at most it (so a chain's tail never outlives
+// its head). An empty range changes nothing. O(blocks of `seq`).
+//
+// # Errors
+// As `kvpage_manager_set_priority`, and `KVPAGE_ERR_BEYOND_LENGTH` (range reversed or
+// past the length: `needed` = `end`, `available` = length, `value` = `first`).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`.
+kvpage_result kvpage_manager_set_range_priority(kvpage_manager *manager,
+                                                kvpage_seq seq,
+                                                uint32_t first,
+                                                uint32_t end,
+                                                uint32_t priority,
+                                                struct kvpage_error *err);
+
+// Lowers every cached pinned block that no sequence holds to `KVPAGE_PRIORITY_NORMAL`
+// (so eviction may take it) and writes how many to `*out_unpinned` (NULL to ignore).
+// O(unpinned blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (manager), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a manager).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_unpinned` null or
+// writable.
+kvpage_result kvpage_manager_unpin_cached(kvpage_manager *manager,
+                                          uint32_t *out_unpinned,
+                                          struct kvpage_error *err);
+
+// Sets the quota of namespace `ns`: at most `max_blocks` blocks held or cached by its
+// sequences (an allocation at the limit evicts the namespace's own cached blocks
+// first, else fails with `KVPAGE_ERR_QUOTA_EXCEEDED`), and `reserved_blocks` kept for
+// it from other namespaces. The namespace takes one of the manager's
+// `max_namespaces` slots for good (`max_blocks` = `UINT32_MAX` and no reservation
+// lifts a quota). Lowering a limit evicts the namespace's own cached blocks down to
+// it. O(max_namespaces + evicted blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager), `KVPAGE_ERR_QUOTA_REFUSED` (reservation above the limit, table
+// full, used blocks above the new limit: `needed` = held, `available` = limit; free
+// blocks short of the reservations: `needed`, `available` = free).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`.
+kvpage_result kvpage_manager_set_namespace_quota(kvpage_manager *manager,
+                                                 uint64_t ns,
+                                                 uint32_t max_blocks,
+                                                 uint32_t reserved_blocks,
+                                                 struct kvpage_error *err);
+
+// Blocks used or cached that are charged to namespace `ns` (0 without a quota), to
+// `*out_blocks`. O(max_namespaces).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a manager).
+//
+// # Safety
+// `manager` is null or a manager from `kvpage_manager_init`; `out_blocks` null or
+// writable.
+kvpage_result kvpage_manager_namespace_blocks(const kvpage_manager *manager,
+                                              uint64_t ns,
+                                              uint32_t *out_blocks,
+                                              struct kvpage_error *err);
 
 // Creates an empty sequence whose blocks are shared through the prefix cache only with
 // sequences of the same `namespace` (a tenant, a model adapter), and writes its id to

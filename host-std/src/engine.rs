@@ -16,8 +16,8 @@
 //! Everything is allocated in [`Engine::new`]; no later call allocates.
 
 use kvpage_core::{
-    EngineConfig as CoreEngineConfig, EngineError, EngineStats, FinishedRequests, RequestId,
-    RequestState, Sampled, SchedulerConfig, Step,
+    EngineConfig as CoreEngineConfig, EngineError, EngineStats, FinishedRequests, Priority,
+    RequestId, RequestState, Sampled, SchedulerConfig, Step,
 };
 
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
@@ -118,8 +118,24 @@ impl Engine {
         namespace: u64,
         max_new_tokens: Option<u32>,
     ) -> Result<RequestId, CacheError> {
+        self.add_request_at(prompt, namespace, max_new_tokens, Priority::Normal)
+    }
+
+    /// Queues a request of retention `priority` (see
+    /// [`kvpage_core::Engine::add_request_at`]: `Pinned` keeps a hot system prompt
+    /// cached). O(prompt).
+    ///
+    /// # Errors
+    /// As [`kvpage_core::Engine::add_request`], wrapped in [`CacheError::Engine`].
+    pub fn add_request_at(
+        &mut self,
+        prompt: &[u32],
+        namespace: u64,
+        max_new_tokens: Option<u32>,
+        priority: Priority,
+    ) -> Result<RequestId, CacheError> {
         let (engine, _, _) = core_parts(&mut self.cache.tables);
-        Ok(engine.add_request(prompt, namespace, max_new_tokens)?)
+        Ok(engine.add_request_at(prompt, namespace, max_new_tokens, priority)?)
     }
 
     /// Plans and executes one step, including its block copies (swap-out, swap-in,

@@ -74,6 +74,7 @@ mod tests {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
 
     #[test]

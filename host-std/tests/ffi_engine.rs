@@ -428,6 +428,7 @@ fn manager_config(host_blocks: u32, instance: u32) -> kvpage_manager_config {
         prefix_cache: 1,
         hash_key: 42,
         host_blocks,
+        max_namespaces: 0,
     }
 }
 
@@ -515,6 +516,7 @@ fn run_tier3_against_core(preemption: u32) -> kvpage_engine_counters {
         hash_key: mc.hash_key,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     let mut mwords = vec![0u64; config.storage_words()];
     let mut kv = BlockManager::new(config, &mut mwords).unwrap();
@@ -1438,6 +1440,7 @@ fn tier3_bad_input_and_a_foreign_manager_are_refused_and_change_nothing() {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 0,
     };
     let mut w1 = vec![0u64; cfg(1).storage_words()];
     let mut w2 = vec![0u64; cfg(2).storage_words()];

@@ -231,6 +231,7 @@ fn code(e: SeqError) -> kvpage_result {
         SeqError::BeyondLength { .. } | SeqError::BadRange { .. } => KVPAGE_ERR_BEYOND_LENGTH,
         SeqError::BadPositions => KVPAGE_ERR_BAD_POSITIONS,
         SeqError::TooManyPositionRuns { .. } => KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
+        SeqError::QuotaExceeded { .. } => KVPAGE_ERR_QUOTA_EXCEEDED,
     }
 }
 
@@ -293,6 +294,8 @@ struct Pair {
     /// The edits draw from their own generator, so the other operations' draws stay
     /// those of the runs before edits existed (whose prefix hits the tests count on).
     edit_rng: StdRng,
+    /// Draws of the retention operations (their own stream, so the others' is kept).
+    retain_rng: StdRng,
 }
 
 impl Pair {
@@ -304,6 +307,7 @@ impl Pair {
             dead: Vec::new(),
             seen: Default::default(),
             edit_rng: StdRng::seed_from_u64(u64::from(config.block_size) << 8 | 0xed),
+            retain_rng: StdRng::seed_from_u64(u64::from(config.block_size) << 8 | 0x9e),
         }
     }
 
@@ -456,6 +460,7 @@ fn config(block_size: u32, prefix_cache: bool, instance: u32) -> kvpage_manager_
         prefix_cache: u32::from(prefix_cache),
         hash_key: 0x1234_5678,
         host_blocks: 20,
+        max_namespaces: 2,
     }
 }
 
@@ -471,6 +476,11 @@ fn step(p: &mut Pair, rng: &mut StdRng, prefixes: &[Vec<u32>]) {
     // Sometimes a buffer one short of what is needed.
     let short = |rng: &mut StdRng, n: usize| n.saturating_sub(usize::from(rng.random_ratio(1, 10)));
     let m = p.c.m;
+    if p.retain_rng.random_ratio(1, 6) {
+        let mut retain_rng = std::mem::replace(&mut p.retain_rng, StdRng::seed_from_u64(0));
+        retain_step(p, &mut retain_rng);
+        p.retain_rng = retain_rng;
+    }
     match rng.random_range(0..15u32) {
         0 => {
             let ns = rng.random_range(0..2u64);
@@ -719,6 +729,81 @@ fn step(p: &mut Pair, rng: &mut StdRng, prefixes: &[Vec<u32>]) {
             p.edit_rng = edit_rng;
         }
         _ => {}
+    }
+}
+
+/// One random retention operation on both managers, compared: a priority of a whole
+/// sequence or a range (sometimes an invalid level), unpinning, a namespace quota.
+fn retain_step(p: &mut Pair, rng: &mut StdRng) {
+    let pick = |p: &Pair, rng: &mut StdRng| -> Option<(kvpage_seq, SeqId)> {
+        if !p.dead.is_empty() && rng.random_ratio(1, 12) {
+            return Some(p.dead[rng.random_range(0..p.dead.len())]);
+        }
+        (!p.live.is_empty()).then(|| p.live[rng.random_range(0..p.live.len())])
+    };
+    let m = p.c.m;
+    match rng.random_range(0..3u32) {
+        0 | 1 => {
+            // A priority (sometimes out of range) of a whole sequence or a range of it.
+            let Some((cs, rs)) = pick(p, rng) else { return };
+            let level = [0u32, 1, 2, 4][rng.random_range(0..4usize)];
+            let priority = kvpage_core::Priority::from_level(level as u8);
+            let (first, end) = (rng.random_range(0..20u32), rng.random_range(0..30u32));
+            let whole = rng.random_bool(0.5);
+            // SAFETY: live manager.
+            let c = ok(unsafe {
+                match whole {
+                    true => kvpage_manager_set_priority(m, cs, level, null_mut()),
+                    false => {
+                        kvpage_manager_set_range_priority(m, cs, first, end, level, null_mut())
+                    }
+                }
+            });
+            let Some(priority) = priority else {
+                assert_eq!(c, Err(KVPAGE_ERR_INVALID_ARGUMENT));
+                return;
+            };
+            let r = match whole {
+                true => p.r.m.set_priority(rs, priority),
+                false => p.r.m.set_range_priority(rs, first, end, priority),
+            };
+            same(&mut p.seen, "set priority", c, r, |_| ());
+            // Pinned blocks left cached would fill the small pool: unpin them soon.
+            if rng.random_ratio(1, 4) || p.r.m.pinned_blocks() > 4 {
+                let mut n = 0;
+                // SAFETY: live manager, writable out-parameter.
+                assert_eq!(
+                    unsafe { kvpage_manager_unpin_cached(m, &mut n, null_mut()) },
+                    KVPAGE_OK
+                );
+                assert_eq!(n, p.r.m.unpin_cached());
+            }
+        }
+        _ => {
+            // Namespaces 2 and 3: no sequence lives there (a quota on the others would
+            // change which prompts fit, and the run's prefix hits with them).
+            let ns = rng.random_range(2..4u64);
+            let (max, reserved) = (
+                rng.random_range(0..40u32),
+                u32::from(rng.random_ratio(1, 8)),
+            );
+            // SAFETY: live manager.
+            let c = unsafe { kvpage_manager_set_namespace_quota(m, ns, max, reserved, null_mut()) };
+            let quota = kvpage_core::NamespaceQuota {
+                max_blocks: max,
+                reserved_blocks: reserved,
+            };
+            let r = p.r.m.set_namespace_quota(ns, quota);
+            assert_eq!(c == KVPAGE_OK, r.is_ok(), "{r:?}");
+            assert!(r.is_ok() || c == KVPAGE_ERR_QUOTA_REFUSED);
+            let mut held = 0;
+            // SAFETY: live manager, writable out-parameter.
+            assert_eq!(
+                unsafe { kvpage_manager_namespace_blocks(m, ns, &mut held, null_mut()) },
+                KVPAGE_OK
+            );
+            assert_eq!(held, p.r.m.namespace_blocks(ns));
+        }
     }
 }
 

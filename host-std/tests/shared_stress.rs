@@ -37,6 +37,7 @@ const CONFIG: Config = Config {
     hash_key: 0x5eed,
     prefix_cache: true,
     max_position_runs: 4,
+    max_namespaces: 0,
 };
 const BS: u32 = CONFIG.block_size;
 const MAX_TOKENS: u32 = CONFIG.block_size * CONFIG.max_blocks_per_seq;

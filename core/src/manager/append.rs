@@ -30,7 +30,7 @@ impl BlockManager<'_> {
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
-    /// [`SeqError::TooLong`] past `max_blocks_per_seq`, [`SeqError::OutOfBlocks`],
+    /// [`SeqError::TooLong`] past `max_blocks_per_seq`, [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota),
     /// [`SeqError::SlotBufferTooSmall`], [`SeqError::BadPositions`] when a new token's
     /// position (the last one's plus one) would pass `u32::MAX`. Nothing changes on error.
     pub fn append_tokens(
@@ -91,16 +91,14 @@ impl BlockManager<'_> {
         };
         let cow = partial.is_some_and(|b| !self.pool.is_exclusive(b));
         let needed = grow + u32::from(cow);
-        let available = self.available_blocks();
-        if needed > available {
-            return Err(SeqError::OutOfBlocks { needed, available });
-        }
+        let owner = self.slot(i);
+        self.check_room(owner, needed, 0)?;
 
         // Commit: nothing below can fail.
         let mut copy = None;
         if let Some(last) = partial {
             if cow {
-                let dst = self.pool.alloc(&mut self.prefix);
+                let dst = self.pool.alloc(owner, &mut self.prefix);
                 self.prefix.copy_tokens(last, dst, offset);
                 self.pool.set_fill(dst, offset);
                 self.pool.release(last, &mut self.prefix);
@@ -114,7 +112,7 @@ impl BlockManager<'_> {
         let mut off = offset;
         for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
             if off == 0 {
-                let b = self.pool.alloc(&mut self.prefix);
+                let b = self.pool.alloc(owner, &mut self.prefix);
                 self.seqs.table[row + block_index] = b;
             }
             let b = self.seqs.table[row + block_index];

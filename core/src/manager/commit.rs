@@ -64,6 +64,11 @@ impl BlockManager<'_> {
         };
         self.prefix.set_hashed(b, hash, last);
         self.seqs.set_chain(i, Chain { hash, last });
+        let priority = self.seqs.priority(i);
+        self.raise_priority(b, priority);
+        if last.block != b {
+            self.raise_priority(last.block, priority);
+        }
         true
     }
 

@@ -142,7 +142,7 @@ impl Removal {
 
 impl BlockManager<'_> {
     /// Live, resident sequence `seq` and a check that `first..end` lies within it.
-    fn check_range(&self, seq: SeqId, first: u32, end: u32) -> Result<usize, SeqError> {
+    pub(super) fn check_range(&self, seq: SeqId, first: u32, end: u32) -> Result<usize, SeqError> {
         let i = self.seqs.check(seq)?;
         let len = self.seqs.len[i];
         if first > end || end > len {
@@ -236,6 +236,7 @@ impl BlockManager<'_> {
     /// Returns the copies written.
     fn own_blocks(&mut self, i: usize, from: usize, to: usize, copies: &mut [BlockCopy]) -> u32 {
         let row = self.seqs.row(i);
+        let slot = self.slot(i);
         let mut n = 0;
         for k in from..to {
             let b = self.seqs.table[row + k];
@@ -245,7 +246,7 @@ impl BlockManager<'_> {
                 }
                 self.prefix.clear(b);
             } else {
-                let dst = self.pool.alloc(&mut self.prefix);
+                let dst = self.pool.alloc(slot, &mut self.prefix);
                 self.pool.set_fill(dst, self.pool.fill(b));
                 self.pool.release(b, &mut self.prefix);
                 self.seqs.table[row + k] = dst;
@@ -276,7 +277,7 @@ impl BlockManager<'_> {
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
     /// [`SeqError::BadRange`] unless `first_index <= end_index <= len`,
-    /// [`SeqError::OutOfBlocks`] for the copies, [`SeqError::MoveBufferTooSmall`] when
+    /// [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota) for the copies, [`SeqError::MoveBufferTooSmall`] when
     /// `copies` or `moves` is too short, [`SeqError::TooManyPositionRuns`]. Nothing
     /// changes on error.
     pub fn remove_range(
@@ -345,13 +346,7 @@ impl BlockManager<'_> {
         );
         let need_copies = self.shared_blocks(i, low.0, low.1.max(low.0))
             + self.shared_blocks(i, high.0, high.1.max(high.0));
-        let available = self.available_blocks();
-        if need_copies > available {
-            return Err(SeqError::OutOfBlocks {
-                needed: need_copies,
-                available,
-            });
-        }
+        self.check_room(self.slot(i), need_copies, 0)?;
         if copies.len() < need_copies as usize {
             return Err(SeqError::MoveBufferTooSmall {
                 needed: need_copies as usize,
@@ -481,7 +476,7 @@ impl BlockManager<'_> {
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
-    /// [`SeqError::BadRange`], [`SeqError::OutOfBlocks`],
+    /// [`SeqError::BadRange`], [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota),
     /// [`SeqError::MoveBufferTooSmall`] when `copies` is too short. Nothing changes on
     /// error.
     pub fn make_exclusive(
@@ -498,10 +493,7 @@ impl BlockManager<'_> {
         let from = self.split(first_index).0 as usize;
         let to = self.blocks_for(end_index) as usize;
         let needed = self.shared_blocks(i, from, to);
-        let available = self.available_blocks();
-        if needed > available {
-            return Err(SeqError::OutOfBlocks { needed, available });
-        }
+        self.check_room(self.slot(i), needed, 0)?;
         if copies.len() < needed as usize {
             return Err(SeqError::MoveBufferTooSmall {
                 needed: needed as usize,
@@ -530,7 +522,7 @@ impl BlockManager<'_> {
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
-    /// [`SeqError::BadRange`], [`SeqError::NoFreeSequence`], [`SeqError::OutOfBlocks`],
+    /// [`SeqError::BadRange`], [`SeqError::NoFreeSequence`], [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota),
     /// [`SeqError::MoveBufferTooSmall`]. Nothing changes on error.
     pub fn copy_range(
         &mut self,
@@ -553,14 +545,9 @@ impl BlockManager<'_> {
         let (fb, fo) = self.split(first);
         let blocks = self.blocks_for(new_len);
         let mut edited = Edited::default();
+        let slot = self.pool.tenants.slot_of(namespace);
         if fo != 0 {
-            let available = self.available_blocks();
-            if blocks > available {
-                return Err(SeqError::OutOfBlocks {
-                    needed: blocks,
-                    available,
-                });
-            }
+            self.check_room(slot, blocks, 0)?;
             let needed = self.row_run_count(first, end, first) as usize;
             if moves.len() < needed {
                 return Err(SeqError::MoveBufferTooSmall {
@@ -582,7 +569,7 @@ impl BlockManager<'_> {
         } else {
             let bs = self.config.block_size;
             for k in 0..blocks {
-                let b = self.pool.alloc(&mut self.prefix);
+                let b = self.pool.alloc(slot, &mut self.prefix);
                 self.pool.set_fill(b, (new_len - k * bs).min(bs));
                 self.seqs.table[to + k as usize] = b;
             }
@@ -656,7 +643,7 @@ impl BlockManager<'_> {
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
     /// [`SeqError::BadRange`] when `n_keep + n_discard` exceeds the length or
-    /// `n_discard` exceeds `i32::MAX`, [`SeqError::OutOfBlocks`],
+    /// `n_discard` exceeds `i32::MAX`, [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota),
     /// [`SeqError::MoveBufferTooSmall`], [`SeqError::TooManyPositionRuns`]. Nothing
     /// changes on error.
     pub fn context_shift(

@@ -12,8 +12,11 @@
 //!
 //! # Invariants that make the rest panic-free
 //! - Every block is in exactly one state: *free* (in the free bitset, refcount 0, not
-//!   registered), *cached* (registered, refcount 0, in the LRU list) or *used*
-//!   (refcount ≥ 1). So `free + cached + used == num_blocks`.
+//!   registered), *cached* (registered, refcount 0, in the eviction list of its
+//!   namespace slot and priority) or *used* (refcount ≥ 1). So `free + cached + used ==
+//!   num_blocks`. Used and cached blocks are charged to the namespace slot that
+//!   allocated them, never beyond its quota, and the free blocks cover every
+//!   reservation ([`quota`]; retention priorities in [`retain`]).
 //! - A block's refcount equals the number of block-table entries of live sequences that
 //!   name it.
 //! - A live sequence of length `len` owns exactly `ceil(len / block_size)` entries at the
@@ -26,8 +29,10 @@
 //! - Only a block with refcount 1 and not registered is ever written: appending into a
 //!   shared or registered partial block copies it first (copy-on-write) or unregisters it.
 //! - A chain's blocks become cached deepest first (a sequence releases its blocks last to
-//!   first), so eviction, least recently cached first, takes a chain's tail before its
-//!   head and every cached block stays reachable by a lookup from the first block. (One
+//!   first), so eviction, least recently cached first within a priority, takes a
+//!   chain's tail before its head and every cached block stays reachable by a lookup
+//!   from the first block. Across priorities the order holds because a sequence's
+//!   block priorities never increase along its chain (see [`retain`]). (One
 //!   exception, harmless: a registered block that an edited sequence kept past its edit
 //!   point while others held it too, and that the edited sequence releases last, may
 //!   become cached after its chain's head; once the head is evicted no lookup reaches it,
@@ -43,6 +48,8 @@ mod commit;
 mod edit;
 pub(crate) mod pool;
 mod positions;
+mod quota;
+mod retain;
 pub(crate) mod seqs;
 mod swap;
 
@@ -50,11 +57,13 @@ use crate::config::Config;
 use crate::error::{InitError, SeqError};
 use crate::log::debug;
 use crate::prefix::PrefixCache;
+use crate::retention::Priority;
 use crate::stats::Stats;
 use crate::storage::Carver;
 pub use edit::{ContextShift, CopiedRange, Edited, RowMove};
 use pool::BlockPool;
 pub use positions::PositionRun;
+pub use quota::NamespaceQuota;
 pub use seqs::SeqId;
 use seqs::SeqTable;
 
@@ -175,14 +184,51 @@ impl<'a> BlockManager<'a> {
 
     // ----- block pool -------------------------------------------------------------------
 
-    /// Blocks an allocation can take right now: free plus cached (evictable). O(1).
+    /// Blocks an allocation can take right now, ignoring namespace quotas: free plus
+    /// cached below [`crate::Priority::Pinned`] (evictable). O(1). See
+    /// [`BlockManager::available_blocks_for`] with quotas.
     pub fn available_blocks(&self) -> u32 {
         self.pool.available(&self.prefix)
     }
 
-    /// Evicts up to `max_blocks` cached blocks, least recently cached first (so a
-    /// chain's deepest blocks before its first ones), making them free. Returns how many
-    /// were evicted. O(evicted).
+    /// Blocks allocations for `namespace` can take right now: free blocks not reserved
+    /// for other namespaces, plus the cached blocks it may evict (its own, and those of
+    /// namespaces above their reservation), capped by its quota. Equals
+    /// [`BlockManager::available_blocks`] without quotas. O(max_namespaces).
+    pub fn available_blocks_for(&self, namespace: u64) -> u32 {
+        let room = self
+            .pool
+            .room(self.pool.tenants.slot_of(namespace), &self.prefix);
+        room.blocks.min(room.quota)
+    }
+
+    /// Checks that allocations for namespace slot `s` can take `needed` more blocks
+    /// after the operation retains `taken` of the cached blocks counted as room.
+    fn check_room(&self, s: usize, needed: u32, taken: u32) -> Result<(), SeqError> {
+        let room = self.pool.room(s, &self.prefix);
+        let blocks = room.blocks.saturating_sub(taken);
+        let allowed = room.quota.saturating_sub(taken);
+        if needed > allowed && allowed < blocks {
+            return Err(SeqError::QuotaExceeded { needed, allowed });
+        }
+        if needed > blocks {
+            return Err(SeqError::OutOfBlocks {
+                needed,
+                available: blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// Namespace slot of live row `i`. O(max_namespaces).
+    fn slot(&self, i: usize) -> usize {
+        self.pool.tenants.slot_of(self.seqs.namespace[i])
+    }
+
+    /// Evicts up to `max_blocks` cached blocks, lowest [`crate::Priority`] first and
+    /// least recently cached within a priority (so a chain's deepest blocks before its
+    /// first ones), never pinned ones, making them free. Returns how many were evicted.
+    /// O(evicted * (max_namespaces + 1)).
     pub fn evict_cached(&mut self, max_blocks: u32) -> u32 {
         self.pool.evict(max_blocks, &mut self.prefix)
     }
@@ -268,6 +314,23 @@ impl<'a> BlockManager<'a> {
         tokens: &[u32],
         slots: &mut [u32],
     ) -> Result<PromptStart, SeqError> {
+        self.create_with_prompt_at(namespace, Priority::Normal, tokens, slots)
+    }
+
+    /// [`BlockManager::create_with_prompt`] for a sequence of retention `priority`
+    /// (see [`BlockManager::set_priority`]): the cached blocks it reuses are raised to
+    /// at least `priority`, and so are the blocks it commits. O(prompt length).
+    ///
+    /// # Errors
+    /// As [`BlockManager::create_with_prompt`], and [`SeqError::QuotaExceeded`] when
+    /// the namespace's quota does not allow the new blocks. Nothing changes on error.
+    pub fn create_with_prompt_at(
+        &mut self,
+        namespace: u64,
+        priority: Priority,
+        tokens: &[u32],
+        slots: &mut [u32],
+    ) -> Result<PromptStart, SeqError> {
         let max_tokens = self.config.max_tokens_per_seq();
         let len = tokens.len() as u64;
         if len > max_tokens {
@@ -281,16 +344,16 @@ impl<'a> BlockManager<'a> {
         let row = self.seqs.row(i);
         let (table, pool) = (&mut *self.seqs.table, &self.pool);
         let mut idle_hits = 0u32;
+        let prefix = &self.prefix;
         let walk = self.prefix.walk(namespace, tokens, |k, b| {
             table[row + k] = b;
-            idle_hits += u32::from(pool.refcount(b) == Some(0));
+            idle_hits +=
+                u32::from(pool.refcount(b) == Some(0) && prefix.priority(b) != Priority::Pinned);
         });
         let hits = walk.blocks as usize;
         let needed = self.blocks_for(len as u32) - walk.blocks;
-        let available = self.available_blocks() - idle_hits;
-        if needed > available {
-            return Err(SeqError::OutOfBlocks { needed, available });
-        }
+        let slot = self.pool.tenants.slot_of(namespace);
+        self.check_room(slot, needed, idle_hits)?;
         let reused = hits * self.config.block_size as usize;
         let new_tokens = tokens.len() - reused;
         if slots.len() < new_tokens {
@@ -301,8 +364,11 @@ impl<'a> BlockManager<'a> {
         }
         // Commit: nothing below can fail.
         self.open_seq(i, namespace);
+        self.seqs.set_priority(i, priority);
         for k in 0..hits {
-            self.pool.retain(self.seqs.table[row + k], &mut self.prefix);
+            let b = self.seqs.table[row + k];
+            self.pool.retain(b, &mut self.prefix);
+            self.raise_priority(b, priority);
         }
         self.seqs.len[i] = reused as u32;
         self.seqs.known[i] = reused as u32;
@@ -394,8 +460,9 @@ impl<'a> BlockManager<'a> {
         Ok(())
     }
 
-    /// Blocks of `seq` referenced by no other sequence: what preempting it frees.
-    /// O(blocks of `seq`).
+    /// Blocks of `seq` referenced by no other sequence, less the registered pinned ones
+    /// (released, those stay cached and are not available): what preempting it makes
+    /// available. O(blocks of `seq`).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`].
@@ -403,8 +470,15 @@ impl<'a> BlockManager<'a> {
         let blocks = self.blocks(seq)?;
         Ok(blocks
             .iter()
-            .filter(|&&b| self.pool.is_exclusive(b))
+            .filter(|&&b| self.pool.is_exclusive(b) && !self.prefix.stays_pinned(b))
             .count() as u32)
+    }
+
+    /// Whether any block has priority [`Priority::Pinned`] (held, cached or awaiting
+    /// reuse): when none has, every exclusive block of a sequence becomes available on
+    /// release. O(1).
+    pub(crate) fn any_pinned(&self) -> bool {
+        self.prefix.pinned_marked() > 0
     }
 
     /// Leading tokens of `tokens` that [`BlockManager::create_with_prompt`] would reuse
@@ -418,12 +492,15 @@ impl<'a> BlockManager<'a> {
     /// What [`BlockManager::create_with_prompt`] would reuse from the prefix cache of
     /// `namespace` for the prompt `tokens` right now: the leading tokens (as
     /// [`BlockManager::cached_prefix_tokens`]) and how many of those blocks no sequence
-    /// references (cached, idle: they count in [`BlockManager::available_blocks`] until
-    /// the new sequence takes them). Changes nothing. O(prompt length).
+    /// references and are not pinned (cached, idle: they count in
+    /// [`BlockManager::available_blocks`] until the new sequence takes them). Changes
+    /// nothing. O(prompt length).
     pub fn prefix_lookup(&self, namespace: u64, tokens: &[u32]) -> PrefixHit {
         let mut idle_blocks = 0u32;
         let walk = self.prefix.walk(namespace, tokens, |_, b| {
-            idle_blocks += u32::from(self.pool.refcount(b) == Some(0));
+            idle_blocks += u32::from(
+                self.pool.refcount(b) == Some(0) && self.prefix.priority(b) != Priority::Pinned,
+            );
         });
         PrefixHit {
             tokens: walk.blocks * self.config.block_size,

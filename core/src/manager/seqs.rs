@@ -13,6 +13,7 @@ use crate::error::SeqError;
 use crate::host_tier::HostPool;
 use crate::index_set::{words_for, IndexSet};
 use crate::prefix::{Chain, Link};
+use crate::retention::Priority;
 use crate::storage::{u32_words, Carver};
 
 use super::positions::PositionRun;
@@ -20,6 +21,10 @@ use super::positions::PositionRun;
 const LIVE: u32 = 1;
 /// The sequence's blocks are in the host tier; its row holds host block ids.
 const SWAPPED: u32 = 4;
+/// The sequence's retention priority level, stored xor [`Priority::Normal`] in these
+/// bits so a fresh row (flags `LIVE`) reads `Normal`.
+const PRIO_SHIFT: u32 = 8;
+const PRIO_MASK: u32 = 3 << PRIO_SHIFT;
 
 /// Handle of a live sequence: its row in the block table, the generation of that row and
 /// the tag of the manager that made it. A handle whose sequence was released is stale and
@@ -189,6 +194,19 @@ impl<'a> SeqTable<'a> {
     #[inline]
     pub(crate) fn is_swapped(&self, i: usize) -> bool {
         self.flags[i] & SWAPPED != 0
+    }
+
+    /// Retention priority of live row `i`: what the blocks it commits or reuses get.
+    /// O(1).
+    pub(crate) fn priority(&self, i: usize) -> Priority {
+        let bits = (self.flags[i] & PRIO_MASK) >> PRIO_SHIFT;
+        Priority::ALL[(bits ^ Priority::Normal as u32) as usize]
+    }
+
+    /// Sets the retention priority of live row `i`. O(1).
+    pub(crate) fn set_priority(&mut self, i: usize, p: Priority) {
+        let bits = (p as u32 ^ Priority::Normal as u32) << PRIO_SHIFT;
+        self.flags[i] = (self.flags[i] & !PRIO_MASK) | bits;
     }
 
     /// Marks row `i` swapped out (`true`) or resident.

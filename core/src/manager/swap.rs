@@ -62,7 +62,7 @@ impl BlockManager<'_> {
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`] (also for another
-    /// manager's host pool), [`SeqError::NotSwapped`], [`SeqError::OutOfBlocks`],
+    /// manager's host pool), [`SeqError::NotSwapped`], [`SeqError::OutOfBlocks`] ([`SeqError::QuotaExceeded`] under a namespace quota),
     /// [`SeqError::MoveBufferTooSmall`]. Nothing changes on error.
     pub fn swap_in(
         &mut self,
@@ -73,19 +73,14 @@ impl BlockManager<'_> {
         let i = self.seqs.check_swapped(seq, host)?;
         let len = self.seqs.swapped_len[i];
         let blocks = self.blocks_for(len);
-        let available = self.available_blocks();
-        if blocks > available {
-            return Err(SeqError::OutOfBlocks {
-                needed: blocks,
-                available,
-            });
-        }
+        let slot = self.slot(i);
+        self.check_room(slot, blocks, 0)?;
         let moves = moves_for(moves, blocks)?;
         let row = self.seqs.row(i);
         let bs = self.config.block_size;
         for (k, m) in moves.iter_mut().enumerate() {
             let h = self.seqs.table[row + k];
-            let b = self.pool.alloc(&mut self.prefix);
+            let b = self.pool.alloc(slot, &mut self.prefix);
             *m = BlockCopy { src: h, dst: b };
             self.seqs.table[row + k] = b;
             host.give_back(h);

@@ -1,6 +1,7 @@
 // Shared body of the engine property tests; the including file defines `BLOCK_SIZE`.
 use kvpage_core::{
-    BlockManager, Config, Engine, EngineConfig, EngineError, HostPool, Preemption, RequestId,
+    BlockManager, Config, Engine, EngineConfig, EngineError, HostPool, NamespaceQuota, Preemption, Priority,
+    RequestId,
     Sampled, SchedulerConfig,
 };
 use proptest::prelude::*;
@@ -18,6 +19,11 @@ struct Workload {
     watermark: u32,
     host_blocks: u32,
     swap: bool,
+    /// Blocks reserved for namespace 1 (what others may take shrinks while it holds
+    /// fewer), and how far below the pool its limit is (a lone request of the longest
+    /// length, plus a copy-on-write block, always fits it so the drain finishes).
+    reserve: u32,
+    limit_cut: u32,
     ops: Vec<Op>,
 }
 
@@ -31,6 +37,8 @@ enum Op {
         shared: u8,
         unique: u8,
         max_new: u8,
+        /// Retention priority level (0..=3, 3 pins), else the plain `add_request`.
+        level: u8,
     },
     /// A step; bit `k` of `stops` stops the k-th emitting sequence.
     Step { stops: u32 },
@@ -40,8 +48,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..2, 0u8..3, 0u8..40, 0u8..12, 0u8..40).prop_map(|(ns, group, shared, unique, max_new)| {
-            Op::Add { ns, group, shared, unique, max_new }
+        4 => (0u8..2, 0u8..3, 0u8..40, 0u8..12, 0u8..40, 0u8..6).prop_map(|(ns, group, shared, unique, max_new, level)| {
+            Op::Add { ns, group, shared, unique, max_new, level }
         }),
         8 => any::<u32>().prop_map(|stops| Op::Step { stops: stops & stops.rotate_left(7) & stops.rotate_left(13) }),
         1 => (any::<u8>(), any::<bool>()).prop_map(|(pick, replace)| Op::Fork { pick, replace }),
@@ -60,10 +68,12 @@ fn workload() -> impl Strategy<Value = Workload> {
                 1u32..48,
                 1u32..9,
                 prop::collection::vec(op(), 1..common::max_ops(200)),
+                0u32..4,
+                0u32..8,
             )
         })
         .prop_map(
-            |((num_blocks, watermark, swap, host_blocks, max_seqs, max_requests), bps, budget, running, ops)| {
+            |((num_blocks, watermark, swap, host_blocks, max_seqs, max_requests), bps, budget, running, ops, reserve, limit_cut)| {
                 Workload {
                     num_blocks,
                     max_blocks_per_seq: bps,
@@ -74,6 +84,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     watermark,
                     host_blocks,
                     swap,
+                    reserve,
+                    limit_cut,
                     ops,
                 }
             },
@@ -124,10 +136,16 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         hash_key: 0,
         prefix_cache: true,
         max_position_runs: 4,
+        max_namespaces: 1,
     };
     let max_tokens = kv_config.max_tokens_per_seq() as usize;
     let mut kv_words = vec![0u64; kv_config.storage_words()];
     let mut kv = BlockManager::new(kv_config, &mut kv_words).unwrap();
+    // A lone request of the longest length must still fit next to the reservation.
+    let reserve = w.reserve.min(w.num_blocks - 1 - w.watermark - w.max_blocks_per_seq.min(w.num_blocks - 1 - w.watermark));
+    let limit = w.num_blocks.saturating_sub(w.limit_cut).max(w.max_blocks_per_seq + 1 + w.watermark).min(w.num_blocks);
+    let quota = NamespaceQuota { max_blocks: limit, reserved_blocks: reserve.min(limit) };
+    kv.set_namespace_quota(1, quota).unwrap();
     let mut host_words = vec![0u32; HostPool::storage_words(w.host_blocks.max(1))];
     let mut host = (w.host_blocks > 0)
         .then(|| HostPool::new(w.host_blocks, 9, &mut host_words).unwrap());
@@ -228,11 +246,17 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
 
     for op in &w.ops {
         match *op {
-            Op::Add { ns, group, shared, unique, max_new } => {
+            Op::Add { ns, group, shared, unique, max_new, level } => {
                 let p = prompt(added, ns, group, shared, unique);
                 let p = &p[..p.len().min(max_tokens)];
                 let max_new = (max_new > 0).then_some(u32::from(max_new));
-                match engine.add_request(p, u64::from(ns), max_new) {
+                // Pinned prompts stay cached: a preempted sequence frees fewer blocks
+                // (the drain below unpins them when it stalls).
+                let added_request = match Priority::from_level(level) {
+                    Some(priority) => engine.add_request_at(p, u64::from(ns), max_new, priority),
+                    None => engine.add_request(p, u64::from(ns), max_new),
+                };
+                match added_request {
                     Ok(r) => {
                         live.push((r, u64::from(ns)));
                         added += 1;
@@ -283,6 +307,10 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         prop_assert!(steps < 20_000, "engine does not drain");
         let progressed = step(&mut engine, &mut kv, &mut host, &mut shadow, &mut live, &mut finished, &mut next_token, 0)?;
         idle = if progressed { 0 } else { idle + 1 };
+        if !progressed {
+            // Pinned prompts nobody uses may be what keeps the next request out.
+            kv.unpin_cached();
+        }
         prop_assert!(idle < 3, "no progress with {} requests in flight", engine.in_flight());
     }
     if std::env::var("ENGINE_TEST_STATS").is_ok() {

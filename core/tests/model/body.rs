@@ -1,6 +1,10 @@
-// Shared body of the model tests; the including file defines `BLOCK_SIZE` and
-// `PREFIX_CACHE`.
-use kvpage_core::{BlockCopy, BlockManager, Config, Edited, HostPool, PositionRun, RowMove, SeqError, SeqId, Stats};
+// Shared body of the model tests; the including file defines `BLOCK_SIZE`,
+// `PREFIX_CACHE` and `MAX_NAMESPACES` (0: no quotas; then every implicit eviction is
+// checked against the (priority, LRU) order, else explicit evictions only).
+use kvpage_core::{
+    BlockCopy, BlockManager, Config, Edited, HostPool, NamespaceQuota, PositionRun, Priority, QuotaError, RowMove,
+    SeqError, SeqId, Stats,
+};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -13,6 +17,7 @@ const CONFIG: Config = Config {
     hash_key: 0x5eed,
     prefix_cache: PREFIX_CACHE,
     max_position_runs: 3,
+    max_namespaces: MAX_NAMESPACES,
 };
 const BS: u32 = CONFIG.block_size;
 
@@ -24,7 +29,8 @@ type Cell = (u64, u32);
 #[derive(Debug, Clone)]
 enum Op {
     Create { ns: u8 },
-    CreatePrompt { ns: u8, base: u8, len: u8, tail: u8 },
+    /// `level` 0..=3 creates at that priority, above with the plain call.
+    CreatePrompt { ns: u8, base: u8, len: u8, tail: u8, level: u8 },
     Append { seq: u8, n: u8, with_ids: bool, alphabet: u8 },
     Fork { seq: u8 },
     Truncate { seq: u8, keep_percent: u8 },
@@ -40,6 +46,12 @@ enum Op {
     CopyRange { seq: u8, a: u8, b: u8, ns: u8 },
     Keep { keep: u8, mask: u8 },
     ContextShift { seq: u8, a: u8, b: u8, short: bool },
+    /// Retention: a whole sequence, a token range, unpinning cached blocks.
+    SetPriority { seq: u8, level: u8 },
+    SetRangePriority { seq: u8, a: u8, b: u8, level: u8 },
+    Unpin,
+    /// Quotas (refused with `TableFull` without a namespace table).
+    SetQuota { ns: u8, max: u8, reserve: u8 },
 }
 
 const HOST_BLOCKS: u32 = 10;
@@ -47,8 +59,8 @@ const HOST_BLOCKS: u32 = 10;
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         1 => any::<u8>().prop_map(|ns| Op::Create { ns: ns % 2 }),
-        3 => (any::<u8>(), any::<u8>(), 0u8..30, any::<u8>())
-            .prop_map(|(ns, base, len, tail)| Op::CreatePrompt { ns: ns % 2, base: base % 3, len, tail }),
+        3 => (any::<u8>(), any::<u8>(), 0u8..30, any::<u8>(), 0u8..8)
+            .prop_map(|(ns, base, len, tail, level)| Op::CreatePrompt { ns: ns % 2, base: base % 3, len, tail, level }),
         5 => (any::<u8>(), 0u8..11, any::<bool>(), 1u8..4)
             .prop_map(|(seq, n, with_ids, alphabet)| Op::Append { seq, n, with_ids, alphabet }),
         2 => any::<u8>().prop_map(|seq| Op::Fork { seq }),
@@ -68,6 +80,11 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<u8>(), any::<u8>()).prop_map(|(keep, mask)| Op::Keep { keep, mask }),
         3 => (any::<u8>(), 0u8..=100, 0u8..=100, any::<u8>())
             .prop_map(|(seq, a, b, short)| Op::ContextShift { seq, a, b, short: short % 8 == 0 }),
+        2 => (any::<u8>(), 0u8..4).prop_map(|(seq, level)| Op::SetPriority { seq, level }),
+        2 => (any::<u8>(), 0u8..=100, 0u8..=100, 0u8..4)
+            .prop_map(|(seq, a, b, level)| Op::SetRangePriority { seq, a, b, level }),
+        1 => Just(Op::Unpin),
+        2 => (0u8..3, 0u8..16, 0u8..8).prop_map(|(ns, max, reserve)| Op::SetQuota { ns, max, reserve }),
     ]
 }
 
@@ -89,6 +106,11 @@ struct Model {
     stale: Vec<SeqId>,
     arena: Vec<Option<Cell>>,
     next_unique: u64,
+    /// Cached blocks: their priority and the step at which they entered their eviction
+    /// list (became cached, or changed priority while cached).
+    cached: HashMap<u32, (Priority, usize)>,
+    /// Quotas set successfully.
+    quotas: HashMap<u64, NamespaceQuota>,
 }
 
 /// Everything observable about the manager, to prove a failed operation changed nothing.
@@ -98,6 +120,8 @@ struct Snapshot {
     host_free: u32,
     refcounts: Vec<u32>,
     registered: Vec<bool>,
+    priorities: Vec<Option<Priority>>,
+    namespaces: Vec<(NamespaceQuota, u32, u32)>,
     rows: Vec<(SeqId, u32, Vec<u32>, Vec<PositionRun>)>,
 }
 
@@ -107,6 +131,8 @@ fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapsh
         host_free: host.free_blocks(),
         refcounts: (0..CONFIG.num_blocks).map(|b| kv.refcount(b).unwrap()).collect(),
         registered: (0..CONFIG.num_blocks).map(|b| kv.is_registered(b)).collect(),
+        priorities: (0..CONFIG.num_blocks).map(|b| kv.block_priority(b)).collect(),
+        namespaces: (0..3).map(|ns| (kv.namespace_quota(ns), kv.namespace_blocks(ns), kv.available_blocks_for(ns))).collect(),
         rows: model
             .seqs
             .keys()
@@ -253,6 +279,44 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
     }
     assert_eq!(stats.used_blocks as usize, refs.len());
     assert_eq!(stats.cached_blocks, cached);
+    // Pinned cached blocks are cached but not available.
+    let pinned = (0..CONFIG.num_blocks)
+        .filter(|&b| kv.refcount(b) == Some(0) && kv.is_registered(b) && kv.block_priority(b) == Some(Priority::Pinned))
+        .count() as u32;
+    assert_eq!(kv.pinned_blocks(), pinned);
+    // What preempting a sequence frees: its own blocks, less those that stay cached pinned.
+    for &s in model.seqs.keys() {
+        let frees = kv
+            .blocks(s)
+            .unwrap()
+            .iter()
+            .filter(|&&b| kv.refcount(b) == Some(1))
+            .filter(|&&b| !(kv.is_registered(b) && kv.block_priority(b) == Some(Priority::Pinned)))
+            .count() as u32;
+        assert_eq!(kv.exclusive_blocks(s), Ok(frees));
+    }
+    assert_eq!(kv.available_blocks(), stats.free_blocks + stats.cached_blocks - pinned);
+    // Quotas: never exceeded, reservations always within reach, charges within the pool.
+    let mut charged = 0;
+    for (&ns, q) in &model.quotas {
+        assert_eq!(kv.namespace_quota(ns), *q);
+        let held = kv.namespace_blocks(ns);
+        assert!(held <= q.max_blocks, "namespace {ns} holds {held} > {q:?}");
+        let short = q.reserved_blocks.saturating_sub(held);
+        assert!(kv.available_blocks_for(ns) >= short, "namespace {ns} cannot reach its reservation");
+        charged += held;
+    }
+    assert!(charged <= stats.used_blocks + stats.cached_blocks);
+    let reserved: u32 = model.quotas.iter().map(|(&ns, q)| q.reserved_blocks.saturating_sub(kv.namespace_blocks(ns))).sum();
+    assert!(stats.free_blocks >= reserved, "free blocks do not cover the reservations");
+    for ns in 0..3u64 {
+        assert!(kv.shared_available_blocks() <= kv.available_blocks_for(ns) || kv.namespace_quota(ns).max_blocks < u32::MAX);
+        assert!(kv.available_blocks_for(ns) <= kv.available_blocks() || !model.quotas.is_empty());
+        if model.quotas.is_empty() {
+            assert_eq!(kv.shared_available_blocks(), kv.available_blocks());
+            assert_eq!(kv.available_blocks_for(ns), kv.available_blocks());
+        }
+    }
     assert!(PREFIX_CACHE || cached == 0);
     assert_eq!(stats.logical_tokens, logical);
     assert_eq!(stats.live_seqs as usize, model.seqs.len() + model.swapped.len());
@@ -266,6 +330,43 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
         assert_eq!(&kv.block_table()[row..row + blocks.len()], blocks);
         assert_eq!(kv.seq_lens()[s.index() as usize] as usize, model.seqs[&s].len());
     }
+}
+
+/// Eviction order after a step: of the blocks cached before it, the ones evicted (no
+/// longer registered) come before every one still cached by (priority, step it entered
+/// its list), pinned ones are never evicted; then records the cached blocks' lists.
+fn check_retention(kv: &BlockManager<'_>, model: &mut Model, step: usize, check_order: bool) {
+    let still = |b: u32| kv.is_registered(b);
+    let evicted: Vec<(Priority, usize)> = model.cached.iter().filter(|(&b, _)| !still(b)).map(|(_, &k)| k).collect();
+    for (&b, &(p, _)) in &model.cached {
+        assert!(p != Priority::Pinned || still(b), "pinned block {b} evicted");
+    }
+    if check_order {
+        if let Some(&last) = evicted.iter().max() {
+            for (&b, &key) in &model.cached {
+                let cached_now = still(b) && kv.refcount(b) == Some(0);
+                if cached_now && key.0 != Priority::Pinned && key < last {
+                    // Only a block whose list changed in this step may be older.
+                    assert!(
+                        kv.block_priority(b) != Some(key.0),
+                        "block {b} {key:?} kept while {last:?} was evicted"
+                    );
+                }
+            }
+        }
+    }
+    let mut now = HashMap::new();
+    for b in 0..CONFIG.num_blocks {
+        if kv.refcount(b) == Some(0) && kv.is_registered(b) {
+            let p = kv.block_priority(b).unwrap();
+            let key = match model.cached.get(&b) {
+                Some(&(q, since)) if q == p => (p, since),
+                _ => (p, step),
+            };
+            now.insert(b, key);
+        }
+    }
+    model.cached = now;
 }
 
 fn run(ops: &[Op]) {
@@ -282,11 +383,13 @@ fn run(ops: &[Op]) {
         stale: Vec::new(),
         arena: vec![None; (CONFIG.num_blocks * BS) as usize],
         next_unique: 1 << 32,
+        cached: HashMap::new(),
+        quotas: HashMap::new(),
     };
     let mut slots = vec![0u32; 64];
     let mut copies = [BlockCopy { src: 0, dst: 0 }; 16];
     let mut rows = [RowMove::default(); 64];
-    for op in ops {
+    for (step, op) in ops.iter().enumerate() {
         let before = snapshot(&kv, &host, &model);
         let failed: Option<SeqError> = match *op {
             Op::Create { ns } => match kv.create(u64::from(ns)) {
@@ -297,15 +400,25 @@ fn run(ops: &[Op]) {
                 }
                 Err(e) => Some(e),
             },
-            Op::CreatePrompt { ns, base, len, tail } => {
+            Op::CreatePrompt { ns, base, len, tail, level } => {
                 let mut prompt = base_prompt(base, len as usize);
                 if tail % 2 == 1 {
                     prompt.push(1000 + u32::from(tail));
                 }
                 let predicted = kv.cached_prefix_tokens(u64::from(ns), &prompt);
                 assert!(PREFIX_CACHE || predicted == 0, "no hits without a prefix cache");
-                match kv.create_with_prompt(u64::from(ns), &prompt, &mut slots) {
+                let priority = Priority::from_level(level);
+                let created = match priority {
+                    Some(p) => kv.create_with_prompt_at(u64::from(ns), p, &prompt, &mut slots),
+                    None => kv.create_with_prompt(u64::from(ns), &prompt, &mut slots),
+                };
+                match created {
                     Ok(start) => {
+                        let p = priority.unwrap_or_default();
+                        assert_eq!(kv.priority(start.seq), Ok(p));
+                        for &b in &kv.blocks(start.seq).unwrap()[..start.reused_tokens as usize / BS as usize] {
+                            assert!(kv.block_priority(b).unwrap() >= p, "a reused block is raised");
+                        }
                         let r = start.reused_tokens as usize;
                         assert_eq!(start.reused_tokens, predicted);
                         assert_eq!(r % BS as usize, 0);
@@ -395,7 +508,9 @@ fn run(ops: &[Op]) {
             Op::Release { seq } => match pick(&model, seq) {
                 None => None,
                 Some(s) => {
+                    let (available, frees) = (kv.available_blocks(), kv.exclusive_blocks(s).unwrap());
                     kv.release(s).unwrap();
+                    assert_eq!(kv.available_blocks(), available + frees, "release frees its exclusive blocks");
                     model.seqs.remove(&s);
                     model.stale.push(s);
                     None
@@ -404,7 +519,7 @@ fn run(ops: &[Op]) {
             Op::Evict { n } => {
                 let cached = kv.stats().cached_blocks;
                 let evicted = kv.evict_cached(u32::from(n));
-                assert_eq!(evicted, cached.min(u32::from(n)));
+                assert_eq!(evicted, (cached - kv.pinned_blocks()).min(u32::from(n)));
                 assert_eq!(kv.stats().cached_blocks, cached - evicted);
                 None
             }
@@ -620,6 +735,70 @@ fn run(ops: &[Op]) {
                     }
                 }
             },
+            Op::SetPriority { seq, level } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let p = Priority::from_level(level).unwrap();
+                    kv.set_priority(s, p).unwrap();
+                    assert_eq!(kv.priority(s), Ok(p));
+                    if PREFIX_CACHE {
+                        for &b in kv.blocks(s).unwrap() {
+                            assert_eq!(kv.block_priority(b), Some(p));
+                        }
+                    }
+                    None
+                }
+            },
+            Op::SetRangePriority { seq, a, b, level } => match pick(&model, seq) {
+                None => None,
+                Some(s) => {
+                    let (first, end) = range_of(model.seqs[&s].len(), a, b);
+                    let p = Priority::from_level(level).unwrap();
+                    let len = model.seqs[&s].len() as u32;
+                    assert!(matches!(kv.set_range_priority(s, 0, len + 1, p), Err(SeqError::BadRange { .. })));
+                    kv.set_range_priority(s, first, end, p).unwrap();
+                    if PREFIX_CACHE && first < end {
+                        let blocks = kv.blocks(s).unwrap();
+                        for k in (first / BS)..end.div_ceil(BS) {
+                            assert_eq!(kv.block_priority(blocks[k as usize]), Some(p));
+                        }
+                        // Blocks before the range are at least, after it at most, `p`.
+                        for (k, &b) in blocks.iter().enumerate() {
+                            let q = kv.block_priority(b).unwrap();
+                            assert!((k as u32) >= first / BS || q >= p, "block {k} before the range below {p:?}");
+                            assert!((k as u32) < end.div_ceil(BS) || q <= p, "block {k} after the range above {p:?}");
+                        }
+                    }
+                    None
+                }
+            },
+            Op::Unpin => {
+                let pinned = kv.pinned_blocks();
+                assert_eq!(kv.unpin_cached(), pinned);
+                assert_eq!(kv.pinned_blocks(), 0);
+                None
+            }
+            Op::SetQuota { ns, max, reserve } => {
+                let q = NamespaceQuota { max_blocks: u32::from(max), reserved_blocks: u32::from(reserve) };
+                let before_q = snapshot(&kv, &host, &model);
+                match kv.set_namespace_quota(u64::from(ns), q) {
+                    Ok(()) => {
+                        assert!(q.reserved_blocks <= q.max_blocks);
+                        assert!(kv.namespace_blocks(u64::from(ns)) <= q.max_blocks);
+                        model.quotas.insert(u64::from(ns), q);
+                    }
+                    Err(e) => {
+                        match e {
+                            QuotaError::ReserveAboveLimit => assert!(reserve > max),
+                            QuotaError::TableFull => assert!(model.quotas.len() as u32 == MAX_NAMESPACES),
+                            QuotaError::HeldAboveLimit { held, limit } => assert!(held > limit),
+                            QuotaError::ReserveUnavailable { needed, free } => assert!(needed > free),
+                        }
+                        assert_eq!(snapshot(&kv, &host, &model), before_q, "failed quota changed the state");
+                    }
+                }
+                None
+            }
             Op::UseStale { which } => {
                 if let Some(&s) = model.stale.get(which as usize % model.stale.len().max(1)) {
                     assert_eq!(kv.release(s), Err(SeqError::StaleHandle));
@@ -638,6 +817,7 @@ fn run(ops: &[Op]) {
                 matches!(
                     e,
                     SeqError::OutOfBlocks { .. }
+                        | SeqError::QuotaExceeded { .. }
                         | SeqError::TooLong { .. }
                         | SeqError::NoFreeSequence
                         | SeqError::StaleHandle
@@ -650,6 +830,10 @@ fn run(ops: &[Op]) {
             );
             assert_eq!(snapshot(&kv, &host, &model), before, "failed {op:?} changed the state");
         }
+        if let Some(SeqError::QuotaExceeded { needed, allowed }) = failed {
+            assert!(needed > allowed && !model.quotas.is_empty());
+        }
+        check_retention(&kv, &mut model, step, matches!(op, Op::Evict { .. }) || MAX_NAMESPACES == 0);
         check_invariants(&kv, &model);
         let swapped_blocks: usize = model.swapped.values().map(|c| c.len().div_ceil(BS as usize)).sum();
         assert_eq!(host.free_blocks() as usize, HOST_BLOCKS as usize - swapped_blocks);
@@ -673,13 +857,13 @@ proptest! {
 #[test]
 fn commit_of_a_block_a_fork_committed() {
     run(&[
-        Op::CreatePrompt { ns: 0, base: 0, len: 6, tail: 114 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 6, tail: 114, level: 9 },
         Op::Append { seq: 0, n: 10, with_ids: true, alphabet: 1 },
         Op::Fork { seq: 0 },
         Op::Fork { seq: 0 },
         Op::Create { ns: 0 },
         Op::Fork { seq: 0 },
-        Op::CreatePrompt { ns: 0, base: 0, len: 4, tail: 1 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 4, tail: 1, level: 9 },
         Op::SwapOut { seq: 0 },
         Op::Release { seq: 64 },
         Op::Commit { seq: 32, percent: 25 },
@@ -687,7 +871,7 @@ fn commit_of_a_block_a_fork_committed() {
         Op::Append { seq: 0, n: 0, with_ids: false, alphabet: 1 },
         Op::Evict { n: 1 },
         Op::Commit { seq: 31, percent: 50 },
-        Op::CreatePrompt { ns: 0, base: 0, len: 8, tail: 52 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 8, tail: 52, level: 9 },
         Op::Commit { seq: 88, percent: 50 },
     ]);
 }
@@ -697,11 +881,11 @@ fn commit_of_a_block_a_fork_committed() {
 #[test]
 fn appends_after_a_position_gap_are_never_shared() {
     run(&[
-        Op::CreatePrompt { ns: 0, base: 0, len: 1, tail: 29 },
+        Op::CreatePrompt { ns: 0, base: 0, len: 1, tail: 29, level: 9 },
         Op::CopyRange { seq: 0, a: 50, b: 0, ns: 1 },
         Op::Append { seq: 1, n: 5, with_ids: true, alphabet: 3 },
         Op::Commit { seq: 1, percent: 60 },
-        Op::CreatePrompt { ns: 1, base: 0, len: 4, tail: 0 },
+        Op::CreatePrompt { ns: 1, base: 0, len: 4, tail: 0, level: 9 },
     ]);
 }
 

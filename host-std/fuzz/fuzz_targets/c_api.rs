@@ -434,6 +434,7 @@ fuzz_target!(|data: &[u8]| {
             prefix_cache: u32::from(s.prefix_cache),
             hash_key: 5,
             host_blocks: u32::from(s.host_blocks % 12),
+            max_namespaces: 0,
         };
         let mut bytes = usize::MAX;
         let code = kvpage_manager_storage_size(&config, &mut bytes, null_mut());

@@ -19,6 +19,7 @@ use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagge
 use super::cache::{capacity_from_c, kvpage_cache_default_params, kvpage_cache_params};
 use super::geometry::kvpage_geometry;
 use super::ids::{kvpage_request, request_from_c, request_to_c};
+use super::manager_retain::priority_from_c;
 use super::plan::{
     kvpage_finished, kvpage_sampled, kvpage_scheduler_params, kvpage_step_seq,
     KVPAGE_PREEMPT_RECOMPUTE,
@@ -201,6 +202,45 @@ pub unsafe extern "C" fn kvpage_engine_add_request(
             let id = e
                 .engine
                 .add_request(prompt, ns, max_new_from_c(max_new_tokens))?;
+            dst.set(request_to_c(id));
+            Ok(())
+        })
+    }
+}
+
+/// `kvpage_engine_add_request` for a request of retention `priority` (a
+/// `KVPAGE_PRIORITY_*` level): the prompt blocks it computes or reuses stay cached at
+/// least that long; `KVPAGE_PRIORITY_PINNED` keeps a hot system prompt for every later
+/// request. O(n).
+///
+/// # Errors
+/// As `kvpage_engine_add_request`, and `KVPAGE_ERR_INVALID_ARGUMENT` for a level above
+/// `KVPAGE_PRIORITY_PINNED` (`value` = level).
+///
+/// # Safety
+/// As `kvpage_engine_add_request`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvpage_engine_add_request_at(
+    engine: *mut kvpage_engine,
+    ns: u64,
+    prompt: *const u32,
+    n: usize,
+    max_new_tokens: u32,
+    priority: u32,
+    out_request: *mut kvpage_request,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked before use.
+    unsafe {
+        run(err, || {
+            let e = tagged_mut(engine)?;
+            let prompt = slice(prompt, n, "prompt")?;
+            let dst = out(out_request, "out_request")?;
+            let priority = priority_from_c(priority)?;
+            let id =
+                e.engine
+                    .add_request_at(prompt, ns, max_new_from_c(max_new_tokens), priority)?;
             dst.set(request_to_c(id));
             Ok(())
         })

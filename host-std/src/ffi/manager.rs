@@ -37,6 +37,9 @@ pub struct kvpage_manager_config {
     pub hash_key: u64,
     /// Blocks of the host tier for swapped-out sequences; 0 for none.
     pub host_blocks: u32,
+    /// Namespaces that can have a quota (`kvpage_manager_set_namespace_quota`), at most
+    /// 256; 0 for none (eviction compares one list per namespace slot).
+    pub max_namespaces: u32,
 }
 
 impl kvpage_manager_config {
@@ -52,6 +55,7 @@ impl kvpage_manager_config {
             hash_key: self.hash_key,
             prefix_cache: self.prefix_cache != 0,
             max_position_runs: kvpage_core::DEFAULT_POSITION_RUNS,
+            max_namespaces: self.max_namespaces,
         }
     }
 }
@@ -142,6 +146,7 @@ pub unsafe extern "C" fn kvpage_manager_config_for_geometry(
                 prefix_cache: u32::from(c.prefix_cache),
                 hash_key: c.hash_key,
                 host_blocks: 0,
+                max_namespaces: 0,
             });
             Ok(())
         })

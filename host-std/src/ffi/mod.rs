@@ -41,6 +41,7 @@ pub mod geometry;
 pub mod ids;
 pub mod manager;
 pub mod manager_edit;
+pub mod manager_retain;
 pub mod manager_seqs;
 pub mod manager_swap;
 // After the manager's modules, so the header lists its block-table exports after them.
@@ -62,6 +63,7 @@ pub use geometry::*;
 pub use ids::*;
 pub use manager::*;
 pub use manager_edit::*;
+pub use manager_retain::*;
 pub use manager_seqs::*;
 pub use manager_swap::*;
 pub use plan::*;

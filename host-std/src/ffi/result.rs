@@ -6,7 +6,7 @@ use core::ffi::c_char;
 use core::fmt::{self, Write as _};
 use std::panic::{self, AssertUnwindSafe};
 
-use kvpage_core::{EngineError, GeometryError, InitError, SeqError};
+use kvpage_core::{EngineError, GeometryError, InitError, QuotaError, SeqError};
 
 use crate::cache::CacheError;
 use crate::error::KernelError;
@@ -122,10 +122,18 @@ pub enum kvpage_result {
     KVPAGE_ERR_BLOB_CORRUPT = 44,
     /// A file could not be written or read (`value` = the OS error number, 0 if none).
     KVPAGE_ERR_IO = 45,
+    /// The sequence's namespace would exceed its block quota even after evicting its
+    /// own cached blocks (`needed` blocks, `available` = what the quota still allows).
+    KVPAGE_ERR_QUOTA_EXCEEDED = 46,
+    /// A namespace quota cannot be set: the reservation exceeds the limit, the
+    /// namespace table is full, the namespace holds more than the new limit (`needed` =
+    /// held, `available` = limit), or the free blocks cannot cover the reservations
+    /// (`needed`, `available` = free).
+    KVPAGE_ERR_QUOTA_REFUSED = 47,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_IO as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_QUOTA_REFUSED as u32;
 
 use kvpage_result::*;
 
@@ -181,6 +189,8 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         43 => c"blob truncated",
         44 => c"blob corrupt",
         45 => c"i/o error",
+        46 => c"namespace quota exceeded",
+        47 => c"namespace quota refused",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -348,6 +358,24 @@ impl From<EngineError> for Fail {
     }
 }
 
+impl From<QuotaError> for Fail {
+    fn from(e: QuotaError) -> Self {
+        let fail = |message| Fail::new(KVPAGE_ERR_QUOTA_REFUSED, message);
+        match e {
+            QuotaError::ReserveAboveLimit => fail("reserved blocks exceed the block limit"),
+            QuotaError::TableFull => fail("namespace table full (max_namespaces)"),
+            QuotaError::HeldAboveLimit { held, limit } => {
+                fail("namespace holds more blocks than the new limit")
+                    .with_sizes(u64::from(held), u64::from(limit))
+            }
+            QuotaError::ReserveUnavailable { needed, free } => {
+                fail("free blocks cannot cover the reservations")
+                    .with_sizes(u64::from(needed), u64::from(free))
+            }
+        }
+    }
+}
+
 impl From<KernelError> for Fail {
     fn from(e: KernelError) -> Self {
         CacheError::Kernel(e).into()
@@ -508,6 +536,12 @@ fn classify_seq(e: SeqError) -> (kvpage_result, u64, u64, u64) {
             KVPAGE_ERR_TOO_MANY_POSITION_RUNS,
             u64::from(needed),
             u64::from(capacity),
+            0,
+        ),
+        SeqError::QuotaExceeded { needed, allowed } => (
+            KVPAGE_ERR_QUOTA_EXCEEDED,
+            u64::from(needed),
+            u64::from(allowed),
             0,
         ),
     }
