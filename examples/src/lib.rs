@@ -1,8 +1,9 @@
 //! Shared pieces of the kvpage examples: trace parsing, model and device presets, the
 //! roofline step model, the KV memory of each policy, the continuous-batching replay on
-//! kvpage's engine and its reports.
+//! kvpage's engine and its reports; the tiny transformer and the script of `long_chat`.
 
 pub mod incident;
+pub mod long_chat;
 pub mod memory;
 pub mod metrics;
 pub mod presets;
@@ -14,4 +15,5 @@ pub mod sim;
 mod sim_tests;
 pub mod step_model;
 pub mod svg;
+pub mod tiny_lm;
 pub mod trace;
