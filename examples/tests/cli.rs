@@ -54,3 +54,30 @@ fn incident_runs() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("admitted in step 1"));
 }
+
+#[test]
+fn long_chat_shifts_saves_restores_and_continues_identically() {
+    let out = Command::new(env!("CARGO_BIN_EXE_long_chat"))
+        .output()
+        .expect("run long_chat");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{err}");
+    assert!(err.is_empty(), "{err}");
+    // Past the per-sequence capacity, by context shift, without recomputing a token.
+    assert!(
+        text.contains("tokens recomputed: 0 (recompute on overflow: "),
+        "{text}"
+    );
+    let processed: u32 = text
+        .split_once("turns, ")
+        .and_then(|(_, rest)| rest.split_once(" tokens processed through a 256-token"))
+        .and_then(|(n, _)| n.parse().ok())
+        .expect("the conversation line");
+    assert!(processed > 3 * 256, "{processed} tokens processed");
+    assert!(text.contains("tolerance 1e-4) ok"), "{text}");
+    assert!(text.contains("refused (blob was saved for another model fingerprint)"));
+    assert!(text.contains("continued the restore from the buffer: identical"));
+    assert!(text.contains("continued the restore from the file: identical"));
+    assert!(text.contains("long_chat: all checks passed"));
+}
