@@ -45,12 +45,16 @@ pub const ROPE: RopeParams = RopeParams {
 /// position `positions[i]`: pair `j` turns by `position · base^(-2j / HEAD_DIM)`, the
 /// convention of [`ROPE`]. Angles in `f64`.
 fn apply_rope(x: &mut [f32], positions: &[u32]) {
+    if positions.is_empty() {
+        return;
+    }
     let half = HEAD_DIM / 2;
-    let rows = x.len() / positions.len().max(1);
-    for (row, &pos) in x.chunks_exact_mut(rows).zip(positions) {
+    let freqs: Vec<f64> = (0..half)
+        .map(|j| f64::from(ROPE.base).powf(-2.0 * j as f64 / HEAD_DIM as f64))
+        .collect();
+    for (row, &pos) in x.chunks_exact_mut(x.len() / positions.len()).zip(positions) {
         for head in row.chunks_exact_mut(HEAD_DIM) {
-            for j in 0..half {
-                let freq = f64::from(ROPE.base).powf(-2.0 * j as f64 / HEAD_DIM as f64);
+            for (j, &freq) in freqs.iter().enumerate() {
                 let (sin, cos) = (f64::from(pos) * freq).sin_cos();
                 let (a, b) = (f64::from(head[j]), f64::from(head[j + half]));
                 head[j] = (a * cos - b * sin) as f32;
@@ -242,7 +246,8 @@ impl TinyLm {
         tokens: &[u32],
     ) -> Result<Forward, CacheError> {
         let n = tokens.len() as u32;
-        let first = cache.len(seq)? - n;
+        // More tokens than the sequence holds: `write_kv` refuses them below.
+        let first = cache.len(seq)?.saturating_sub(n);
         let positions = (first..first + n)
             .map(|i| cache.position(seq, i))
             .collect::<Result<Vec<u32>, _>>()?;

@@ -77,7 +77,9 @@ fn long_chat_shifts_saves_restores_and_continues_identically() {
     assert!(processed > 3 * 256, "{processed} tokens processed");
     assert!(text.contains("tolerance 1e-4) ok"), "{text}");
     assert!(text.contains("refused (blob was saved for another model fingerprint)"));
-    assert!(text.contains("continued the restore from the buffer: identical"));
-    assert!(text.contains("continued the restore from the file: identical"));
+    assert!(text
+        .contains("continued the restore from the buffer: identical tokens, bit-identical logits"));
+    assert!(text
+        .contains("continued the restore from the file: identical tokens, bit-identical logits"));
     assert!(text.contains("long_chat: all checks passed"));
 }
