@@ -158,12 +158,13 @@ pub struct TinyLm {
 }
 
 impl TinyLm {
-    /// A model with weights drawn from `seed` (uniform, scaled by `1 / sqrt(fan_in)`):
+    /// A model with weights drawn from `seed` (uniform in ±3 / sqrt(fan_in): large enough
+    /// that greedy decoding does not settle into a two-token loop at once):
     /// the same seed gives the same model.
     pub fn new(seed: u64) -> Self {
         let mut rng = SplitMix64::new(seed);
         let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
-            let scale = 3.0 / (rows as f32).sqrt();
+            let scale = 6.0 / (rows as f32).sqrt();
             (0..rows * cols)
                 .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale)
                 .collect()
