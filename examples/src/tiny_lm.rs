@@ -390,4 +390,48 @@ mod tests {
         let dense = model.forward_dense(&dense.kv, &[next]);
         assert_eq!(argmax(&paged.logits), argmax(&dense.logits));
     }
+
+    /// An unaligned context shift (rows moved inside blocks, keys re-rotated): the next
+    /// token through the cache equals the dense reference over the same K/V at the new
+    /// positions. (`long_chat` shifts by whole blocks, which moves no row.)
+    #[test]
+    fn unaligned_shift_equals_dense() {
+        let model = TinyLm::new(2);
+        let mut cache = KvCache::new(CacheConfig {
+            geometry: TinyLm::geometry(4).unwrap(),
+            capacity: Capacity::Blocks(10),
+            max_seqs: 1,
+            max_seq_len: 32,
+            threads: 1,
+        })
+        .unwrap();
+        let seq = cache.create(0).unwrap();
+        let prompt: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
+        cache.append_tokens(seq, &prompt).unwrap();
+        let mut context = model.forward(&mut cache, seq, &prompt).unwrap().kv;
+        let shift = cache.context_shift(seq, 3, 5).unwrap();
+        assert!(shift.edited.moves > 0, "{shift:?}");
+        cache
+            .rotate_keys(
+                seq,
+                shift.rotate_first,
+                shift.rotate_end,
+                shift.delta.into(),
+                ROPE,
+            )
+            .unwrap();
+        context.remove(3, 8);
+        cache.append_tokens(seq, &[11]).unwrap();
+        let paged = model.forward(&mut cache, seq, &[11]).unwrap();
+        let dense = model.forward_dense(&context, &[11]);
+        let scale = dense.logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let diff = paged
+            .logits
+            .iter()
+            .zip(&dense.logits)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= 1e-4 * scale, "{diff} of {scale}");
+        // Positions stay dense: the new token sits at its index.
+        assert_eq!(cache.position(seq, 14).unwrap(), 14);
+    }
 }
