@@ -1608,7 +1608,7 @@ fn sequence_edits_through_c() {
         assert_eq!(pos, 2);
         let mut shift = kvpage_context_shift::default();
         assert_eq!(
-            kvpage_cache_context_shift(c, s, 1, 3, &mut shift, &mut e),
+            kvpage_cache_context_shift(c, s, 1, 3, std::ptr::null(), &mut shift, &mut e),
             KVPAGE_OK
         );
         assert_eq!(
