@@ -206,15 +206,23 @@ fn set_position_runs_validates_and_normalises() {
             Err(SeqError::BadPositions),
             "{bad:?}"
         );
+        // The pure check says the same, without a manager.
+        assert_eq!(
+            PositionRun::validate(bad, 10, 4),
+            Err(SeqError::BadPositions),
+            "{bad:?}"
+        );
     }
+    assert_eq!(PositionRun::validate(&ok, 10, 4), Ok(()));
+    assert_eq!(PositionRun::validate(&ok, 10, 2), Ok(()), "merged to two");
+    assert_eq!(PositionRun::validate(&[run(0, 3)], 0, 1), Ok(()), "empty");
     let many = [run(0, 0), run(1, 5), run(2, 10), run(3, 15), run(4, 20)];
-    assert_eq!(
-        kv.set_position_runs(s, &many),
-        Err(SeqError::TooManyPositionRuns {
-            needed: 5,
-            capacity: 4
-        })
-    );
+    let too_many = Err(SeqError::TooManyPositionRuns {
+        needed: 5,
+        capacity: 4,
+    });
+    assert_eq!(kv.set_position_runs(s, &many), too_many);
+    assert_eq!(PositionRun::validate(&many, 10, 4), too_many);
     assert_eq!(kv.position_runs(s).unwrap(), &[run(0, 7), run(6, 50)]);
     // Truncation trims runs; fork and copy carry them.
     let child = kv.fork(s).unwrap();

@@ -192,7 +192,7 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_add(NULL, s, 0, 1, 1, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_cp(c, s, 0, 1, 0, NULL, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_keep(c, s, NULL, 2, NULL, &err));
-  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(c, s, 1, 1, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(c, s, 1, 1, NULL, NULL, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_min(c, s, NULL, &err));
   EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_seq_pos_max(NULL, s, &pos, &err));
 
@@ -220,7 +220,7 @@ static void cache_calls(void) {
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_rm(c, gone, 0, 0, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_add(c, gone, 0, 0, 1, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_cp(c, gone, 0, 0, 0, &child, &err));
-  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_context_shift(c, gone, 0, 0, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_context_shift(c, gone, 0, 0, NULL, &shift, &err));
   EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_seq_pos_min(c, gone, &pos, &err));
   /* A stale id anywhere in the set: nothing is released (`s` stays live). */
   keep_set[0] = s;
@@ -256,8 +256,8 @@ static void cache_calls(void) {
   memset(&err, 0, sizeof err);
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_rm(c, s, 3, 2, &err));
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_cp(c, s, 0, 9, 0, &child, &err));
-  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 4, 2, &shift, &err));
-  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 1, 0xFFFFFFFFu, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 4, 2, NULL, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 1, 0xFFFFFFFFu, NULL, &shift, &err));
   EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_seq_add(c, s, 0, 7, 1, &err));
   EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 2, 5, -2, &err));
   EXPECT(KVPAGE_ERR_BAD_POSITIONS, kvpage_cache_seq_add(c, s, 0, 5, -1, &err));
@@ -288,7 +288,7 @@ static void cache_calls(void) {
   /* Zero sizes are no-ops. */
   EXPECT(KVPAGE_OK, kvpage_cache_seq_rm(c, s, 2, 2, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_seq_keep(c, s, NULL, 0, NULL, &err));
-  EXPECT(KVPAGE_OK, kvpage_cache_context_shift(c, s, 5, 0, &shift, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_context_shift(c, s, 5, 0, NULL, &shift, &err));
   EXPECT_TRUE(shift.rotate_first == shift.rotate_end && shift.delta == 0);
   EXPECT(KVPAGE_OK, kvpage_cache_append(c, s, 0, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_append_tokens(c, s, NULL, 0, &err));
@@ -330,6 +330,7 @@ static void rotate_calls(void) {
   kvpage_seq s, child, gone;
   kvpage_stats st0, st1;
   kvpage_rope_params rope = {10000.0f, HEAD_DIM, KVPAGE_ROPE_HALF_SPLIT}, bad;
+  kvpage_context_shift shift;
   float k[6 * ROW], v[6 * ROW], want[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM];
   uint32_t layer, i, len = 0;
 
@@ -369,6 +370,21 @@ static void rotate_calls(void) {
   EXPECT_TRUE(kvpage_cache_rotate_keys(c, s, 2, 6, -2, &rope, &err) == KVPAGE_ERR_BLOCK_SHARED && err.needed == 2);
   memset(&err, 0, sizeof err);
   EXPECT(KVPAGE_ERR_BLOCK_SHARED, kvpage_cache_rotate_keys(c, child, 5, 6, -2, &rope, &err));
+  /* A context shift with rope parameters checks them before it moves anything. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(NULL, s, 1, 2, &rope, &shift, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_context_shift(c, s, 1, 2, &rope, NULL, &err));
+  bad = rope, bad.pairing = 9;
+  EXPECT_TRUE(kvpage_cache_context_shift(c, s, 1, 2, &bad, &shift, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 9);
+  memset(&err, 0, sizeof err);
+  bad = rope, bad.rotary_dims = 7;
+  EXPECT_TRUE(kvpage_cache_context_shift(c, s, 1, 2, &bad, &shift, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 7);
+  memset(&err, 0, sizeof err);
+  bad = rope, bad.rotary_dims = HEAD_DIM + 2;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_context_shift(c, s, 1, 2, &bad, &shift, &err));
+  bad = rope, bad.base = (float)NAN;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_context_shift(c, s, 1, 2, &bad, &shift, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_context_shift(c, gone, 1, 2, &rope, &shift, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_context_shift(c, s, 5, 2, &rope, &shift, &err));
 
   /* Nothing changed, the keys included. */
   EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st1, &err));
@@ -384,6 +400,11 @@ static void rotate_calls(void) {
   EXPECT(KVPAGE_OK, kvpage_cache_rotate_keys(c, s, 2, 6, -2, &rope, &err));
   EXPECT(KVPAGE_OK, decode_last(c, s, got));
   EXPECT_TRUE(memcmp(got, want, sizeof got) != 0);
+  /* A context shift with rotation: tokens 3..6 move to 1..4 and are rotated by -2. */
+  EXPECT(KVPAGE_OK, kvpage_cache_context_shift(c, s, 1, 2, &rope, &shift, &err));
+  EXPECT_TRUE(shift.rotate_first == 1 && shift.rotate_end == 4 && shift.delta == -2);
+  EXPECT(KVPAGE_OK, kvpage_cache_len(c, s, &len, &err));
+  EXPECT_TRUE(len == 4);
   EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
   section("rotate calls", before);
 }

@@ -23,6 +23,12 @@
 //!   run it several times faster than this plain loop.
 //! - **memcpy**: a copy of as many bytes as the rotation reads (it writes as many), split
 //!   over the same threads: the bandwidth bound of an in-place pass.
+//! - **`KvCache::context_shift_rotated`** (f16 only, beside the recompute): the whole
+//!   context shift a caller runs, on a `KvCache` of the same geometry with its own
+//!   workers: keep 64 tokens, discard 256 (block-aligned), so the moved tokens' blocks
+//!   slide down in the page table (no K/V row moved or copied: printed) and their keys
+//!   are re-rotated. Its sequence is rebuilt and written before each measurement (not
+//!   timed), then the caches are flushed as above.
 //!
 //! Machine-independent: the rotation moves `2 × layers × kv_heads × rotary_dims × 2 B`
 //! = 128 KiB per token (read + write) and does 3 FLOP per element; the projections alone
@@ -41,6 +47,13 @@
 //! | f32  | 9.1–9.7 ms (14–15 GB/s) | 6.0–6.3 ms | 1.5–1.55 |
 //! | bf16 | 8.7–12.7 ms (5–8 GB/s) | 3.4–3.8 ms | 2.6–3.4 |
 //!
+//! The whole block-aligned `KvCache::context_shift_rotated` of 512 moved tokens (f16,
+//! one later run on the same VM, load higher): 9.8 ms median (best 8.3 ms), the rotation
+//! alone 11.8 ms median (best 3.3 ms) in that run, recompute K/V 25.8 s: the shift is
+//! 1/2600 of the recompute's K/V projections; its page-table edit moved 0 bytes and is
+//! lost in the rotation's noise (128 tokens: shift 1.41 ms, rotate 1.43 ms, 1/3070 of
+//! the recompute).
+//!
 //! Recompute K/V (f16): 17.0–17.9 s (the matmul at 15–16 GFLOP/s, portable SSE2 code: a
 //! tuned BLAS on these two cores would be ~10× faster), so rotate / recompute is
 //! 1/2900 as measured, ~1/300 against a tuned BLAS. A context shift that re-rotates its
@@ -56,7 +69,10 @@ use std::time::{Duration, Instant};
 
 use common::{fill, numeric_args, shuffled_arena, stats};
 use kvpage::kernels::{rotate_keys, write_kv, BlockTable, KeyShift, WorkerPool};
-use kvpage::{bf16, f16, Element, Geometry, KvLayout, RopePairing, RopeParams};
+use kvpage::{
+    bf16, f16, CacheConfig, Capacity, ContextShift, Element, Geometry, KvCache, KvLayout,
+    RopePairing, RopeParams, Seq,
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -175,8 +191,62 @@ impl Recompute {
     }
 }
 
+/// Tokens the cache's context shift keeps (a system prompt) and discards: whole blocks.
+const SHIFT_KEEP: u32 = 4 * BLOCK;
+const SHIFT_DISCARD: u32 = 16 * BLOCK;
+
+/// The whole [`KvCache::context_shift_rotated`] of a block-aligned shift: a cache (own
+/// workers, one per core) with one sequence of `SHIFT_KEEP + SHIFT_DISCARD + tokens`
+/// tokens, rebuilt before each measurement (not timed), then shifted so that `tokens`
+/// tokens move: the page-table edit, then the rotation of the moved keys.
+struct CacheShift {
+    cache: KvCache,
+    len: u32,
+    /// One layer's keys and values for every token (the same in each layer).
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl CacheShift {
+    fn new(geometry: Geometry, tokens: u32, rng: &mut StdRng) -> Self {
+        let len = SHIFT_KEEP + SHIFT_DISCARD + tokens;
+        let cache = KvCache::new(CacheConfig {
+            geometry,
+            capacity: Capacity::Blocks(len.div_ceil(BLOCK)),
+            max_seqs: 1,
+            max_seq_len: len,
+            threads: 0,
+        })
+        .expect("cache");
+        let mut k = vec![0.0; (len * KV_HEADS * HEAD_DIM) as usize];
+        let mut v = k.clone();
+        fill(rng, &mut k);
+        fill(rng, &mut v);
+        Self { cache, len, k, v }
+    }
+
+    /// A fresh sequence with every layer's K/V written (every arena page touched).
+    fn prepare(&mut self) -> Seq {
+        let seq = self.cache.create(0).expect("create");
+        self.cache.append(seq, self.len).expect("append");
+        for layer in 0..LAYERS {
+            self.cache
+                .write_kv(seq, layer, 0, &self.k, &self.v)
+                .expect("write");
+        }
+        seq
+    }
+
+    fn shift(&mut self, seq: Seq, rope: RopeParams) -> ContextShift {
+        self.cache
+            .context_shift_rotated(seq, SHIFT_KEEP, SHIFT_DISCARD, rope)
+            .expect("shift")
+    }
+}
+
 /// Rotation of `tokens` moved tokens in storage `T`, memcpy of the same bytes, and the
-/// recompute baseline when `recompute`, interleaved; prints medians, bests and ratios.
+/// recompute baseline and the cache's whole context shift when `recompute`, interleaved;
+/// prints medians, bests and ratios.
 fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: bool) {
     let blocks = tokens.div_ceil(BLOCK);
     let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
@@ -195,6 +265,8 @@ fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: 
         .collect();
     let n = tokens as usize;
     let mut baseline = recompute.then(|| Recompute::new(n, rng));
+    let mut cache_shift = recompute.then(|| CacheShift::new(geometry, tokens, rng));
+    let mut last_shift = None;
 
     let elem = core::mem::size_of::<T>();
     let rotated_bytes = n * (LAYERS * KV_HEADS * HEAD_DIM) as usize * elem;
@@ -202,7 +274,7 @@ fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: 
     let mut dst = vec![0u8; rotated_bytes];
 
     let mut evict = vec![0u8; EVICT_BYTES];
-    let (mut rot, mut rec, mut cpy) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rot, mut rec, mut cpy, mut ctx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..ROUNDS + 1 {
         // Alternate the sign so the keys stay where they started, round after round.
         let delta = if round % 2 == 0 { -4096 } else { 4096 };
@@ -223,10 +295,18 @@ fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: 
         evict_caches(&mut evict, round);
         let t_cpy = timed(|| parallel_copy(pool, black_box(&src), &mut dst));
         black_box((&arena, &dst));
+        let t_ctx = cache_shift.as_mut().map(|c| {
+            let seq = c.prepare();
+            evict_caches(&mut evict, round);
+            let t = timed(|| last_shift = Some(c.shift(seq, rope)));
+            c.cache.release(seq).expect("release");
+            t
+        });
         if round > 0 {
             rot.push(t_rot);
             rec.extend(t_rec);
             cpy.push(t_cpy);
+            ctx.extend(t_ctx);
         }
     }
     let ((r, r_min), (m, m_min)) = (stats(rot), stats(cpy));
@@ -260,6 +340,33 @@ fn run<T: Element>(tokens: u32, pool: &WorkerPool, rng: &mut StdRng, recompute: 
         gbs(m),
         ms(m_min)
     );
+    if let (Some(shift), false) = (last_shift, ctx.is_empty()) {
+        let (x, x_min) = stats(ctx);
+        let row_bytes = u64::from(2 * LAYERS * KV_HEADS * HEAD_DIM) * elem as u64;
+        println!(
+            "  KvCache::context_shift_rotated, keep {SHIFT_KEEP} discard {SHIFT_DISCARD} (block-aligned): {:.2} ms (best {:.2} ms); the edit moved {} rows ({} bytes) and copied {} blocks, the rotation {} tokens ({moved} bytes read + written)",
+            ms(x),
+            ms(x_min),
+            shift.edited.moves,
+            u64::from(shift.edited.moves) * row_bytes,
+            shift.edited.copies,
+            shift.rotate_end - shift.rotate_first,
+        );
+        println!(
+            "  context shift / rotate alone: {:.2} (best-of-run {:.2})",
+            ratio(x, r),
+            ratio(x_min, r_min)
+        );
+        if !rec.is_empty() {
+            let (c, c_min) = stats(rec.clone());
+            println!(
+                "  context shift / recompute K/V: {:.4} (1/{:.0}; best-of-run {:.4})",
+                ratio(x, c),
+                ratio(c, x),
+                ratio(x_min, c_min)
+            );
+        }
+    }
     if !rec.is_empty() {
         let (c, c_min) = stats(rec);
         println!(

@@ -338,8 +338,9 @@ typedef struct kvpage_rope_params {
 
 // What `kvpage_cache_context_shift` did.
 typedef struct kvpage_context_shift {
-  // Tokens `rotate_first..rotate_end` (indices after the shift) hold keys rotated at
-  // their old positions: rotate them by `delta`. Empty when nothing moved.
+  // Tokens `rotate_first..rotate_end` (indices after the shift) were moved: without
+  // rope parameters their keys are still rotated at their old positions (rotate them
+  // by `delta`); with them, they were rotated. Empty when nothing moved.
   uint32_t rotate_first;
   // End (exclusive) of the tokens to rotate.
   uint32_t rotate_end;
@@ -1067,21 +1068,31 @@ kvpage_result kvpage_cache_seq_keep(kvpage_cache *cache,
 // Context shift: keeps the first `n_keep` tokens of `seq`, drops the next `n_discard`,
 // moves the rest down and lowers their positions by `n_discard`, without recomputing
 // anything; the blocks of the moved tokens become this sequence's alone. Writes to
-// `*out_shift` which tokens still hold keys rotated at their old positions and by how
-// much to rotate them. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+// `*out_shift` which tokens were moved (`rotate_first..rotate_end`) and their position
+// change `delta`. With `params` NULL their keys are still rotated at their old
+// positions: rotate them by `delta` (`kvpage_cache_rotate_keys`). With `params`
+// non-null the call rotates them too, under that rotary embedding, so the sequence
+// reads as if computed at the new positions; `params` is checked before anything
+// changes. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim, plus moved
+// tokens × layers × kv_heads × rotary_dims with `params`).
 //
 // # Errors
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
-// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+// (not a cache; with `params`: an unknown pairing, `value` = the code; rotary dims
+// zero, odd or over the head dim, `value` = rotary dims; a base that is not finite and
+// above 1), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
 // `KVPAGE_ERR_BEYOND_LENGTH` (`n_keep + n_discard` past the length, or `n_discard`
 // over `INT32_MAX`), `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+// Nothing changes on error.
 //
 // # Safety
-// `cache` is null or a live cache; `out_shift` is null or writable.
+// `cache` is null or a live cache; `params` is null or readable; `out_shift` is null or
+// writable.
 kvpage_result kvpage_cache_context_shift(kvpage_cache *cache,
                                          kvpage_seq seq,
                                          uint32_t n_keep,
                                          uint32_t n_discard,
+                                         const struct kvpage_rope_params *params,
                                          struct kvpage_context_shift *out_shift,
                                          struct kvpage_error *err);
 
@@ -2394,8 +2405,9 @@ kvpage_result kvpage_cache_seq_save_file(const kvpage_cache *cache,
 // when non-null, and, when `out_tokens` is non-null, its token ids to
 // `out_tokens[..n]` and `n` to `*out_n_tokens` when non-null (`n` = 0 when the blob has
 // no ids). Everything is checked first: the blob (magic, version, geometry, dtype,
-// `*model`, lengths, every checksum), the length against `max_seq_len`, free blocks
-// and a sequence slot, and the size of `out_tokens`. With ids, the sequence knows
+// `*model`, lengths, every checksum, the position runs), the length against
+// `max_seq_len`, free blocks and a sequence slot, and the size of `out_tokens`. With
+// ids, the sequence knows
 // them (`kvpage_cache_commit` offers its full blocks to the prefix cache); its K/V
 // counts as written. O(blob bytes). Allocates nothing.
 //
@@ -2405,6 +2417,8 @@ kvpage_result kvpage_cache_seq_save_file(const kvpage_cache *cache,
 // `KVPAGE_ERR_BLOB_VERSION`, `KVPAGE_ERR_BLOB_GEOMETRY`, `KVPAGE_ERR_DTYPE_MISMATCH`,
 // `KVPAGE_ERR_BLOB_MODEL`, `KVPAGE_ERR_BLOB_TRUNCATED`, `KVPAGE_ERR_BLOB_CORRUPT`,
 // `KVPAGE_ERR_SEQ_TOO_LONG`, `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_NO_FREE_SEQ`,
+// `KVPAGE_ERR_BAD_POSITIONS` and `KVPAGE_ERR_TOO_MANY_POSITION_RUNS` (the blob's
+// position runs break the rules of the edits, or exceed the runs a sequence holds),
 // `KVPAGE_ERR_BUFFER_TOO_SMALL` (`out_tokens`: `needed` ids, `available` given).
 //
 // # Safety

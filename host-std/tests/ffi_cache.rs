@@ -468,6 +468,56 @@ fn c_rotate_keys_equals_rust<T: Element>() {
     for layer in 0..LAYERS {
         t.decode(layer, &[a, b], &mut rng);
     }
+
+    // A context shift with rope parameters: checked before anything moves, then the same
+    // shift and rotation as the Rust API's (the fork's shared blocks are copied first).
+    // SAFETY: as above.
+    unsafe {
+        let mut shift = kvpage_context_shift::default();
+        let misaligned = (&rope as *const kvpage_rope_params)
+            .cast::<u8>()
+            .add(1)
+            .cast::<kvpage_rope_params>();
+        chk.fails(KVPAGE_ERR_MISALIGNED, |e| {
+            kvpage_cache_context_shift(c, b.1, 3, 4, misaligned, &mut shift, e)
+        });
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_context_shift(c, b.1, 3, 4, &with(|p| p.pairing = 2), &mut shift, e)
+        });
+        assert_eq!(e.value, 2);
+        let e = chk.fails(KVPAGE_ERR_INVALID_ARGUMENT, |e| {
+            kvpage_cache_context_shift(c, b.1, 3, 4, &with(|p| p.rotary_dims = 18), &mut shift, e)
+        });
+        assert_eq!(e.value, 18);
+        chk.fails(KVPAGE_ERR_BEYOND_LENGTH, |e| {
+            kvpage_cache_context_shift(c, b.1, 8, 4, &rope, &mut shift, e)
+        });
+        let want = t.rust.context_shift_rotated(b.0, 3, 4, rust_rope).unwrap();
+        ok(kvpage_cache_context_shift(
+            c,
+            b.1,
+            3,
+            4,
+            &rope,
+            &mut shift,
+            null_mut(),
+        ));
+        assert_eq!(
+            (shift.rotate_first, shift.rotate_end, shift.delta),
+            (want.rotate_first, want.rotate_end, want.delta)
+        );
+        assert_eq!(
+            (shift.copied_blocks, shift.row_moves),
+            (want.edited.copies, want.edited.moves)
+        );
+        assert_eq!(
+            (shift.rotate_first, shift.rotate_end, shift.delta),
+            (3, 7, -4)
+        );
+    }
+    for layer in 0..LAYERS {
+        t.decode(layer, &[a, b], &mut rng);
+    }
 }
 
 #[test]
@@ -1608,7 +1658,7 @@ fn sequence_edits_through_c() {
         assert_eq!(pos, 2);
         let mut shift = kvpage_context_shift::default();
         assert_eq!(
-            kvpage_cache_context_shift(c, s, 1, 3, &mut shift, &mut e),
+            kvpage_cache_context_shift(c, s, 1, 3, std::ptr::null(), &mut shift, &mut e),
             KVPAGE_OK
         );
         assert_eq!(

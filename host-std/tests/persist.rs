@@ -10,7 +10,7 @@ use common::{assert_same_output, cases, random_vec, rng};
 use kvpage::persist::{format::HEADER_LEN, BlobHeader, PersistError, Section};
 use kvpage::{
     CacheConfig, CacheError, Capacity, DType, Engine, EngineConfig, EngineError, Geometry, KvCache,
-    ModelFingerprint, Preemption, Sampled, SchedulerConfig, SeqBlob, SeqError, Stats,
+    ModelFingerprint, PositionRun, Preemption, Sampled, SchedulerConfig, SeqBlob, SeqError, Stats,
 };
 use kvpage::{PromptSeq, Seq};
 use kvpage_core::SeqId;
@@ -528,11 +528,6 @@ fn content_checks_behind_the_checksums() {
             section: Section::Kv,
         },
     );
-    // Positions other than the token indices (not supported until the edits land).
-    let mut bad = blob.clone();
-    bad[secs[1].0 + 16 + 4] = 5;
-    reseal(&mut bad);
-    refuse(&mut cache, &bad, PersistError::PositionsUnsupported);
     // Counts that disagree: one block too few.
     let mut bad = blob.clone();
     bad[88] -= 1;
@@ -579,6 +574,122 @@ fn content_checks_behind_the_checksums() {
     let (_, info) = cache.restore_seq(&other, 0, &MODEL).unwrap();
     let original = SeqBlob::parse(&blob).unwrap().tokens().unwrap().to_vec();
     assert_ne!(info.tokens.unwrap().to_vec(), original);
+}
+
+/// A sequence of 19 tokens with positions `[0..3) [9..19) [23..29)` (three runs, made by
+/// two range removals then a context shift), saved with its ids.
+fn gapped_case(dtype: DType, r: &mut StdRng) -> (KvCache, Seq, Vec<u8>) {
+    let g = geometry(2, 2, 8, 4, dtype);
+    let mut a = cache(g, 32);
+    let (seq, mut tokens) = random_seq(&mut a, 30, r);
+    a.remove_range(seq, 4, 10).unwrap();
+    tokens.drain(4..10);
+    a.remove_range(seq, 14, 18).unwrap();
+    tokens.drain(14..18);
+    a.context_shift(seq, 2, 1).unwrap();
+    tokens.remove(2);
+    let runs = a.position_runs(seq).unwrap().to_vec();
+    assert_eq!(
+        runs,
+        [run(0, 0), run(3, 9), run(13, 23)],
+        "positions with gaps"
+    );
+    let blob = save(&a, seq, Some(&tokens));
+    (a, seq, blob)
+}
+
+fn run(first_index: u32, first_position: u32) -> PositionRun {
+    PositionRun {
+        first_index,
+        first_position,
+    }
+}
+
+#[test]
+fn positions_with_gaps_round_trip_and_decode_bit_identically() {
+    let mut r = rng(11);
+    for &dtype in cases(&[DType::F16, DType::F32, DType::Bf16], 1) {
+        let (mut a, seq, blob) = gapped_case(dtype, &mut r);
+        assert_eq!(SeqBlob::parse(&blob).unwrap().header().position_runs, 3);
+        let mut b = cache(*a.geometry(), 32);
+        let _held = fragment(&mut b, &mut r, 3);
+        let (restored, info) = b.restore_seq(&blob, 0, &MODEL).unwrap();
+        assert_eq!(info.len, 19);
+        assert_eq!(
+            b.position_runs(restored).unwrap(),
+            a.position_runs(seq).unwrap()
+        );
+        assert_eq!(b.pos_range(restored).unwrap(), a.pos_range(seq).unwrap());
+        assert_eq!(token_rows(&b, restored), token_rows(&a, seq));
+        assert_eq!(
+            save(&b, restored, info.tokens.map(|t| t.to_vec()).as_deref()),
+            blob
+        );
+        let q = random_vec(&mut r, 4 * 8);
+        for layer in 0..2 {
+            let (mut x, mut y) = (vec![0.0f32; q.len()], vec![0.0f32; q.len()]);
+            a.decode(layer, &[seq], &q, &mut x, 4, 0.25).unwrap();
+            b.decode(layer, &[restored], &q, &mut y, 4, 0.25).unwrap();
+            assert_same_output(&y, &x);
+        }
+    }
+}
+
+#[test]
+fn bad_position_runs_behind_valid_checksums_are_refused_and_change_nothing() {
+    let mut r = rng(12);
+    let (_, _, blob) = gapped_case(DType::F16, &mut r);
+    let mut b = cache(geometry(2, 2, 8, 4, DType::F16), 32);
+    let _ = random_seq(&mut b, 6, &mut r);
+    let before = snapshot(&b);
+    let at = sections(&blob)[1].0 + 16;
+    let word = |blob: &mut [u8], k: usize, v: u32| {
+        blob[at + 4 * k..at + 4 * k + 4].copy_from_slice(&v.to_le_bytes());
+    };
+    // Words: [0, 0, 3, 9, 13, 23] (index, position per run).
+    let bad_runs: &[(&str, &[(usize, u32)])] = &[
+        ("first run not at token 0", &[(0, 1)]),
+        ("run starts not increasing", &[(4, 3)]),
+        ("run start past the end", &[(4, 19)]),
+        ("positions overlapping", &[(5, 12)]),
+        ("positions decreasing", &[(3, 0), (5, 2)]),
+        ("last position past u32", &[(5, u32::MAX - 2)]),
+    ];
+    for (what, edits) in bad_runs {
+        let mut bad = blob.clone();
+        for &(k, v) in *edits {
+            word(&mut bad, k, v);
+        }
+        reseal(&mut bad);
+        assert!(SeqBlob::parse(&bad).is_ok(), "{what}: checksums valid");
+        assert_eq!(
+            b.restore_seq(&bad, 0, &MODEL).unwrap_err(),
+            CacheError::Seq(SeqError::BadPositions),
+            "{what}"
+        );
+        assert_eq!(snapshot(&b), before, "{what}");
+    }
+    // More runs than the cache holds (4): five, each one a valid step.
+    let mut bad = blob[..at].to_vec();
+    for k in 0..5u32 {
+        bad.extend(k.to_le_bytes());
+        bad.extend((2 * k).to_le_bytes());
+    }
+    bad.extend(&blob[at + 24..]);
+    bad[84..88].copy_from_slice(&5u32.to_le_bytes());
+    bad[at - 8..at].copy_from_slice(&40u64.to_le_bytes());
+    reseal(&mut bad);
+    assert!(SeqBlob::parse(&bad).is_ok(), "checksums valid");
+    assert_eq!(
+        b.restore_seq(&bad, 0, &MODEL).unwrap_err(),
+        CacheError::Seq(SeqError::TooManyPositionRuns {
+            needed: 5,
+            capacity: 4
+        })
+    );
+    assert_eq!(snapshot(&b), before);
+    // The untouched blob restores.
+    b.restore_seq(&blob, 0, &MODEL).unwrap();
 }
 
 #[test]

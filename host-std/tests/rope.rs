@@ -1,6 +1,7 @@
 //! Re-rotation of stored keys (`KvCache::rotate_keys`, the kernel `rotate_keys`): against
 //! a plain f64 rotary embedding applied from scratch at the new positions, through
-//! attention after a context shift, refusals that leave the arena unchanged, and the
+//! attention after a context shift (by hand, and the cache's
+//! `KvCache::context_shift_rotated`), refusals that leave the arena unchanged, and the
 //! round trip `delta` then `-delta`.
 //!
 //! Tolerances (relative L2 error of all rotated keys against the f64 reference at the new
@@ -347,6 +348,153 @@ fn attention_after_context_shift_equals_scratch() {
             }
         }
     }
+}
+
+/// (b'): the cache's own context shift with re-rotation
+/// ([`KvCache::context_shift_rotated`]): a sequence stored at positions `0..` is shifted
+/// (keep `n_keep`, discard `n_discard`: a page-table edit when block-aligned, row moves
+/// otherwise, then the moved keys re-rotated); decode attention equals the f64 reference
+/// over the kept tokens with keys rotated at their new positions from scratch. The same
+/// shift without rotation misses it by far more than the tolerance.
+fn attention_after_cache_shift<T: Element>(n_keep: usize, n_discard: usize, rope: RopeParams) {
+    let moved = 37;
+    let tokens = n_keep + n_discard + moved;
+    let (hd, heads) = (64, KV_HEADS as usize);
+    let mut r = rng((n_keep * 131 + n_discard) as u64 + u64::from(rope.rotary_dims));
+    let raw = Raw::new(&mut r, tokens, hd);
+    let mut c = cache(T::DTYPE, hd as u32, 2);
+    let mut stale = cache(T::DTYPE, hd as u32, 1);
+    let seq = stored_seq(&mut c, &raw, |t| t as f64, rope);
+    let stale_seq = stored_seq(&mut stale, &raw, |t| t as f64, rope);
+
+    // A fork shares every block: the shift copies what it rotates, the fork keeps its
+    // keys (checked bit for bit below).
+    let fork = c.fork(seq).unwrap();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let fork_q = random_vec(&mut r, Q_HEADS as usize * hd);
+    let fork_out = |c: &mut KvCache| {
+        let mut out = vec![f32::NAN; fork_q.len()];
+        c.decode(0, &[fork], &fork_q, &mut out, Q_HEADS, scale)
+            .unwrap();
+        out
+    };
+    let fork_before = fork_out(&mut c);
+
+    let what = format!("{:?} keep {n_keep} discard {n_discard} {rope:?}", T::DTYPE);
+    let shift = c
+        .context_shift_rotated(seq, n_keep as u32, n_discard as u32, rope)
+        .unwrap();
+    let aligned = n_keep.is_multiple_of(BLOCK as usize) && n_discard.is_multiple_of(BLOCK as usize);
+    assert_eq!(shift.edited.moves == 0, aligned, "{what}: row moves");
+    assert!(shift.edited.copies > 0, "{what}: shared blocks copied");
+    assert_eq!(
+        (shift.rotate_first, shift.rotate_end, shift.delta),
+        (n_keep as u32, (n_keep + moved) as u32, -(n_discard as i32)),
+        "{what}"
+    );
+    stale
+        .context_shift(stale_seq, n_keep as u32, n_discard as u32)
+        .unwrap();
+    let kept = n_keep + moved;
+    assert_eq!(c.len(seq).unwrap(), kept as u32);
+    assert_eq!(c.position_runs(seq).unwrap(), &[Default::default()]);
+
+    // Old token of each kept one, and its keys rotated at the new position (its index).
+    let old = |j: usize| if j < n_keep { j } else { j + n_discard };
+    assert_eq!(
+        fork_out(&mut c),
+        fork_before,
+        "{what}: the fork is untouched"
+    );
+    for layer in 0..LAYERS {
+        let l = layer as usize;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for j in 0..kept {
+            for h in 0..heads {
+                let key = rope_ref(raw.row(&raw.k, l, old(j), h), j as f64, rope);
+                k.extend(key.iter().map(|&x| x as f32));
+                v.extend_from_slice(raw.row(&raw.v, l, old(j), h));
+            }
+        }
+        let q = random_vec(&mut r, Q_HEADS as usize * hd);
+        let want = reference_attention(&k, &v, kept, heads, hd, &q, Q_HEADS as usize, scale);
+        let mut out = vec![f32::NAN; q.len()];
+        c.decode(layer, &[seq], &q, &mut out, Q_HEADS, scale)
+            .unwrap();
+        let err = rel_error(&out, &want);
+        assert!(
+            err <= tolerance::<T>(),
+            "{what} layer {layer}: error {err:e}"
+        );
+        stale
+            .decode(layer, &[stale_seq], &q, &mut out, Q_HEADS, scale)
+            .unwrap();
+        assert!(
+            rel_error(&out, &want) > 10.0 * tolerance::<T>(),
+            "{what} layer {layer}: the unrotated shift should miss"
+        );
+    }
+}
+
+#[test]
+fn cache_context_shift_with_rotation_equals_scratch() {
+    for pairing in [RopePairing::Interleaved, RopePairing::HalfSplit] {
+        for &rotary_dims in cases(&[64, 32], 1) {
+            let rope = params(10_000.0, rotary_dims, pairing);
+            // Block-aligned (a page-table edit), and unaligned keep or discard.
+            for &(n_keep, n_discard) in cases(&[(16, 32), (5, 7), (16, 7), (5, 32)], 1) {
+                attention_after_cache_shift::<f32>(n_keep, n_discard, rope);
+                attention_after_cache_shift::<f16>(n_keep, n_discard, rope);
+                attention_after_cache_shift::<bf16>(n_keep, n_discard, rope);
+            }
+        }
+    }
+}
+
+/// A context shift with rope parameters that do not fit the head is refused before the
+/// shift: length, positions and every arena bit stay as they were.
+#[test]
+fn context_shift_with_bad_rope_changes_nothing() {
+    let hd = 64;
+    let rope = params(10_000.0, hd, RopePairing::Interleaved);
+    let raw = Raw::new(&mut rng(23), 40, hd as usize);
+    let mut c = cache(DType::F16, hd, 1);
+    let seq = stored_seq(&mut c, &raw, |t| t as f64, rope);
+    let arena = snapshot::<f16>(&c);
+    let stats = c.stats();
+    for (bad, want) in [
+        (
+            params(10_000.0, 66, RopePairing::HalfSplit),
+            RopeError::RotaryDimsExceedHeadDim {
+                rotary_dims: 66,
+                head_dim: 64,
+            },
+        ),
+        (
+            params(10_000.0, 31, RopePairing::Interleaved),
+            RopeError::OddRotaryDims { rotary_dims: 31 },
+        ),
+        (
+            params(10_000.0, 0, RopePairing::Interleaved),
+            RopeError::ZeroRotaryDims,
+        ),
+        (params(1.0, 64, RopePairing::HalfSplit), RopeError::BadBase),
+    ] {
+        assert_eq!(
+            c.context_shift_rotated(seq, 4, 16, bad),
+            Err(KernelError::Rope(want).into())
+        );
+        assert_eq!(c.len(seq).unwrap(), 40);
+        assert_eq!(c.position_runs(seq).unwrap(), &[Default::default()]);
+        assert_eq!(c.stats(), stats);
+        assert!(snapshot::<f16>(&c) == arena);
+    }
+    // Handle and range errors come from the shift itself, also unchanged.
+    assert_eq!(
+        c.context_shift_rotated(seq, 30, 11, rope).unwrap_err(),
+        c.context_shift(seq, 30, 11).unwrap_err()
+    );
+    assert!(snapshot::<f16>(&c) == arena);
 }
 
 /// (d): rotating by `delta` then `-delta` gives back the stored keys within two

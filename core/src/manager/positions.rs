@@ -30,6 +30,24 @@ pub struct PositionRun {
     pub first_position: u32,
 }
 
+impl PositionRun {
+    /// Checks `runs` as the positions of a sequence of `len` tokens holding at most
+    /// `capacity` runs, with the rules of [`BlockManager::set_position_runs`] (which
+    /// cannot fail on a handle it accepts once this passed for its length and the cache's
+    /// [`crate::Config::max_position_runs`]). Pure: for a caller to check runs, e.g. of a
+    /// saved sequence, before it changes anything. O(runs).
+    ///
+    /// # Errors
+    /// [`SeqError::BadPositions`] unless the first run starts at token 0, run starts are
+    /// strictly increasing and below `len` (the only run of an empty sequence starts at
+    /// 0), positions strictly increase and the last fits a `u32`;
+    /// [`SeqError::TooManyPositionRuns`] for more than `capacity` runs (after merging runs
+    /// that continue their predecessor).
+    pub fn validate(runs: &[PositionRun], len: u32, capacity: u32) -> Result<(), SeqError> {
+        RunEdit::from_runs(runs, len, capacity).map(|_| ())
+    }
+}
+
 /// Position of token `i` under the stored runs `runs` (non-empty): the last run starting
 /// at or before `i` continues up to it. May exceed `u32` for `i` past the last token.
 /// O(runs).
@@ -101,6 +119,25 @@ impl RunEdit {
                 i64::from(r.first_position) + delta,
             );
         }
+    }
+
+    /// The list of `runs` as given by a caller (run starts must strictly increase),
+    /// [`RunEdit::check`]ed for `len` tokens and `capacity` runs. O(runs).
+    ///
+    /// # Errors
+    /// As [`PositionRun::validate`].
+    fn from_runs(runs: &[PositionRun], len: u32, capacity: u32) -> Result<Self, SeqError> {
+        let mut edit = RunEdit::new();
+        let mut previous = None;
+        for r in runs {
+            if previous.is_some_and(|p| r.first_index <= p) {
+                return Err(SeqError::BadPositions);
+            }
+            previous = Some(r.first_index);
+            edit.push(r.first_index, i64::from(r.first_position));
+        }
+        edit.check(len, capacity)?;
+        Ok(edit)
     }
 
     /// Checks the list against the invariants in the module docs for a sequence of `len`
@@ -216,16 +253,7 @@ impl BlockManager<'_> {
     /// [`SeqError::TooManyPositionRuns`]. Nothing changes on error.
     pub fn set_position_runs(&mut self, seq: SeqId, runs: &[PositionRun]) -> Result<(), SeqError> {
         let i = self.seqs.check(seq)?;
-        let mut edit = RunEdit::new();
-        let mut previous = None;
-        for r in runs {
-            if previous.is_some_and(|p| r.first_index <= p) {
-                return Err(SeqError::BadPositions);
-            }
-            previous = Some(r.first_index);
-            edit.push(r.first_index, i64::from(r.first_position));
-        }
-        edit.check(self.seqs.len[i], self.config.max_position_runs)?;
+        let edit = RunEdit::from_runs(runs, self.seqs.len[i], self.config.max_position_runs)?;
         self.store_runs(i, &edit);
         Ok(())
     }

@@ -11,7 +11,8 @@ use kvpage_core::{BlockManager, ContextShift, Edited, PositionRun, SeqError};
 
 use super::{CacheError, KvCache, Seq};
 use crate::dtype::for_dtype;
-use crate::kernels;
+use crate::error::KernelError;
+use crate::kernels::{self, RopeParams};
 
 /// Where pending start `pending` lands after tokens `first..end` are removed.
 fn pending_after_removal(pending: u32, first: u32, end: u32) -> u32 {
@@ -84,8 +85,9 @@ impl KvCache {
     /// drops the next `n_discard`, moves the rest down and lowers their positions by
     /// `n_discard`, executing the copies and moves. The keys of tokens
     /// `rotate_first..rotate_end` of the result are still rotated at their old positions:
-    /// rotate them by `delta` (their blocks are this sequence's alone). O(blocks of `seq`
-    /// + moved rows × layers × kv_heads × head_dim).
+    /// rotate them by `delta` (their blocks are this sequence's alone), or call
+    /// [`KvCache::context_shift_rotated`], which does both. O(blocks of `seq` + moved rows
+    /// × layers × kv_heads × head_dim).
     ///
     /// # Errors
     /// As [`KvCache::remove_range`]. Nothing changes on error.
@@ -101,6 +103,44 @@ impl KvCache {
             |m, c, mv| m.context_shift(seq.0, n_keep, n_discard, c, mv),
             |s| s.edited,
         )
+    }
+
+    /// [`KvCache::context_shift`], then the moved keys re-rotated to their new positions
+    /// under the rotary embedding `rope` ([`KvCache::rotate_keys`] of
+    /// `rotate_first..rotate_end` by `delta`): afterwards the sequence reads as if its
+    /// keys had been computed at their new positions, without recomputing any token. The
+    /// returned range says which keys were rotated (nothing is left to do). One call
+    /// from the caller's view: `rope` is checked against the head dim before anything
+    /// changes, and the rotation cannot fail after a shift that succeeded (the moved
+    /// blocks are this sequence's alone and registered nowhere). O(blocks of `seq` +
+    /// moved rows × layers × kv_heads × head_dim + rotated tokens × layers × kv_heads ×
+    /// rotary_dims).
+    ///
+    /// # Errors
+    /// [`KernelError::Rope`](crate::KernelError::Rope) for parameters that do not fit
+    /// the head dim; otherwise as [`KvCache::context_shift`]. Nothing changes on error.
+    pub fn context_shift_rotated(
+        &mut self,
+        seq: Seq,
+        n_keep: u32,
+        n_discard: u32,
+        rope: RopeParams,
+    ) -> Result<ContextShift, CacheError> {
+        rope.check(self.layout.geometry().head_dim())
+            .map_err(KernelError::Rope)?;
+        let shift = self.context_shift(seq, n_keep, n_discard)?;
+        let rotated = self.rotate_keys(
+            seq,
+            shift.rotate_first,
+            shift.rotate_end,
+            i64::from(shift.delta),
+            rope,
+        );
+        debug_assert!(
+            rotated.is_ok(),
+            "the moved blocks of a context shift are exclusive: {rotated:?}"
+        );
+        Ok(shift)
     }
 
     /// Adds `delta` to the positions of tokens `first..end` of `seq` (llama's `seq_add`;

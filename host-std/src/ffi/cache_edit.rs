@@ -9,17 +9,19 @@
 
 use crate::cache::Seq;
 
-use super::args::{out, out_opt, slice, tagged, tagged_mut};
+use super::args::{obj, out, out_opt, slice, tagged, tagged_mut};
 use super::cache::kvpage_cache;
 use super::ids::{kvpage_seq, seq_from_c, seq_to_c};
 use super::result::{kvpage_error, kvpage_result, run};
+use super::rope::kvpage_rope_params;
 
 /// What `kvpage_cache_context_shift` did.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct kvpage_context_shift {
-    /// Tokens `rotate_first..rotate_end` (indices after the shift) hold keys rotated at
-    /// their old positions: rotate them by `delta`. Empty when nothing moved.
+    /// Tokens `rotate_first..rotate_end` (indices after the shift) were moved: without
+    /// rope parameters their keys are still rotated at their old positions (rotate them
+    /// by `delta`); with them, they were rotated. Empty when nothing moved.
     pub rotate_first: u32,
     /// End (exclusive) of the tokens to rotate.
     pub rotate_end: u32,
@@ -175,33 +177,51 @@ pub unsafe extern "C" fn kvpage_cache_seq_keep(
 /// Context shift: keeps the first `n_keep` tokens of `seq`, drops the next `n_discard`,
 /// moves the rest down and lowers their positions by `n_discard`, without recomputing
 /// anything; the blocks of the moved tokens become this sequence's alone. Writes to
-/// `*out_shift` which tokens still hold keys rotated at their old positions and by how
-/// much to rotate them. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim).
+/// `*out_shift` which tokens were moved (`rotate_first..rotate_end`) and their position
+/// change `delta`. With `params` NULL their keys are still rotated at their old
+/// positions: rotate them by `delta` (`kvpage_cache_rotate_keys`). With `params`
+/// non-null the call rotates them too, under that rotary embedding, so the sequence
+/// reads as if computed at the new positions; `params` is checked before anything
+/// changes. O(blocks of `seq` + moved rows × layers × kv_heads × head_dim, plus moved
+/// tokens × layers × kv_heads × rotary_dims with `params`).
 ///
 /// # Errors
 /// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
-/// (not a cache), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
+/// (not a cache; with `params`: an unknown pairing, `value` = the code; rotary dims
+/// zero, odd or over the head dim, `value` = rotary dims; a base that is not finite and
+/// above 1), `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`,
 /// `KVPAGE_ERR_BEYOND_LENGTH` (`n_keep + n_discard` past the length, or `n_discard`
 /// over `INT32_MAX`), `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_TOO_MANY_POSITION_RUNS`.
+/// Nothing changes on error.
 ///
 /// # Safety
-/// `cache` is null or a live cache; `out_shift` is null or writable.
+/// `cache` is null or a live cache; `params` is null or readable; `out_shift` is null or
+/// writable.
 #[no_mangle]
 pub unsafe extern "C" fn kvpage_cache_context_shift(
     cache: *mut kvpage_cache,
     seq: kvpage_seq,
     n_keep: u32,
     n_discard: u32,
+    params: *const kvpage_rope_params,
     out_shift: *mut kvpage_context_shift,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: pointers checked by `tagged_mut` / `out`.
+    // SAFETY: pointers checked by `tagged_mut` / `obj` / `out`.
     unsafe {
         run(err, || {
             let c = tagged_mut(cache)?;
+            let rope = if params.is_null() {
+                None
+            } else {
+                Some(obj(params, "params")?.to_rust()?)
+            };
             let dst = out(out_shift, "out_shift")?;
             let s = c.seq(seq);
-            let shift = c.cache.context_shift(s, n_keep, n_discard)?;
+            let shift = match rope {
+                Some(rope) => c.cache.context_shift_rotated(s, n_keep, n_discard, rope)?,
+                None => c.cache.context_shift(s, n_keep, n_discard)?,
+            };
             dst.set(kvpage_context_shift {
                 rotate_first: shift.rotate_first,
                 rotate_end: shift.rotate_end,

@@ -454,7 +454,6 @@ fn classify_persist(e: PersistError) -> (kvpage_result, u64, u64, u64) {
         PersistError::UnsupportedFlags { flags } => {
             (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(flags))
         }
-        PersistError::PositionsUnsupported => (KVPAGE_ERR_BLOB_VERSION, 0, 0, 0),
         PersistError::GeometryMismatch { .. } => (KVPAGE_ERR_BLOB_GEOMETRY, 0, 0, 0),
         PersistError::DtypeMismatch { blob, .. } => {
             (KVPAGE_ERR_DTYPE_MISMATCH, 0, 0, u64::from(blob))

@@ -263,8 +263,9 @@ fn restore_into(
 /// when non-null, and, when `out_tokens` is non-null, its token ids to
 /// `out_tokens[..n]` and `n` to `*out_n_tokens` when non-null (`n` = 0 when the blob has
 /// no ids). Everything is checked first: the blob (magic, version, geometry, dtype,
-/// `*model`, lengths, every checksum), the length against `max_seq_len`, free blocks
-/// and a sequence slot, and the size of `out_tokens`. With ids, the sequence knows
+/// `*model`, lengths, every checksum, the position runs), the length against
+/// `max_seq_len`, free blocks and a sequence slot, and the size of `out_tokens`. With
+/// ids, the sequence knows
 /// them (`kvpage_cache_commit` offers its full blocks to the prefix cache); its K/V
 /// counts as written. O(blob bytes). Allocates nothing.
 ///
@@ -274,6 +275,8 @@ fn restore_into(
 /// `KVPAGE_ERR_BLOB_VERSION`, `KVPAGE_ERR_BLOB_GEOMETRY`, `KVPAGE_ERR_DTYPE_MISMATCH`,
 /// `KVPAGE_ERR_BLOB_MODEL`, `KVPAGE_ERR_BLOB_TRUNCATED`, `KVPAGE_ERR_BLOB_CORRUPT`,
 /// `KVPAGE_ERR_SEQ_TOO_LONG`, `KVPAGE_ERR_OUT_OF_BLOCKS`, `KVPAGE_ERR_NO_FREE_SEQ`,
+/// `KVPAGE_ERR_BAD_POSITIONS` and `KVPAGE_ERR_TOO_MANY_POSITION_RUNS` (the blob's
+/// position runs break the rules of the edits, or exceed the runs a sequence holds),
 /// `KVPAGE_ERR_BUFFER_TOO_SMALL` (`out_tokens`: `needed` ids, `available` given).
 ///
 /// # Safety

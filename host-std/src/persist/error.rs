@@ -106,10 +106,6 @@ pub enum PersistError {
         /// Where.
         section: Section,
     },
-    /// The position runs are not the identity (token `i` at position `i`), which this
-    /// build cannot restore yet.
-    // TODO(edits): gone once sequences carry position runs.
-    PositionsUnsupported,
     /// Save: the token ids given are not one per token of the sequence.
     TokenCountMismatch {
         /// Tokens of the sequence.
@@ -177,9 +173,6 @@ impl fmt::Display for PersistError {
             }
             Self::TrailingBytes { extra } => write!(f, "{extra} bytes after the blob's end"),
             Self::Corrupt { section } => write!(f, "blob corrupt: {section}"),
-            Self::PositionsUnsupported => {
-                f.write_str("blob positions are not token indices (not supported yet)")
-            }
             Self::TokenCountMismatch { expected, got } => {
                 write!(f, "{got} token ids for a sequence of {expected} tokens")
             }

@@ -8,7 +8,7 @@
 //! - `request`: [`crate::Engine::save_request`], a request's sequence with the engine's
 //!   token ids.
 //! - `file`: crash-consistent writes (aside, fsync, rename, fsync the directory).
-//! - `positions`: the blob's position runs (a stand-in until the core has them).
+//! - `positions`: the blob's position runs, checked with the core's rules on restore.
 //!
 //! A restore checks everything before it changes anything: a blob from another
 //! geometry, dtype or model, a truncated or corrupted one, or a cache without room is a

@@ -21,7 +21,7 @@ use super::format::{
     blob_geometry, copy_elems_from_le, dtype_code, read_sections, u32s, write_header, BlobHeader,
     ModelFingerprint, SectionWriter, Sections, Sink, SliceSink,
 };
-use super::positions;
+use super::positions::{self, BlobRuns};
 
 /// The token ids of a blob, read in place (little-endian `u32`s). `Copy`; O(1) to make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,7 +181,7 @@ impl KvCache {
         if let Some(got) = tokens.filter(|&n| n != len as usize) {
             return Err(PersistError::TokenCountMismatch { expected: len, got }.into());
         }
-        let runs = positions::IDENTITY.len() as u32;
+        let runs = m.position_runs(seq.id())?.len() as u32;
         Ok(BlobHeader::new(
             self.geometry(),
             *fingerprint,
@@ -194,7 +194,7 @@ impl KvCache {
 
     /// Bytes of the blob of `seq` (with its token ids when `with_tokens`): the buffer
     /// [`KvCache::save_seq`] needs. About `ceil(len / block_size) * bytes_per_block`
-    /// plus 4 bytes per id and 164 bytes (header, framing, one position run). O(1).
+    /// plus 4 bytes per id, 156 bytes (header, framing) and 8 per position run. O(1).
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`];
@@ -276,7 +276,8 @@ impl KvCache {
         w.put_u32s(tokens.unwrap_or(&[]).iter().copied())?;
         w.finish()?;
         let mut w = SectionWriter::begin(sink, Section::Positions, len(Section::Positions))?;
-        w.put_u32s(positions::words(&positions::IDENTITY))?;
+        let runs = self.block_manager().position_runs(seq.id()).unwrap_or(&[]);
+        w.put_u32s(positions::words(runs))?;
         w.finish()?;
         let mut w = SectionWriter::begin(sink, Section::Kv, len(Section::Kv))?;
         self.encode_blocks(seq, header.tokens, &mut w)?;
@@ -367,9 +368,11 @@ impl KvCache {
     /// [`Truncated`](PersistError::Truncated),
     /// [`TrailingBytes`](PersistError::TrailingBytes),
     /// [`Corrupt`](PersistError::Corrupt),
-    /// [`PositionsUnsupported`](PersistError::PositionsUnsupported),
     /// [`NoSpace`](PersistError::NoSpace); [`SeqError::TooLong`],
-    /// [`SeqError::NoFreeSequence`].
+    /// [`SeqError::NoFreeSequence`]; [`SeqError::BadPositions`] and
+    /// [`SeqError::TooManyPositionRuns`] for position runs this cache would refuse
+    /// (checked as [`kvpage_core::PositionRun::validate`] does, against the cache's
+    /// `max_position_runs`).
     pub fn restore_seq<'b>(
         &mut self,
         blob: &'b [u8],
@@ -379,8 +382,12 @@ impl KvCache {
         let header = BlobHeader::decode(blob)?;
         self.check_blob_header(&header, fingerprint)?;
         let blob = SeqBlob::verify(header, blob)?;
-        positions::check_restorable(blob.sections.positions)?;
         let m = self.block_manager();
+        let runs = BlobRuns::decode(
+            blob.sections.positions,
+            header.tokens,
+            m.config().max_position_runs,
+        )?;
         let max_tokens = m.config().max_tokens_per_seq();
         if u64::from(header.tokens) > max_tokens {
             return Err(SeqError::TooLong {
@@ -400,6 +407,11 @@ impl KvCache {
         let seq = self.create(namespace)?;
         if let Err(e) = self.append_restored(seq, &blob) {
             // Unreachable after the checks above; undo the creation all the same.
+            let _ = self.release(seq);
+            return Err(e);
+        }
+        if let Err(e) = self.set_position_runs(seq, runs.as_slice()) {
+            // Unreachable: the runs were validated for this length and capacity.
             let _ = self.release(seq);
             return Err(e);
         }
