@@ -98,7 +98,9 @@ fn check_decode<T: Element>(cache: &mut KvCache, seqs: &[(Seq, &[u32])], rng: &m
 fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
     let mut rng = rng(u64::from(block_size));
     let mut c = cache(T::DTYPE, block_size, 200);
-    let prompt: Vec<u32> = (0..70).map(|i| (i * 7 + 3) % 50).collect();
+    // Under Miri a shorter prompt: still whole blocks and a partial last one.
+    let prompt_len: u32 = if cfg!(miri) { 21 } else { 70 };
+    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 7 + 3) % 50).collect();
 
     // A: the prompt, computed in full.
     let a = c.create_with_prompt(0, &prompt).unwrap();
@@ -110,7 +112,7 @@ fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
     let b = c.create_with_prompt(0, &b_tokens).unwrap();
     assert_eq!(
         b.reused_tokens,
-        70 / block_size * block_size,
+        prompt_len / block_size * block_size,
         "block size {block_size}"
     );
     write(&mut c, b.seq, &b_tokens, b.reused_tokens as usize);
