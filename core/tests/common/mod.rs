@@ -2,13 +2,13 @@
 
 use proptest::test_runner::Config as ProptestConfig;
 
-/// `cases` random cases natively; under Miri a handful (it runs each case thousands of
+/// `cases` random cases natively; under Miri one (it runs each case thousands of
 /// times slower), and no failure persistence, which would read and write regression
 /// files that Miri's isolation forbids.
 pub fn proptest_config(cases: u32) -> ProptestConfig {
     if cfg!(miri) {
         ProptestConfig {
-            cases: 2,
+            cases: 1,
             failure_persistence: None,
             ..ProptestConfig::default()
         }
@@ -20,11 +20,11 @@ pub fn proptest_config(cases: u32) -> ProptestConfig {
     }
 }
 
-/// The longest operation sequence a property test draws: `native` natively, at most 30
+/// The longest operation sequence a property test draws: `native` natively, at most 15
 /// under Miri.
 pub fn max_ops(native: usize) -> usize {
     if cfg!(miri) {
-        native.min(30)
+        native.min(15)
     } else {
         native
     }
