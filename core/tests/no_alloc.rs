@@ -191,7 +191,7 @@ fn random_operations_allocate_nothing() {
     );
     // The run exercised every operation many times.
     assert!(
-        done.iter().all(|&d| u64::from(d) > 1000 / MIRI_SCALE),
+        done.iter().all(|&d| d > if cfg!(miri) { 5 } else { 1000 }),
         "operation counts {done:?}"
     );
     assert!(kv.stats().prefix_hit_tokens > 0);
