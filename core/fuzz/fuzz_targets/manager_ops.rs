@@ -70,6 +70,7 @@ macro_rules! model {
         mod $name {
             const BLOCK_SIZE: u32 = $block_size;
             const PREFIX_CACHE: bool = $prefix_cache;
+            const MAX_NAMESPACES: u32 = 0;
             include!("../../tests/model/body.rs");
 
             fn convert(op: super::FuzzOp) -> Op {
@@ -86,6 +87,9 @@ macro_rules! model {
                         base: base % 3,
                         len: len % 30,
                         tail,
+                        // The retention level comes from the tail byte's high bits, so the
+                        // committed corpus decodes as before.
+                        level: tail >> 4,
                     },
                     F::Append {
                         seq,
