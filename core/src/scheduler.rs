@@ -12,10 +12,11 @@
 //! # The rules, in order
 //! 1. **Running** sequences, oldest admission first, take their share of the per-step
 //!    token budget: up to `pending_tokens` (a prefill chunk, or 1 to decode). When the
-//!    blocks that share needs (new blocks plus a copy-on-write block) are not available, the most recently admitted running
-//!    sequence is preempted (possibly the one asking), freeing its exclusive blocks: by
-//!    swap when [`Preemption::Swap`] is configured and the host tier has room, otherwise
-//!    by recompute.
+//!    blocks that share needs (new blocks plus a copy-on-write block) are not available,
+//!    the most recently admitted running sequence is preempted, freeing its exclusive
+//!    blocks: by swap when [`Preemption::Swap`] is configured and the host tier has
+//!    room, otherwise by recompute. When the one asking is itself the most recent, it
+//!    runs the tokens that fit instead, and is preempted only when not one fits.
 //! 2. If nobody was preempted, **swapped-out** sequences come back oldest first, while
 //!    their blocks plus one spare block fit above the watermark and the running limit
 //!    allows. They run from the next step on.
@@ -243,6 +244,17 @@ pub fn schedule_with(
     schedule_lazy(config, input, input.waiting.iter().copied(), emit)
 }
 
+/// Tokens a sequence holding `held` tokens can append with `available` blocks: the room
+/// left in its last block (after copying it first when `cow` is 1) plus whole blocks.
+/// O(1).
+fn tokens_that_fit(held: u64, available: u64, cow: u64, bs: u64) -> u64 {
+    if available < cow {
+        return 0;
+    }
+    let room_in_last = (bs - held % bs) % bs;
+    room_in_last + (available - cow) * bs
+}
+
 /// [`schedule_with`] taking the waiting requests from `waiting` instead of
 /// `input.waiting` (which it ignores): admission is first come, first served and stops at
 /// the first request that does not fit, so it draws only the requests it considers —
@@ -275,15 +287,26 @@ pub(crate) fn schedule_lazy(
     let mut r = 0usize;
     while r < end {
         let seq = input.running[r];
-        let tokens = seq.pending_tokens.min(budget);
+        let mut tokens = seq.pending_tokens.min(budget);
         if tokens == 0 {
             break;
         }
         let held = u64::from(seq.held_tokens);
-        let grow = blocks_for(held + u64::from(tokens)) - blocks_for(held)
-            + u64::from(seq.cow_blocks.min(1));
-        // Preempt the youngest until this sequence fits (or it is the youngest itself).
+        let cow = u64::from(seq.cow_blocks.min(1));
+        let grow_for = |tokens: u32| blocks_for(held + u64::from(tokens)) - blocks_for(held) + cow;
+        let mut grow = grow_for(tokens);
+        // Preempt the youngest until this sequence fits. The youngest itself runs the
+        // tokens that do fit rather than preempting itself, when any does: a sequence
+        // swapped back in with one spare block always advances (no swap ping-pong).
         while grow > available {
+            if end - 1 == r {
+                let fit = tokens_that_fit(held, available, cow, bs);
+                if fit > 0 {
+                    tokens = tokens.min(u32::try_from(fit).unwrap_or(u32::MAX));
+                    grow = grow_for(tokens);
+                    break;
+                }
+            }
             end -= 1;
             let victim = input.running[end];
             let mode =
@@ -433,6 +456,60 @@ mod tests {
         assert_eq!(a[2], Some(Action::Admit { id: 2, tokens: 62 }));
         assert_eq!(a[3], None);
         assert_eq!((p.tokens, p.blocks_needed, p.preemptions), (64, 2 + 4, 0));
+    }
+
+    #[test]
+    fn the_youngest_runs_what_fits_before_preempting_itself() {
+        // 0 is mid-prefill: 30 tokens held (2 slots left in its second block), 40
+        // pending; one block is available, so 2 + 16 tokens fit.
+        let run = [running(0, 30, 40)];
+        let input = StepInput {
+            running: &run,
+            swapped: &[],
+            waiting: &[],
+            available_blocks: 1,
+            host_free_blocks: 0,
+            block_size: 16,
+            free_seqs: 64,
+        };
+        let (p, a) = plan(&CFG, input);
+        assert_eq!(a[0], Some(Action::Run { id: 0, tokens: 18 }));
+        assert_eq!(a[1], None);
+        assert_eq!((p.tokens, p.blocks_needed, p.preemptions), (18, 1, 0));
+        // A shared partial last block is copied first: that takes the available block,
+        // leaving the 2 slots of the copy.
+        let cow = [RunningSeq {
+            cow_blocks: 1,
+            ..running(0, 30, 40)
+        }];
+        let (p, a) = plan(
+            &CFG,
+            StepInput {
+                running: &cow,
+                ..input
+            },
+        );
+        assert_eq!(a[0], Some(Action::Run { id: 0, tokens: 2 }));
+        assert_eq!((p.tokens, p.blocks_needed, p.preemptions), (2, 1, 0));
+        // Nothing fits (a full last block, no block): it is preempted.
+        let full = [running(0, 32, 40)];
+        let (p, a) = plan(
+            &CFG,
+            StepInput {
+                running: &full,
+                available_blocks: 0,
+                ..input
+            },
+        );
+        assert_eq!(
+            a[0],
+            Some(Action::Preempt {
+                id: 0,
+                mode: Preemption::Recompute
+            })
+        );
+        assert_eq!(a[1], None);
+        assert_eq!(p.preemptions, 1);
     }
 
     #[test]

@@ -13,6 +13,11 @@ pub fn proptest_config(cases: u32) -> ProptestConfig {
             ..ProptestConfig::default()
         }
     } else {
+        // `PROPTEST_CASES` overrides the count for longer local searches.
+        let cases = std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(cases);
         ProptestConfig {
             cases,
             ..ProptestConfig::default()
