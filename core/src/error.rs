@@ -246,3 +246,49 @@ impl fmt::Display for SeqError {
 }
 
 impl core::error::Error for SeqError {}
+
+/// Why [`crate::BlockManager::import_block`] refused a block. A refused import changes
+/// nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum ImportError {
+    /// The manager was configured without a prefix cache ([`crate::Config::prefix_cache`]).
+    PrefixCacheOff,
+    /// The token ids are not exactly one block's worth.
+    WrongTokenCount {
+        /// Ids given.
+        got: usize,
+        /// The block size.
+        expected: u32,
+    },
+    /// The parent is not a registered block of the same namespace.
+    BadParent {
+        /// The block given as parent.
+        block: u32,
+    },
+    /// No free block is left that the namespace may take (imports never evict).
+    OutOfBlocks,
+    /// The namespace is at its [`crate::NamespaceQuota::max_blocks`].
+    QuotaExceeded,
+}
+
+impl fmt::Display for ImportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::PrefixCacheOff => f.write_str("the prefix cache is off"),
+            Self::WrongTokenCount { got, expected } => {
+                write!(f, "a block holds {expected} token ids, got {got}")
+            }
+            Self::BadParent { block } => {
+                write!(
+                    f,
+                    "parent block {block} is not registered in this namespace"
+                )
+            }
+            Self::OutOfBlocks => f.write_str("no free block to import into"),
+            Self::QuotaExceeded => f.write_str("the namespace is at its block limit"),
+        }
+    }
+}
+
+impl core::error::Error for ImportError {}

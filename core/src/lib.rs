@@ -70,13 +70,13 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
     RequestId, RequestState, Sampled, ScheduledSeq, Step,
 };
-pub use error::{GeometryError, InitError, QuotaError, SeqError};
+pub use error::{GeometryError, ImportError, InitError, QuotaError, SeqError};
 pub use geometry::{DType, Geometry};
 pub use host_tier::HostPool;
 pub use index_set::IndexSet;
 pub use manager::{
-    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, NamespaceQuota,
-    PositionRun, PrefixHit, PromptStart, RowMove, SeqId,
+    Appended, BlockCopy, BlockManager, ContextShift, CopiedRange, Edited, Imported, NamespaceQuota,
+    PositionRun, PrefixHit, PromptStart, RegisteredBlock, RowMove, SeqId,
 };
 pub use retention::Priority;
 pub use scheduler::{

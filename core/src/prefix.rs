@@ -300,6 +300,33 @@ impl<'a> PrefixCache<'a> {
         }
     }
 
+    /// The namespace, hash and parent link a registered block was registered with.
+    /// O(1).
+    pub(crate) fn key_of(&self, b: u32) -> (u64, u64, Link) {
+        let i = b as usize;
+        let parent = Link {
+            block: self.parent[i],
+            gen: self.parent_gen[i],
+        };
+        (self.namespace[i], self.hash[i], parent)
+    }
+
+    /// Stores the token ids of full block `b` (nothing when the cache is off). O(block
+    /// size).
+    pub(crate) fn set_tokens(&mut self, b: u32, ids: &[u32]) {
+        if self.enabled() {
+            let r = self.token_range(b);
+            self.tokens[r].copy_from_slice(ids);
+        }
+    }
+
+    /// Lists cached block `b` as least recently used among the blocks of namespace slot
+    /// `slot` at its priority. O(1).
+    pub(crate) fn lru_push_front(&mut self, b: u32, slot: usize) {
+        let level = self.priority(b);
+        self.lru.push_front(b, slot, level);
+    }
+
     /// Current link of a registered block.
     #[inline]
     pub(crate) fn link_of(&self, b: u32) -> Link {

@@ -69,6 +69,9 @@ pub(crate) const LEVELS: usize = 4;
 /// Levels eviction may take from (all but `Pinned`).
 const EVICTABLE_LEVELS: usize = LEVELS - 1;
 
+/// Where the back and front stamps of [`LruLists`] start, moving apart.
+const MID_CLOCK: u64 = 1 << 63;
+
 /// The eviction lists: one intrusive doubly linked list per (slot, level).
 #[derive(Debug)]
 pub(crate) struct LruLists<'a> {
@@ -82,7 +85,11 @@ pub(crate) struct LruLists<'a> {
     head: &'a mut [u32],
     tail: &'a mut [u32],
     len: &'a mut [u32],
+    /// Stamp of the next block listed at the back; counts up from [`MID_CLOCK`].
     clock: u64,
+    /// Stamp of the next block listed at the front; counts down from below
+    /// [`MID_CLOCK`], so fronts stay older than every back (2^63 of each).
+    front_clock: u64,
     total: u32,
     pinned: u32,
 }
@@ -118,7 +125,8 @@ impl<'a> LruLists<'a> {
             head: carve.u32s(lists),
             tail: carve.u32s(lists),
             len: carve.u32s(lists),
-            clock: 0,
+            clock: MID_CLOCK,
+            front_clock: MID_CLOCK - 1,
             total: 0,
             pinned: 0,
         };
@@ -169,6 +177,28 @@ impl<'a> LruLists<'a> {
             t => self.next[t as usize] = b,
         }
         self.tail[l] = b;
+        self.len[l] += 1;
+        self.total += 1;
+        self.pinned += u32::from(level == Priority::Pinned);
+    }
+
+    /// Prepends `b` as least recently used to the list of (`slot`, `level`): it is
+    /// evicted before every block listed so far (at its level, across slots too). O(1).
+    pub(crate) fn push_front(&mut self, b: u32, slot: usize, level: Priority) {
+        let l = slot * LEVELS + level as usize;
+        let i = b as usize;
+        self.list[i] = l as u32;
+        if let Some(s) = self.stamp.get_mut(i) {
+            *s = self.front_clock;
+        }
+        self.front_clock -= 1;
+        self.next[i] = self.head[l];
+        self.prev[i] = NIL;
+        match self.head[l] {
+            NIL => self.tail[l] = b,
+            h => self.prev[h as usize] = b,
+        }
+        self.head[l] = b;
         self.len[l] += 1;
         self.total += 1;
         self.pinned += u32::from(level == Priority::Pinned);

@@ -49,6 +49,7 @@ mod edit;
 pub(crate) mod pool;
 mod positions;
 mod quota;
+mod registered;
 mod retain;
 pub(crate) mod seqs;
 mod swap;
@@ -64,6 +65,7 @@ pub use edit::{ContextShift, CopiedRange, Edited, RowMove};
 use pool::BlockPool;
 pub use positions::PositionRun;
 pub use quota::NamespaceQuota;
+pub use registered::{Imported, RegisteredBlock};
 pub use seqs::SeqId;
 use seqs::SeqTable;
 

@@ -232,6 +232,37 @@ impl<'a> BlockPool<'a> {
         b
     }
 
+    /// Takes a free block for namespace slot `s` without evicting anything, for content
+    /// the prefix cache is about to register: it comes back with no reference, `fill`
+    /// tokens, unknown to the prefix cache and charged to `s` (the caller registers and
+    /// lists it). `None` when `s` is at its limit or every free block is kept for other
+    /// slots' reservations. O(1) amortized.
+    pub(crate) fn take_free_for_cache(
+        &mut self,
+        s: usize,
+        fill: u32,
+        prefix: &mut PrefixCache<'_>,
+    ) -> Option<u32> {
+        let t = &self.tenants;
+        if t.at_limit(s) || self.free.count() <= t.reserved_for_others(s) {
+            return None;
+        }
+        let b = self.free.pop_first()?;
+        prefix.clear(b);
+        self.tenants.charge(b, s);
+        self.refcount[b as usize] = 0;
+        self.fill[b as usize] = fill;
+        Some(b)
+    }
+
+    /// Free blocks slot `s` may take without evicting: those not kept for other slots'
+    /// reservations. O(1).
+    pub(crate) fn free_for(&self, s: usize) -> u32 {
+        self.free
+            .count()
+            .saturating_sub(self.tenants.reserved_for_others(s))
+    }
+
     /// Adds a reference to a used or cached block (a cached one leaves the LRU list).
     /// O(1).
     #[inline]
