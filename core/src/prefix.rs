@@ -311,12 +311,12 @@ impl<'a> PrefixCache<'a> {
         (self.namespace[i], self.hash[i], parent)
     }
 
-    /// Stores the token ids of full block `b` (nothing when the cache is off). O(block
-    /// size).
+    /// Stores `ids` (at most a block's worth) as the first token ids of block `b`
+    /// (nothing when the cache is off). O(ids).
     pub(crate) fn set_tokens(&mut self, b: u32, ids: &[u32]) {
         if self.enabled() {
-            let r = self.token_range(b);
-            self.tokens[r].copy_from_slice(ids);
+            let start = self.token_range(b).start;
+            self.tokens[start..start + ids.len()].copy_from_slice(ids);
         }
     }
 
@@ -590,15 +590,6 @@ mod tests {
 
     fn keyed_cache(a: &mut Arrays, key: u64) -> PrefixCache<'_> {
         PrefixCache::new(&config(key), &mut Carver::new(a))
-    }
-
-    /// Test helper: stores `ids` as the tokens of block `b`.
-    impl PrefixCache<'_> {
-        fn set_tokens(&mut self, b: u32, ids: &[u32]) {
-            for (k, &id) in ids.iter().enumerate() {
-                self.set_token(b, k as u32, id);
-            }
-        }
     }
 
     #[test]
