@@ -80,5 +80,7 @@ pub use kvpage_core::{
     FinishedRequests, Geometry, GeometryError, PositionRun, Preemption, RequestId, RequestState,
     RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
 };
-pub use persist::{ModelFingerprint, PersistError, RestoredInfo, SeqBlob};
+pub use persist::{
+    ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,
+};
 pub use shared::SharedManager;

@@ -1,6 +1,8 @@
 //! Saving a sequence — its token ids, positions and K/V blocks — into a caller buffer or
 //! a file, and restoring it into any free blocks of a cache of the same geometry, dtype
-//! and model ([`KvCache::save_seq`], [`KvCache::restore_seq`] and their file variants).
+//! and model ([`KvCache::save_seq`], [`KvCache::restore_seq`] and their file variants);
+//! and saving the whole prefix cache at shutdown to load it at the next start-up
+//! ([`KvCache::save_prefix_cache`], [`KvCache::load_prefix_cache`]).
 //!
 //! - [`format`]: the versioned byte format (header, framed sections, CRC-32s), encoded
 //!   field by field, little-endian.
@@ -9,6 +11,7 @@
 //!   token ids.
 //! - `file`: crash-consistent writes (aside, fsync, rename, fsync the directory).
 //! - `positions`: the blob's position runs, checked with the core's rules on restore.
+//! - `prefix_file`: the persistent prefix cache (its own format, one checksum per block).
 //!
 //! A restore checks everything before it changes anything: a blob from another
 //! geometry, dtype or model, a truncated or corrupted one, or a cache without room is a
@@ -44,14 +47,20 @@
 //! [`KvCache`]: crate::KvCache
 //! [`KvCache::save_seq`]: crate::KvCache::save_seq
 //! [`KvCache::restore_seq`]: crate::KvCache::restore_seq
+//! [`KvCache::save_prefix_cache`]: crate::KvCache::save_prefix_cache
+//! [`KvCache::load_prefix_cache`]: crate::KvCache::load_prefix_cache
 
 mod error;
 mod file;
 pub mod format;
 mod positions;
+mod prefix_file;
 mod request;
 mod seq;
 
 pub use error::{BlobGeometry, PersistError, Section};
 pub use format::{BlobHeader, ModelFingerprint};
+pub use prefix_file::{
+    PrefixLoadReport, SavedPrefixCache, PREFIX_FORMAT_VERSION, PREFIX_HEADER_LEN, PREFIX_MAGIC,
+};
 pub use seq::{BlobTokens, RestoredFile, RestoredInfo, SeqBlob};

@@ -15,7 +15,7 @@ use std::path::Path;
 use crate::cache::{CacheError, KvCache, Seq};
 use kvpage_core::SeqError;
 
-use super::error::{PersistError, Section};
+use super::error::{BlobGeometry, PersistError, Section};
 use super::file;
 use super::format::{
     blob_geometry, copy_elems_from_le, dtype_code, read_sections, u32s, write_header, BlobHeader,
@@ -319,28 +319,31 @@ impl KvCache {
         Ok(())
     }
 
-    /// Checks a blob's header against this cache: dtype, geometry, fingerprint.
-    fn check_blob_header(
+    /// Checks where saved bytes come from against this cache: dtype, geometry, and the
+    /// saved fingerprint against the caller's `fingerprint`.
+    pub(crate) fn check_origin(
         &self,
-        header: &BlobHeader,
+        saved_dtype: u32,
+        saved_geometry: &BlobGeometry,
+        saved_fingerprint: &ModelFingerprint,
         fingerprint: &ModelFingerprint,
     ) -> Result<(), PersistError> {
         let g = self.geometry();
         // The dtype first: with another dtype the bytes per block differ too.
-        if header.dtype_code != dtype_code(g.dtype()) {
+        if saved_dtype != dtype_code(g.dtype()) {
             return Err(PersistError::DtypeMismatch {
-                blob: header.dtype_code,
+                blob: saved_dtype,
                 cache: g.dtype(),
             });
         }
         let cache = blob_geometry(g);
-        if header.geometry != cache {
+        if *saved_geometry != cache {
             return Err(PersistError::GeometryMismatch {
-                blob: header.geometry,
+                blob: *saved_geometry,
                 cache,
             });
         }
-        if header.fingerprint != *fingerprint {
+        if saved_fingerprint != fingerprint {
             return Err(PersistError::ModelMismatch);
         }
         Ok(())
@@ -380,7 +383,12 @@ impl KvCache {
         fingerprint: &ModelFingerprint,
     ) -> Result<(Seq, RestoredInfo<'b>), CacheError> {
         let header = BlobHeader::decode(blob)?;
-        self.check_blob_header(&header, fingerprint)?;
+        self.check_origin(
+            header.dtype_code,
+            &header.geometry,
+            &header.fingerprint,
+            fingerprint,
+        )?;
         let blob = SeqBlob::verify(header, blob)?;
         let m = self.block_manager();
         let runs = BlobRuns::decode(
