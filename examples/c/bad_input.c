@@ -516,6 +516,99 @@ static void seq_blob_calls(void) {
   section("sequence blobs", before);
 }
 
+/* The persistent prefix cache: bad arguments, a wrong header, model or geometry (the
+ * target cache unchanged), damaged blocks (skipped and counted, never served), a
+ * missing file; then a good load whose prompt hits and decodes like the original. */
+static void prefix_file_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8);
+  kvpage_cache *c = NULL, *d = NULL, *other = NULL;
+  kvpage_seq s, r;
+  kvpage_stats st0, st1;
+  kvpage_prefix_load_report rep;
+  kvpage_fingerprint model = kvpage_fingerprint_from_u64(7), wrong = kvpage_fingerprint_from_u64(8);
+  uint32_t prompt[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, layer, i, blocks = 0, reused = 0;
+  uint64_t size = 0;
+  size_t written = 0;
+  static uint8_t file_bytes[8192], bad[8192];
+  float k[9 * ROW], v[9 * ROW], q[Q_HEADS * HEAD_DIM], got[Q_HEADS * HEAD_DIM], want[Q_HEADS * HEAD_DIM];
+  const char *missing = "/nonexistent-kvpage-dir/prefix.kvpc", *file = "bad_input_prefix.kvpc";
+
+  for (i = 0; i < 9 * ROW; i++) k[i] = value(i + 6000), v[i] = value(i + 7000);
+  for (i = 0; i < Q_HEADS * HEAD_DIM; i++) q[i] = value(i + 8000);
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &d, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(c, 0, prompt, 9, &s, NULL, &err));
+  for (layer = 0; layer < LAYERS; layer++)
+    EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c, s, layer, 0, 9, k, 9 * ROW, v, 9 * ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_commit(c, s, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_prefix_save_size(c, &size, &err));
+  EXPECT_TRUE(size > 96 && size < sizeof file_bytes);
+  EXPECT(KVPAGE_OK, kvpage_cache_prefix_save(c, &model, file_bytes, sizeof file_bytes, &written, &blocks, &err));
+  EXPECT_TRUE(written == size && blocks == 9 / BLOCK);
+
+  /* Null pointers, a short buffer, an empty or unwritable path. */
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_save_size(NULL, &size, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_save_size(c, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_save(c, NULL, bad, sizeof bad, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_save(c, &model, NULL, 10, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_save_file(c, &model, NULL, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_load(d, NULL, 10, &model, &rep, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_load(d, file_bytes, written, NULL, &rep, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_prefix_load_file(d, NULL, &model, &rep, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_prefix_load((kvpage_cache *)bad, file_bytes, written, &model, &rep, &err));
+  EXPECT_TRUE(kvpage_cache_prefix_save(c, &model, bad, written - 1, NULL, NULL, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == written && err.available == written - 1);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_prefix_save_file(c, &model, "", NULL, &err));
+  EXPECT(KVPAGE_ERR_IO, kvpage_cache_prefix_save_file(c, &model, missing, NULL, &err));
+  EXPECT(KVPAGE_ERR_IO, kvpage_cache_prefix_load_file(d, missing, &model, &rep, &err));
+
+  /* A wrong header, model or geometry: refused, the cache as it was. */
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(d, &st0, &err));
+  memcpy(bad, file_bytes, written);
+  bad[0] = 'X';
+  EXPECT(KVPAGE_ERR_BLOB_FORMAT, kvpage_cache_prefix_load(d, bad, written, &model, &rep, &err));
+  memcpy(bad, file_bytes, written);
+  bad[8] = 2;
+  EXPECT(KVPAGE_ERR_BLOB_VERSION, kvpage_cache_prefix_load(d, bad, written, &model, &rep, &err));
+  memcpy(bad, file_bytes, written);
+  bad[36] ^= 1;
+  EXPECT(KVPAGE_ERR_BLOB_CORRUPT, kvpage_cache_prefix_load(d, bad, written, &model, &rep, &err));
+  EXPECT(KVPAGE_ERR_BLOB_TRUNCATED, kvpage_cache_prefix_load(d, file_bytes, 50, &model, &rep, &err));
+  EXPECT(KVPAGE_ERR_BLOB_MODEL, kvpage_cache_prefix_load(d, file_bytes, written, &wrong, &rep, &err));
+  p.geometry.block_size = 2 * BLOCK;
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &other, &err));
+  EXPECT(KVPAGE_ERR_BLOB_GEOMETRY, kvpage_cache_prefix_load(other, file_bytes, written, &model, &rep, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(d, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+
+  /* A damaged last byte of the first block: it and the chain below are skipped. */
+  memcpy(bad, file_bytes, written);
+  bad[96 + (written - 96) / blocks - 1] ^= 0x10;
+  EXPECT(KVPAGE_OK, kvpage_cache_prefix_load(d, bad, written, &model, &rep, &err));
+  EXPECT_TRUE(rep.records == blocks && rep.damaged == 1 && rep.orphaned == blocks - 1 && rep.loaded == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(d, 0, prompt, 9, &r, &reused, &err));
+  EXPECT_TRUE(reused == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_release(d, r, &err));
+
+  /* A good load through a file: the prompt hits and decodes like the original. */
+  EXPECT(KVPAGE_OK, kvpage_cache_prefix_save_file(c, &model, file, &blocks, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_prefix_load_file(d, file, &model, &rep, &err));
+  EXPECT_TRUE(remove(file) == 0);
+  EXPECT_TRUE(rep.records == blocks && rep.loaded == blocks && rep.trailing_bytes == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(d, 0, prompt, 9, &r, &reused, &err));
+  EXPECT_TRUE(reused == 8);
+  for (layer = 0; layer < LAYERS; layer++)
+    EXPECT(KVPAGE_OK, kvpage_cache_write_kv(d, r, layer, 8, 1, k + 8 * ROW, ROW, v + 8 * ROW, ROW, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(c, 1, &s, 1, q, Q_HEADS * HEAD_DIM, want, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_decode(d, 1, &r, 1, q, Q_HEADS * HEAD_DIM, got, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+  EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(other, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(d, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  section("prefix cache files", before);
+}
+
 static kvpage_engine_params engine_params(void) {
   kvpage_engine_params p = kvpage_engine_default_params(GEOMETRY);
   p.cache = cache_params(16);
@@ -862,6 +955,7 @@ int main(void) {
   cache_calls();
   rotate_calls();
   seq_blob_calls();
+  prefix_file_calls();
   engine_calls();
   manager_and_scheduler_calls();
   manager_seq_calls();

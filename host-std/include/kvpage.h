@@ -79,6 +79,9 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // The sequence is full; the last sampled token was reported but not stored.
 #define KVPAGE_FINISH_LENGTH 2
 
+// The prefix-cache file format version this library writes and reads.
+#define KVPAGE_PREFIX_FILE_VERSION 1
+
 // The highest result code (for tables of messages and tests that walk every code).
 #define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_QUOTA_REFUSED
 
@@ -113,6 +116,12 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 
 // Patch version of the header.
 #define KVPAGE_VERSION_PATCH 0
+
+// The prefix-cache format version this build writes and reads.
+#define PREFIX_FORMAT_VERSION 1
+
+// Bytes of the header, its CRC included.
+#define PREFIX_HEADER_LEN 96
 
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
@@ -592,14 +601,6 @@ typedef struct kvpage_prefix_hit {
   uint32_t idle_blocks;
 } kvpage_prefix_hit;
 
-// What a tier-3 scheduler is sized for, next to its manager's configuration.
-typedef struct kvpage_scheduler_config {
-  // Requests in flight at once (waiting, running, swapped out); > 0.
-  uint32_t max_requests;
-  // Token budget, running limit, watermark and preemption mode of every step.
-  struct kvpage_scheduler_params scheduler;
-} kvpage_scheduler_config;
-
 // The caller's name for a model: 32 bytes (e.g. a SHA-256 of its weights), or a
 // 64-bit id made by `kvpage_fingerprint_from_u64`. A blob saved under one fingerprint
 // is refused under another (`KVPAGE_ERR_BLOB_MODEL`).
@@ -607,6 +608,36 @@ typedef struct kvpage_fingerprint {
   // The bytes, compared as they are.
   uint8_t bytes[32];
 } kvpage_fingerprint;
+
+// What a prefix-cache load did with each block (record) of a file whose header was
+// sound: `loaded + already_cached + damaged + missing + orphaned + no_room ==
+// records`.
+typedef struct kvpage_prefix_load_report {
+  // Blocks the file announces.
+  uint32_t records;
+  // Blocks registered and written.
+  uint32_t loaded;
+  // Blocks the cache held already (nothing written).
+  uint32_t already_cached;
+  // Blocks skipped for a wrong checksum or impossible fields.
+  uint32_t damaged;
+  // Blocks cut off by the end of the file.
+  uint32_t missing;
+  // Blocks skipped because a block above them in their chain was damaged or missing.
+  uint32_t orphaned;
+  // Blocks not loaded for want of a free block their namespace may take.
+  uint32_t no_room;
+  // Bytes after the last block (ignored).
+  uint64_t trailing_bytes;
+} kvpage_prefix_load_report;
+
+// What a tier-3 scheduler is sized for, next to its manager's configuration.
+typedef struct kvpage_scheduler_config {
+  // Requests in flight at once (waiting, running, swapped out); > 0.
+  uint32_t max_requests;
+  // Token budget, running limit, watermark and preemption mode of every step.
+  struct kvpage_scheduler_params scheduler;
+} kvpage_scheduler_config;
 
 // An id no sequence ever has, for "no sequence" in the caller's own tables.
 #define KVPAGE_SEQ_NONE UINT64_MAX
@@ -2117,6 +2148,101 @@ kvpage_result kvpage_manager_seq_row(const kvpage_manager *manager,
                                      kvpage_seq seq,
                                      uint32_t *out_row,
                                      struct kvpage_error *err);
+
+// Writes the bytes `kvpage_cache_prefix_save` needs now to `*out_size`: 96 plus, per
+// reachable prefix-cache block, 40 + 4 × block size + bytes per block.
+// O(blocks × chain depth).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_size` is null or writable.
+kvpage_result kvpage_cache_prefix_save_size(const kvpage_cache *cache,
+                                            uint64_t *out_size,
+                                            struct kvpage_error *err);
+
+// Saves every reachable prefix-cache block (cached, pinned, or held by live
+// sequences), parents first, under `*model`, into `out[..n]`; writes `n` to
+// `*out_written` and the number of blocks to `*out_blocks` when non-null. Reads the
+// cache only. O(blocks × chain depth + bytes).
+//
+// # Errors
+// Nothing is written on error. `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache), `KVPAGE_ERR_BUFFER_TOO_SMALL`
+// (`needed`, `available` bytes).
+//
+// # Safety
+// `cache` is null or a live cache; `model` is null or readable; `out` is null or
+// writable for `out_len` bytes; `out_written` and `out_blocks` are null or writable.
+kvpage_result kvpage_cache_prefix_save(const kvpage_cache *cache,
+                                       const struct kvpage_fingerprint *model,
+                                       uint8_t *out,
+                                       size_t out_len,
+                                       size_t *out_written,
+                                       uint32_t *out_blocks,
+                                       struct kvpage_error *err);
+
+// `kvpage_cache_prefix_save` into the file at `path` (NUL-terminated),
+// crash-consistently: written aside, flushed to disk, renamed over `path`, the
+// directory flushed; `path` holds its old content or the whole new one. Streams.
+// Writes the number of blocks to `*out_blocks` when non-null.
+// O(blocks × chain depth + bytes) plus the file system's.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache, empty path), `KVPAGE_ERR_IO` (`value` = the OS error number); the
+// temporary file is removed on error.
+//
+// # Safety
+// `cache` is null or a live cache; `model` is null or readable; `path` is null or a
+// NUL-terminated string; `out_blocks` is null or writable.
+kvpage_result kvpage_cache_prefix_save_file(const kvpage_cache *cache,
+                                            const struct kvpage_fingerprint *model,
+                                            const char *path,
+                                            uint32_t *out_blocks,
+                                            struct kvpage_error *err);
+
+// Loads the `len` bytes at `bytes`, a saved prefix cache, into `cache`'s free blocks
+// and writes what happened to `*out_report` when non-null. Sound blocks whose chain
+// is intact become cached (least recently used: live traffic evicts them first), with
+// their priority; a later prompt hit still verifies every token id. O(bytes).
+//
+// # Errors
+// Nothing changes on error. `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache), `KVPAGE_ERR_BLOB_FORMAT` (bad magic or
+// flags), `KVPAGE_ERR_BLOB_VERSION`, `KVPAGE_ERR_BLOB_TRUNCATED` (shorter than the
+// header), `KVPAGE_ERR_BLOB_CORRUPT` (the header), `KVPAGE_ERR_BLOB_GEOMETRY`,
+// `KVPAGE_ERR_DTYPE_MISMATCH`, `KVPAGE_ERR_BLOB_MODEL`. Damage past the header is no
+// error: it is counted in the report.
+//
+// # Safety
+// `cache` is null or a live cache; `bytes` is null or readable for `len` bytes;
+// `model` is null or readable; `out_report` is null or writable.
+kvpage_result kvpage_cache_prefix_load(kvpage_cache *cache,
+                                       const uint8_t *bytes,
+                                       size_t len,
+                                       const struct kvpage_fingerprint *model,
+                                       struct kvpage_prefix_load_report *out_report,
+                                       struct kvpage_error *err);
+
+// `kvpage_cache_prefix_load` from the file at `path` (NUL-terminated; read whole into
+// memory, then loaded). O(file bytes).
+//
+// # Errors
+// As `kvpage_cache_prefix_load`, and `KVPAGE_ERR_INVALID_ARGUMENT` (empty path),
+// `KVPAGE_ERR_IO` (`value` = the OS error number, e.g. `ENOENT` when there is no file
+// yet), `KVPAGE_ERR_OUT_OF_MEMORY`.
+//
+// # Safety
+// `cache` is null or a live cache; `path` is null or a NUL-terminated string; `model`
+// is null or readable; `out_report` is null or writable.
+kvpage_result kvpage_cache_prefix_load_file(kvpage_cache *cache,
+                                            const char *path,
+                                            const struct kvpage_fingerprint *model,
+                                            struct kvpage_prefix_load_report *out_report,
+                                            struct kvpage_error *err);
 
 // A static, NUL-terminated English message for `code`, e.g. "out of blocks". Unknown
 // codes give "unknown result code". Never null; the string lives forever.

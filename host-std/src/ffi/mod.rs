@@ -47,6 +47,7 @@ pub mod manager_swap;
 // After the manager's modules, so the header lists its block-table exports after them.
 pub mod block_table;
 pub mod plan;
+pub mod prefix_file;
 pub mod result;
 pub mod rope;
 pub mod scheduler;

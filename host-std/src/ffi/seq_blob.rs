@@ -57,7 +57,7 @@ unsafe fn save_tokens<'a>(tokens: *const u32, n_tokens: usize) -> Result<Option<
 ///
 /// # Safety
 /// `path` is null or a readable NUL-terminated string.
-unsafe fn path_from_c(path: *const c_char) -> Result<PathBuf, Fail> {
+pub(super) unsafe fn path_from_c(path: *const c_char) -> Result<PathBuf, Fail> {
     if path.is_null() {
         return Err(Fail::null("path"));
     }
@@ -350,7 +350,7 @@ pub unsafe extern "C" fn kvpage_cache_seq_restore_file(
 }
 
 /// The whole file at `path`, its buffer reserved fallibly.
-fn read_file(path: &std::path::Path) -> Result<Vec<u8>, Fail> {
+pub(super) fn read_file(path: &std::path::Path) -> Result<Vec<u8>, Fail> {
     use std::io::Read;
     let io = |e: std::io::Error| Fail::from(crate::CacheError::from(PersistError::from(e)));
     let mut file = std::fs::File::open(path).map_err(io)?;
