@@ -384,3 +384,29 @@ fn a_file_round_trip_and_a_missing_file() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Writes the seed corpus of the `load_prefix` fuzz target (run by hand:
+/// `cargo test -p kvpage --test prefix_file -- --ignored write_fuzz_seeds`): files of
+/// the fuzzed cache's geometry, each with mode 0 and 1.
+#[test]
+#[ignore = "writes the fuzz seed corpus"]
+fn write_fuzz_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/load_prefix");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut r = rng(21);
+    let (a, _) = source(DType::F16, &mut r);
+    let mut small = cache(DType::F16, 8);
+    serve(&mut small, 3, &[7, 8, 9, 10, 11], false, &mut r);
+    for (name, c) in [
+        ("source", &a),
+        ("small", &small),
+        ("empty", &cache(DType::F16, 4)),
+    ] {
+        let file = save(c);
+        for mode in [0u8, 1] {
+            let mut seed = vec![mode];
+            seed.extend_from_slice(&file);
+            std::fs::write(dir.join(format!("{name}-mode{mode}")), seed).unwrap();
+        }
+    }
+}
