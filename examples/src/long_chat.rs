@@ -302,7 +302,10 @@ pub fn run(script: &Script) -> Result<()> {
         return Err("the script never needed a context shift".into());
     }
 
-    save_restore_continue(script, &model, &mut cache, &mut chat)
+    save_restore_continue(script, &model, &mut cache, &mut chat)?;
+    restart_with_prefix_cache(script, &model, &system)?;
+    println!("\nlong_chat: all checks passed");
+    Ok(())
 }
 
 /// The first turn after the first shift: the next token's logits from the shifted
@@ -453,6 +456,74 @@ fn save_restore_continue(
             .into());
         }
     }
-    println!("\nlong_chat: all checks passed");
+    Ok(())
+}
+
+/// One request of a fresh conversation: the system prompt and a user turn through the
+/// prefix cache, then `n` greedy tokens. Returns the prompt tokens reused from the
+/// prefix cache, the logits after the prompt and the generated tokens.
+fn first_request(
+    model: &TinyLm,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    n: u32,
+) -> Result<(u32, Vec<f32>, Vec<u32>)> {
+    let start = cache.create_with_prompt(1, prompt)?;
+    let out = model.forward(cache, start.seq, &prompt[start.reused_tokens as usize..])?;
+    let mut chat = Chat {
+        seq: start.seq,
+        tokens: prompt.to_vec(),
+        logits: out.logits.clone(),
+        shadow: None,
+    };
+    let generated = reply(model, cache, &mut chat, n)?;
+    cache.release(start.seq)?;
+    Ok((start.reused_tokens, out.logits, generated))
+}
+
+/// A restart with a persistent prefix cache: a server that served the system prompt
+/// saves its prefix cache at shutdown; the next run loads it, and its first request
+/// hits the system prompt, computes only the rest, and continues exactly like a cold
+/// start that computes everything.
+fn restart_with_prefix_cache(script: &Script, model: &TinyLm, system: &[u32]) -> Result<()> {
+    let config = cache_config(script, 2)?;
+    let dir = std::env::temp_dir().join(format!("kvpage-long-chat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("prefix-cache.kvpc");
+    let mut prompt = system.to_vec();
+    prompt.extend((0..9).map(|i| (i * 37 + 5) % VOCAB as u32));
+    let n = script.continue_tokens;
+
+    let mut before = KvCache::new(config)?;
+    let (cold_reused, cold_logits, cold) = first_request(model, &mut before, &prompt, n)?;
+    let saved = before.save_prefix_cache_to_file(&FINGERPRINT, &path)?;
+    drop(before);
+    let mut after = KvCache::new(config)?;
+    let report = after.load_prefix_cache_from_file(&path, &FINGERPRINT)?;
+    let (warm_reused, warm_logits, warm) = first_request(model, &mut after, &prompt, n)?;
+    std::fs::remove_dir_all(&dir)?;
+    let (rel, _) = max_diff(&warm_logits, &cold_logits);
+    println!(
+        "\nrestart: the prefix cache saved at shutdown ({} blocks, {} bytes) and loaded at \
+         start-up ({} loaded, {} damaged, {} without room)",
+        saved.blocks, saved.bytes, report.loaded, report.damaged, report.no_room
+    );
+    println!(
+        "first request after the restart: {} of {} prompt tokens from the loaded cache \
+         (cold start: {}), {} computed; logits differ by {rel:.1e} (relative), the next {n} \
+         tokens {}",
+        warm_reused,
+        prompt.len(),
+        cold_reused,
+        prompt.len() as u32 - warm_reused,
+        if warm == cold { "identical" } else { "DIFFER" }
+    );
+    let system_blocks = script.system_tokens / script.block_size * script.block_size;
+    if warm_reused < system_blocks || cold_reused != 0 {
+        return Err(format!("the loaded prefix cache was not hit: {warm_reused} tokens").into());
+    }
+    if warm != cold || rel > TOLERANCE {
+        return Err(format!("after the restart the model continued differently: {warm:?}").into());
+    }
     Ok(())
 }
