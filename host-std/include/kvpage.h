@@ -34,6 +34,10 @@ typedef struct kvpage_manager kvpage_manager;
 /* Tier 3: the engine step over a tier-2 manager, in caller storage. */
 typedef struct kvpage_scheduler kvpage_scheduler;
 
+// Namespaces a [`KvCache`] can give a quota ([`KvCache::set_namespace_quota`]).
+// Namespaces without one share the rest of the pool.
+#define CACHE_NAMESPACES 8
+
 // Default arena size of `kvpage_cache_default_params`: 256 MiB.
 #define KVPAGE_CACHE_DEFAULT_BYTES (256 << 20)
 
@@ -42,6 +46,8 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 
 // Default `max_seq_len` of `kvpage_cache_default_params`.
 #define KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN 4096
+
+
 
 // Storage dtype: 32-bit IEEE float.
 #define KVPAGE_DTYPE_F32 0
@@ -1153,6 +1159,125 @@ kvpage_result kvpage_cache_seq_pos_max(const kvpage_cache *cache,
                                        kvpage_seq seq,
                                        int64_t *out_pos,
                                        struct kvpage_error *err);
+
+// `kvpage_cache_create_with_prompt` for a sequence of retention `priority` (a
+// `KVPAGE_PRIORITY_*` level): the cached blocks it reuses and the blocks it commits
+// are raised to at least it; `KVPAGE_PRIORITY_PINNED` keeps a hot system prompt cached
+// for every later request. O(prompt_len).
+//
+// # Errors
+// As `kvpage_cache_create_with_prompt`, and `KVPAGE_ERR_INVALID_ARGUMENT` for a level
+// above `KVPAGE_PRIORITY_PINNED` (`value` = level), `KVPAGE_ERR_QUOTA_EXCEEDED` (the
+// namespace's quota cannot take the prompt's blocks).
+//
+// # Safety
+// As `kvpage_cache_create_with_prompt`.
+kvpage_result kvpage_cache_create_with_prompt_at(kvpage_cache *cache,
+                                                 uint64_t namespace_,
+                                                 uint32_t priority,
+                                                 const uint32_t *prompt,
+                                                 size_t prompt_len,
+                                                 kvpage_seq *out_seq,
+                                                 uint32_t *out_reused,
+                                                 struct kvpage_error *err);
+
+// Sets the retention priority of `seq` (a `KVPAGE_PRIORITY_*` level) and of every
+// block it holds now, exactly (lowering included); the blocks it commits later are
+// raised to at least it. O(blocks of `seq`).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache; a level above `KVPAGE_PRIORITY_PINNED`: `value` = level),
+// `KVPAGE_ERR_STALE_SEQ`, `KVPAGE_ERR_FOREIGN_SEQ`.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_set_priority(kvpage_cache *cache,
+                                        kvpage_seq seq,
+                                        uint32_t priority,
+                                        struct kvpage_error *err);
+
+// Sets the priority of the blocks of `seq` holding tokens `first..end` to `priority`,
+// raises its blocks before the range to at least it and lowers those after it to at
+// most it. An empty range changes nothing. O(blocks of `seq`).
+//
+// # Errors
+// As `kvpage_cache_set_priority`, and `KVPAGE_ERR_BEYOND_LENGTH` (range reversed or
+// past the length).
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_set_range_priority(kvpage_cache *cache,
+                                              kvpage_seq seq,
+                                              uint32_t first,
+                                              uint32_t end,
+                                              uint32_t priority,
+                                              struct kvpage_error *err);
+
+// Lowers every cached pinned block that no sequence holds to `KVPAGE_PRIORITY_NORMAL`
+// (so eviction may take it) and writes how many to `*out_unpinned` (NULL to ignore).
+// O(unpinned blocks).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (cache), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_unpinned` null or writable.
+kvpage_result kvpage_cache_unpin_cached(kvpage_cache *cache,
+                                        uint32_t *out_unpinned,
+                                        struct kvpage_error *err);
+
+// Sets the quota of namespace `ns` on an owned cache: at most `max_blocks` blocks held
+// or cached by its sequences (at the limit it evicts its own cached blocks first, else
+// fails with `KVPAGE_ERR_QUOTA_EXCEEDED`), and `reserved_blocks` kept for it from other
+// namespaces. Takes one of the `KVPAGE_CACHE_NAMESPACES` slots for good
+// (`max_blocks` = `UINT32_MAX` and no reservation lifts a quota). Lowering a limit
+// evicts the namespace's own cached blocks down to it. O(namespaces + evicted).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_QUOTA_REFUSED` (reservation above the limit, every slot
+// taken, used blocks above the new limit: `needed` = held, `available` = limit; free
+// blocks short of the reservations: `needed`, `available` = free).
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_set_namespace_quota(kvpage_cache *cache,
+                                               uint64_t ns,
+                                               uint32_t max_blocks,
+                                               uint32_t reserved_blocks,
+                                               struct kvpage_error *err);
+
+// Blocks held or cached that are charged to namespace `ns` of an owned cache (0
+// without a quota), to `*out_blocks`. O(namespaces).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_blocks` null or writable.
+kvpage_result kvpage_cache_namespace_blocks(const kvpage_cache *cache,
+                                            uint64_t ns,
+                                            uint32_t *out_blocks,
+                                            struct kvpage_error *err);
+
+// `kvpage_cache_set_namespace_quota` on the cache an engine drives: the engine's
+// scheduler keeps each namespace within its quota (a request its limit cannot take
+// waits while others go ahead). O(namespaces + evicted).
+//
+// # Errors
+// As `kvpage_cache_set_namespace_quota` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an
+// engine).
+//
+// # Safety
+// `engine` is null or a live engine.
+kvpage_result kvpage_engine_set_namespace_quota(kvpage_engine *engine,
+                                                uint64_t ns,
+                                                uint32_t max_blocks,
+                                                uint32_t reserved_blocks,
+                                                struct kvpage_error *err);
 
 // Parameters of an engine for `geometry`: the cache of
 // `kvpage_cache_default_params(geometry)`, 256 requests, steps of at most 2048 tokens

@@ -24,12 +24,15 @@
 //!   the prefix cache: a block is never shared before its K/V is written.
 
 mod edit;
+mod retain;
+
+pub use retain::CACHE_NAMESPACES;
 
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use kvpage_core::{
-    BlockCopy, BlockManager, Config, EngineError, Geometry, GeometryError, InitError, RowMove,
-    SeqError, SeqId, Stats,
+    BlockCopy, BlockManager, Config, EngineError, Geometry, GeometryError, InitError, Priority,
+    RowMove, SeqError, SeqId, Stats,
 };
 
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
@@ -340,9 +343,12 @@ impl KvCache {
         }
         let layout = KvLayout::new(g, num_blocks)?;
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
-        let core_config = Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
-            .with_instance(instance)
-            .with_hash_key(random_hash_key(instance));
+        let core_config = Config {
+            max_namespaces: CACHE_NAMESPACES,
+            ..Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
+        }
+        .with_instance(instance)
+        .with_hash_key(random_hash_key(instance));
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config, engine)?;
         let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
@@ -450,9 +456,19 @@ impl KvCache {
         namespace: u64,
         prompt: &[u32],
     ) -> Result<PromptSeq, CacheError> {
+        self.create_with_prompt_as(namespace, Priority::Normal, prompt)
+    }
+
+    /// [`KvCache::create_with_prompt`] at `priority`.
+    fn create_with_prompt_as(
+        &mut self,
+        namespace: u64,
+        priority: Priority,
+        prompt: &[u32],
+    ) -> Result<PromptSeq, CacheError> {
         let slots = &mut self.slots;
         let start = Self::with_manager(&mut self.tables, |m| {
-            m.create_with_prompt(namespace, prompt, slots)
+            m.create_with_prompt_at(namespace, priority, prompt, slots)
         })?;
         // A new sequence's last block is never shared (the core computes >= 1 token).
         self.execute_copy(start.appended.copy);

@@ -16,8 +16,8 @@
 //! Everything is allocated in [`Engine::new`]; no later call allocates.
 
 use kvpage_core::{
-    EngineConfig as CoreEngineConfig, EngineError, EngineStats, FinishedRequests, Priority,
-    RequestId, RequestState, Sampled, SchedulerConfig, Step,
+    EngineConfig as CoreEngineConfig, EngineError, EngineStats, FinishedRequests, NamespaceQuota,
+    Priority, QuotaError, RequestId, RequestState, Sampled, SchedulerConfig, Step,
 };
 
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
@@ -136,6 +136,25 @@ impl Engine {
     ) -> Result<RequestId, CacheError> {
         let (engine, _, _) = core_parts(&mut self.cache.tables);
         Ok(engine.add_request_at(prompt, namespace, max_new_tokens, priority)?)
+    }
+
+    /// [`KvCache::set_namespace_quota`] on the engine's cache: the scheduler keeps each
+    /// namespace within its quota (a request its limit cannot take waits while other
+    /// namespaces go ahead). O(namespaces + evicted).
+    ///
+    /// # Errors
+    /// As [`KvCache::set_namespace_quota`]. Nothing changes on error.
+    pub fn set_namespace_quota(
+        &mut self,
+        namespace: u64,
+        quota: NamespaceQuota,
+    ) -> Result<(), QuotaError> {
+        self.cache.set_namespace_quota(namespace, quota)
+    }
+
+    /// [`KvCache::unpin_cached`] on the engine's cache. O(unpinned × namespaces).
+    pub fn unpin_cached(&mut self) -> u32 {
+        self.cache.unpin_cached()
     }
 
     /// Plans and executes one step, including its block copies (swap-out, swap-in,

@@ -69,7 +69,7 @@ mod shared;
 mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
-pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq};
+pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq, CACHE_NAMESPACES};
 pub use dtype::Element;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
@@ -77,8 +77,9 @@ pub use half::{bf16, f16};
 pub use kernels::{Executor, RopeError, RopePairing, RopeParams, WorkerPool};
 pub use kvpage_core::{
     BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, FinishReason, Finished,
-    FinishedRequests, Geometry, GeometryError, PositionRun, Preemption, RequestId, RequestState,
-    RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
+    FinishedRequests, Geometry, GeometryError, NamespaceQuota, PositionRun, Preemption, Priority,
+    QuotaError, RequestId, RequestState, RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError,
+    Stats, Step,
 };
 pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,

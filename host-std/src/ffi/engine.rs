@@ -100,7 +100,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"kvpgENG1");
 #[repr(C)]
 pub struct kvpage_engine {
     magic: u64,
-    engine: Engine,
+    pub(super) engine: Engine,
     /// The commit's samples converted from C (`max_requests` entries).
     samples: Vec<Sampled>,
 }
