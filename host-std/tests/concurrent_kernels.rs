@@ -20,16 +20,21 @@ use kvpage::{bf16, CacheConfig, Capacity, DType, Element, Geometry, KvCache, Seq
 const LAYERS: u32 = 2;
 const KV_HEADS: u32 = 2;
 const Q_HEADS: u32 = 4;
-const HEAD_DIM: u32 = 16;
+/// Miri: the smallest head dim the kernels vectorize over, still several rows per block.
+const HEAD_DIM: u32 = if cfg!(miri) { 8 } else { 16 };
 const ROW: usize = (KV_HEADS * HEAD_DIM) as usize;
 const QROW: usize = (Q_HEADS * HEAD_DIM) as usize;
 /// Sequences, threads and rounds: under Miri (which checks the threads' accesses for
 /// data races) fewer and shorter, still two threads on sequences sharing blocks.
-const SEQS: usize = if cfg!(miri) { 4 } else { 8 };
+const SEQS: usize = if cfg!(miri) { 3 } else { 8 };
 const THREADS: usize = if cfg!(miri) { 2 } else { 4 };
-const ROUNDS: usize = if cfg!(miri) { 2 } else { 20 };
+const ROUNDS: usize = if cfg!(miri) { 1 } else { 20 };
 /// Growth of the prompt length from one sequence to the next.
-const LEN_STEP: usize = if cfg!(miri) { 5 } else { 23 };
+const LEN_STEP: usize = if cfg!(miri) { 2 } else { 23 };
+/// Tokens of the prompt prefix the even sequences share.
+const PREFIX: u32 = if cfg!(miri) { 9 } else { 24 };
+/// Arena blocks: under Miri a small arena (zeroing and touching it is interpreted).
+const BLOCKS: u32 = if cfg!(miri) { 24 } else { 256 };
 
 /// A sequence, its query tokens per call, and the queries of each layer.
 struct Case {
@@ -42,7 +47,7 @@ fn run<T: Element>(dtype: DType, kernel_threads: usize) {
     let geometry = Geometry::new(LAYERS, KV_HEADS, HEAD_DIM, 8, dtype).unwrap();
     let mut cache = KvCache::new(CacheConfig {
         geometry,
-        capacity: Capacity::Blocks(256),
+        capacity: Capacity::Blocks(BLOCKS),
         max_seqs: SEQS as u32,
         max_seq_len: 200,
         threads: kernel_threads,
@@ -50,7 +55,7 @@ fn run<T: Element>(dtype: DType, kernel_threads: usize) {
     .unwrap();
     let mut r = rng(dtype as u64);
     // Sequences of different lengths, some sharing a prompt prefix (and so blocks).
-    let prefix: Vec<u32> = (0..24).collect();
+    let prefix: Vec<u32> = (0..PREFIX).collect();
     let mut cases = Vec::new();
     for s in 0..SEQS {
         let len = 9 + LEN_STEP * s;

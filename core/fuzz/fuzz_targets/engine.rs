@@ -10,6 +10,11 @@
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 
+/// The property tests' helpers (`max_ops`, `proptest_config`) the harness calls.
+#[allow(dead_code)]
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 #[derive(Debug, Clone, Copy, Arbitrary)]
 enum FuzzOp {
     Add {
@@ -53,6 +58,7 @@ macro_rules! engine_model {
         #[allow(dead_code, unused_imports, clippy::all)]
         mod $name {
             const BLOCK_SIZE: u32 = $block_size;
+            use super::common;
             include!("../../tests/engine/body.rs");
 
             pub fn check(s: &super::Sizes, ops: &[super::FuzzOp]) {
@@ -75,6 +81,9 @@ macro_rules! engine_model {
                             shared: shared % 40,
                             unique: unique % 12,
                             max_new: max_new % 40,
+                            // From the byte's otherwise unused high part, so the
+                            // committed corpus decodes as before.
+                            level: unique / 12 % 6,
                         },
                         F::Step { stops } => Op::Step {
                             stops: stops & stops.rotate_left(7) & stops.rotate_left(13),
@@ -93,6 +102,9 @@ macro_rules! engine_model {
                     watermark,
                     host_blocks: u32::from(s.host_blocks) % 40,
                     swap: s.swap,
+                    // As `level`: from bits the other sizes leave unused.
+                    reserve: u32::from(s.host_blocks / 40) % 4,
+                    limit_cut: u32::from(s.num_blocks / 18) % 8,
                     ops,
                 };
                 if let Err(e) = run(w) {
