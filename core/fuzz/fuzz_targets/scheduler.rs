@@ -2,8 +2,9 @@
 //! `schedule_with`: no panic, no overflow (debug assertions are on), the two agree, and
 //! every plan is consistent with its input — replayed action by action against the
 //! counts it was given, as a manager in exactly that state would execute it:
-//! - runs go to running sequences in order, each within its pending tokens and the
-//!   budget, and only while their growth (copy-on-write block included) is available;
+//! - runs go to running sequences in order, each its full share of pending tokens and
+//!   the budget, and only while their growth (copy-on-write block included) is
+//!   available; only the youngest sequence left runs less: exactly the tokens that fit;
 //! - preemptions take the youngest not yet run, add back its exclusive blocks, and swap
 //!   only with `Preemption::Swap` and room left on the host;
 //! - swap-ins and admissions only in a step without preemptions, in order, within the
@@ -172,10 +173,20 @@ fuzz_target!(|data: &[u8]| {
                 let s = running[next_run];
                 assert_eq!(id, s.id, "action {k}: runs out of order");
                 assert!(t >= 1 && t <= s.pending_tokens && u64::from(t) <= budget);
-                assert_eq!(t, s.pending_tokens.min(budget as u32), "a full share");
                 let held = u64::from(s.held_tokens);
-                let grow = blocks_for(held + u64::from(t), bs) - blocks_for(held, bs)
-                    + u64::from(s.cow_blocks.min(1));
+                let cow = u64::from(s.cow_blocks.min(1));
+                let grow_for = |t: u64| blocks_for(held + t, bs) - blocks_for(held, bs) + cow;
+                let share = u64::from(s.pending_tokens).min(budget);
+                if u64::from(t) < share {
+                    // Only the youngest left runs less than its share: exactly what fits
+                    // (the room in its last block, after copying it, plus whole blocks).
+                    assert_eq!(next_run + 1, end, "action {k}: a short run not the youngest");
+                    assert!(grow_for(share) > available, "action {k}: a short run that fit");
+                    let room = (bs - held % bs) % bs;
+                    let fit = room + (available - cow) * bs;
+                    assert_eq!(u64::from(t), fit, "action {k}: not what fits");
+                }
+                let grow = grow_for(u64::from(t));
                 assert!(
                     grow <= available,
                     "action {k}: growth {grow} > {available} available"
