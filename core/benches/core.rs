@@ -122,6 +122,43 @@ const LONG_SEQS: Config = Config {
     max_namespaces: 0,
 };
 
+/// Append of a 4096-token prompt with its ids to an empty sequence (256 new blocks, the
+/// slot mapping and the ids stored for the prefix cache) against writing the 4096
+/// consecutive slots of a contiguous cache into a buffer (memory speed).
+fn append_prompt(c: &mut Criterion) {
+    let mut storage = manager_storage(&LONG_SEQS);
+    let mut kv = BlockManager::new(LONG_SEQS, &mut storage).unwrap();
+    let prompt: Vec<u32> = (0..4096u32).map(|t| t * 31 + 7).collect();
+    let mut slots = vec![0u32; 4096];
+    let mut g = c.benchmark_group("append_4096_tokens");
+    g.bench_function("paged", |b| {
+        b.iter_custom(|iters| {
+            timed_with_reset(
+                iters,
+                &mut kv,
+                |kv| {
+                    let s = kv.create(0).unwrap();
+                    kv.append_tokens(black_box(s), black_box(&prompt), &mut slots)
+                        .unwrap();
+                    s
+                },
+                |kv, s| kv.release(s).unwrap(),
+            )
+        })
+    });
+    let mut flat = vec![0u32; 4096];
+    g.bench_function("contiguous_slots", |b| {
+        b.iter(|| {
+            let base = black_box(4096u32);
+            for (s, v) in flat.iter_mut().zip(base..) {
+                *s = v;
+            }
+            black_box(&flat);
+        })
+    });
+    g.finish();
+}
+
 /// Total time of `iters` calls of `op`, each followed by an untimed `reset` of what it
 /// returned (for operations that must be undone before they can run again).
 fn timed_with_reset<S, T>(
@@ -267,6 +304,13 @@ fn report() {
             "<= 30 ns",
         ),
         (
+            "append a 4096-token prompt",
+            "append_4096_tokens",
+            "paged",
+            "contiguous_slots",
+            "<= 4096 ns (1 ns/token)",
+        ),
+        (
             "fork 4096 tokens (256 blocks)",
             "fork_4096_tokens",
             "paged",
@@ -305,7 +349,7 @@ fn report() {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = alloc_free, append, fork, prefix_lookup, worst_case
+    targets = alloc_free, append, append_prompt, fork, prefix_lookup, worst_case
 }
 
 fn main() {

@@ -311,11 +311,12 @@ impl<'a> PrefixCache<'a> {
         (self.namespace[i], self.hash[i], parent)
     }
 
-    /// Stores `ids` (at most a block's worth) as the first token ids of block `b`
-    /// (nothing when the cache is off). O(ids).
-    pub(crate) fn set_tokens(&mut self, b: u32, ids: &[u32]) {
+    /// Stores `ids` as the token ids of block `b` from token `offset` on (`offset +
+    /// ids.len()` at most the block size; nothing when the cache is off). O(ids).
+    #[inline]
+    pub(crate) fn set_tokens(&mut self, b: u32, offset: u32, ids: &[u32]) {
         if self.enabled() {
-            let start = self.token_range(b).start;
+            let start = self.token_range(b).start + offset as usize;
             self.tokens[start..start + ids.len()].copy_from_slice(ids);
         }
     }
@@ -596,7 +597,7 @@ mod tests {
     fn a_colliding_hash_never_returns_other_content() {
         let mut a = arrays();
         let mut c = cache(&mut a);
-        c.set_tokens(0, &[1, 2]);
+        c.set_tokens(0, 0, &[1, 2]);
         let root = c.register(0, 42, 7, Link::ROOT);
         // Same hash, other tokens / namespace / parent: all refused.
         assert_eq!(c.find(42, 7, Link::ROOT, &[1, 3]), None);
@@ -604,7 +605,7 @@ mod tests {
         assert_eq!(c.find(42, 7, root, &[1, 2]), None);
         assert_eq!(c.find(42, 7, Link::ROOT, &[1, 2]), Some(0));
         // A second block under the same hash with other tokens is found by its own tokens.
-        c.set_tokens(1, &[1, 3]);
+        c.set_tokens(1, 0, &[1, 3]);
         c.register(1, 42, 7, Link::ROOT);
         assert_eq!(c.find(42, 7, Link::ROOT, &[1, 3]), Some(1));
         assert_eq!(c.find(42, 7, Link::ROOT, &[1, 2]), Some(0));
@@ -614,13 +615,13 @@ mod tests {
     fn a_child_of_an_evicted_parent_is_unreachable() {
         let mut a = arrays();
         let mut c = cache(&mut a);
-        c.set_tokens(0, &[1, 2]);
+        c.set_tokens(0, 0, &[1, 2]);
         let parent = c.register(0, 10, 0, Link::ROOT);
-        c.set_tokens(1, &[3, 4]);
+        c.set_tokens(1, 0, &[3, 4]);
         c.register(1, 11, 0, parent);
         assert_eq!(c.find(11, 0, parent, &[3, 4]), Some(1));
         c.unregister(0);
-        c.set_tokens(0, &[1, 2]);
+        c.set_tokens(0, 0, &[1, 2]);
         let reborn = c.register(0, 10, 0, Link::ROOT);
         assert_ne!(reborn, parent, "generation moves on");
         assert_eq!(c.find(11, 0, parent, &[3, 4]), None);
@@ -634,7 +635,7 @@ mod tests {
         // Blocks 0..6 all hash to slot 15 or 0 so their probe runs wrap around.
         let hashes = [15u64, 15, 0, 15, 0, 1];
         for (b, &h) in hashes.iter().enumerate() {
-            c.set_tokens(b as u32, &[b as u32, 0]);
+            c.set_tokens(b as u32, 0, &[b as u32, 0]);
             c.register(b as u32, h, 0, Link::ROOT);
         }
         for remove in [1u32, 0, 4] {
@@ -698,7 +699,7 @@ mod tests {
             let mut hash = c.hasher.root(3);
             let mut parent = Link::ROOT;
             for (b, t) in tokens.iter().enumerate() {
-                c.set_tokens(b as u32, t);
+                c.set_tokens(b as u32, 0, t);
                 hash = c.hasher.chain(hash, 3, t);
                 parent = c.register(b as u32, hash, 3, parent);
             }

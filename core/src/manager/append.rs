@@ -26,7 +26,9 @@ impl BlockManager<'_> {
     /// blocks can enter the prefix cache once [`BlockManager::commit`] says their K/V is
     /// written (with [`crate::Config::prefix_cache`] off the ids are not stored). If the
     /// last block is partly filled and shared (after a fork or a prefix hit), it is copied
-    /// first and the copy is returned: the backend must execute it before writing. O(n).
+    /// first and the copy is returned: the backend must execute it before writing. O(n),
+    /// a block at a time: per block one allocation, a run of consecutive slots and one
+    /// copy of its ids.
     ///
     /// # Errors
     /// [`SeqError::StaleHandle`], [`SeqError::ForeignHandle`], [`SeqError::Swapped`],
@@ -108,22 +110,34 @@ impl BlockManager<'_> {
                 self.claim_partial(last, offset);
             }
         }
+        // A block at a time: its slots are consecutive, its ids one copy, its fill one
+        // store.
         let mut block_index = full_blocks as usize;
         let mut off = offset;
-        for (k, slot) in slots[..n as usize].iter_mut().enumerate() {
-            if off == 0 {
+        let mut k = 0usize;
+        let n = n as usize;
+        while k < n {
+            let b = if off == 0 {
                 let b = self.pool.alloc(owner, &mut self.prefix);
                 self.seqs.table[row + block_index] = b;
+                b
+            } else {
+                self.seqs.table[row + block_index]
+            };
+            let take = ((bs - off) as usize).min(n - k);
+            let first_slot = b * bs + off;
+            for (slot, s) in slots[k..k + take].iter_mut().zip(first_slot..) {
+                *slot = s;
             }
-            let b = self.seqs.table[row + block_index];
-            *slot = b * bs + off;
             if let Some(ids) = ids {
-                self.prefix.set_token(b, off, ids[k]);
+                self.prefix.set_tokens(b, off, &ids[k..k + take]);
             }
-            if off + 1 > self.pool.fill(b) {
-                self.pool.set_fill(b, off + 1);
+            let end = off + take as u32;
+            if end > self.pool.fill(b) {
+                self.pool.set_fill(b, end);
             }
-            off += 1;
+            k += take;
+            off = end;
             if off == bs {
                 off = 0;
                 block_index += 1;
@@ -133,7 +147,7 @@ impl BlockManager<'_> {
             self.seqs.known[i] = new_len as u32;
         }
         self.seqs.len[i] = new_len as u32;
-        self.seqs.logical_tokens += u64::from(n);
+        self.seqs.logical_tokens += n as u64;
         Ok(Appended {
             copy,
             new_blocks: grow,

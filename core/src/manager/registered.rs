@@ -127,7 +127,7 @@ impl BlockManager<'_> {
             .pool
             .take_free_for_cache(s, bs, &mut self.prefix)
             .ok_or(ImportError::OutOfBlocks)?;
-        self.prefix.set_tokens(b, tokens);
+        self.prefix.set_tokens(b, 0, tokens);
         self.prefix.register(b, hash, namespace, chain.last);
         self.prefix.set_priority(b, priority, false);
         self.prefix.lru_push_front(b, s);
