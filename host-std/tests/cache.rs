@@ -177,6 +177,11 @@ fn fork_prefix_and_copy_on_write<T: Element>(block_size: u32) {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "minutes when interpreted; under Miri the arena casts and copies run in \
+              ffi_cache and write_kv_as, the kernels' threads in concurrent_kernels"
+)]
 fn fork_prefix_and_copy_on_write_every_dtype_and_block_size() {
     // Miri: one block size that splits the prompt unevenly.
     for &bs in cases(&[8, 1, 16, 32, 256], 1) {
@@ -360,6 +365,11 @@ fn bad_inputs_write_nothing() {
 /// alone over many consecutive prefill and decode calls (each output row is computed by
 /// one task, whichever thread draws it).
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "minutes when interpreted; the workers' accesses are checked for races \
+              under Miri by concurrent_kernels"
+)]
 fn workers_match_the_calling_thread_bit_for_bit_over_many_calls() {
     // Under Miri (which checks the workers' accesses for races) two threads.
     let workers = if cfg!(miri) { 2 } else { 4 };
