@@ -172,6 +172,45 @@ class Cache {
     return call(kvpage_cache_seq_restore_file, path, ns, &model, &seq,
                 static_cast<uint32_t *>(nullptr), tokens, tokens_len, &n_tokens);
   }
+  /// Bytes of the prefix-cache file `prefix_save` writes now.
+  Status prefix_save_size(uint64_t &size) const noexcept {
+    return Status::of([&](kvpage_error *e) { return kvpage_cache_prefix_save_size(c_.get(), &size, e); });
+  }
+  /// Saves every reachable prefix-cache block into `out`: `written` bytes, `blocks` blocks.
+  Status prefix_save(const kvpage_fingerprint &model, uint8_t *out, std::size_t out_len,
+                     std::size_t &written, uint32_t &blocks) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_prefix_save(c_.get(), &model, out, out_len, &written, &blocks, e);
+    });
+  }
+  /// Saves the prefix cache into the file at `path`, crash-consistently.
+  Status prefix_save_file(const kvpage_fingerprint &model, const char *path,
+                          uint32_t &blocks) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_prefix_save_file(c_.get(), &model, path, &blocks, e);
+    });
+  }
+  /// Loads a saved prefix cache (damaged blocks are skipped and counted in `report`).
+  Status prefix_load(const uint8_t *bytes, std::size_t len, const kvpage_fingerprint &model,
+                     kvpage_prefix_load_report &report) noexcept {
+    return call(kvpage_cache_prefix_load, bytes, len, &model, &report);
+  }
+  /// Loads the prefix-cache file at `path`, as `prefix_load`.
+  Status prefix_load_file(const char *path, const kvpage_fingerprint &model,
+                          kvpage_prefix_load_report &report) noexcept {
+    return call(kvpage_cache_prefix_load_file, path, &model, &report);
+  }
+  /// A sequence holding `prompt` at retention `priority` (a `KVPAGE_PRIORITY_*` level).
+  Status create_seq_at(uint64_t ns, uint32_t priority, const uint32_t *prompt, std::size_t n,
+                       kvpage_seq &seq, uint32_t &reused) noexcept {
+    return call(kvpage_cache_create_with_prompt_at, ns, priority, prompt, n, &seq, &reused);
+  }
+  Status set_priority(kvpage_seq seq, uint32_t priority) noexcept {
+    return call(kvpage_cache_set_priority, seq, priority);
+  }
+  Status set_namespace_quota(uint64_t ns, uint32_t max_blocks, uint32_t reserved) noexcept {
+    return call(kvpage_cache_set_namespace_quota, ns, max_blocks, reserved);
+  }
 
  private:
   using Handle = detail::Owner<kvpage_cache, detail::free_cache>;
