@@ -345,6 +345,7 @@ impl KvCache {
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
         let core_config = Config {
             max_namespaces: CACHE_NAMESPACES,
+            event_capacity: 0,
             ..Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
         }
         .with_instance(instance)

@@ -18,6 +18,7 @@ const CONFIG: Config = Config {
     prefix_cache: PREFIX_CACHE,
     max_position_runs: 3,
     max_namespaces: MAX_NAMESPACES,
+    event_capacity: 0,
 };
 const BS: u32 = CONFIG.block_size;
 
