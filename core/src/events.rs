@@ -51,7 +51,7 @@ pub struct StoredBlock<'r> {
 }
 
 /// A block that left the prefix cache, as an event reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct RemovedBlock {
     /// The physical block it occupied.

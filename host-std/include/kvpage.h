@@ -289,6 +289,14 @@ typedef struct kvpage_cache_params {
   // Threads of the attention kernels, the calling thread included; 0 = one per
   // available core. Results do not depend on it.
   uint32_t threads;
+  // Entries of the KV event ring (`kvpage_cache_events_drain`), for KV-aware
+  // routers; 0 (the default) = no events. Each costs about `40 + 4 * block_size`
+  // bytes.
+  uint32_t event_capacity;
+  // Key of the prefix cache's block hash; 0 (the default) = a random secret key per
+  // cache. A fixed key makes block hashes (in KV events and persisted caches) the
+  // same on every run and machine; keep it secret in a multi-tenant service.
+  uint64_t hash_key;
 } kvpage_cache_params;
 
 // Details of a failure, written by a function that fails when the caller passes a
@@ -658,8 +666,8 @@ extern "C" {
 // Parameters for a cache of `geometry` with sane defaults: capacity 256 MiB in bytes
 // (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
-// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0).
-// The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
+// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
+// KV events and a random hash key (`event_capacity` and `hash_key` 0). The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
 // fail; thread-safe.
 struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry geometry);
 

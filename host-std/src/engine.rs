@@ -157,6 +157,14 @@ impl Engine {
         self.cache.unpin_cached()
     }
 
+    /// [`KvCache::drain_events`] on the engine's cache: the KV events since the last
+    /// drain, for a router (size the ring with the cache's
+    /// [`crate::CacheConfig::event_capacity`]; a snapshot is
+    /// `engine.cache().events_snapshot()`). O(events × block_size).
+    pub fn drain_events(&mut self, max: usize) -> crate::EventBatch {
+        self.cache.drain_events(max)
+    }
+
     /// Plans and executes one step, including its block copies (swap-out, swap-in,
     /// copy-on-write, in that order), and returns what the model computes. O(the core
     /// step + copied blocks × bytes per block).

@@ -69,17 +69,20 @@ mod shared;
 mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
-pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq, CACHE_NAMESPACES};
+pub use cache::{
+    CacheConfig, CacheError, CacheEvent, Capacity, EventBatch, KvCache, PromptSeq, Seq,
+    StoredEvent, CACHE_NAMESPACES,
+};
 pub use dtype::Element;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
 pub use kernels::{Executor, RopeError, RopePairing, RopeParams, WorkerPool};
 pub use kvpage_core::{
-    BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, FinishReason, Finished,
-    FinishedRequests, Geometry, GeometryError, NamespaceQuota, PositionRun, Preemption, Priority,
-    QuotaError, RequestId, RequestState, RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError,
-    Stats, Step,
+    BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, EventError, FinishReason,
+    Finished, FinishedRequests, Geometry, GeometryError, KvEvent, NamespaceQuota, PositionRun,
+    Preemption, Priority, QuotaError, RemovedBlock, RequestId, RequestState, RowMove, Sampled,
+    ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
 };
 pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,

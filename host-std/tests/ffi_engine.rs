@@ -184,6 +184,8 @@ fn rust_engine() -> Engine {
             max_seqs: 8,
             max_seq_len: 64,
             threads: 1,
+            event_capacity: 0,
+            hash_key: None,
         },
         max_requests: 8,
         scheduler: SchedulerConfig {

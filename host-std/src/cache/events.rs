@@ -1,0 +1,162 @@
+//! KV cache events of the owned cache, for KV-aware routers: the core's event ring
+//! ([`kvpage_core::BlockManager::events_since`], sized by
+//! [`super::CacheConfig::event_capacity`]) read into owned values, a drain that
+//! remembers where it stopped, and a full-state snapshot for a router that starts
+//! cold.
+//!
+//! Draining copies events out of the ring and never waits for anyone: a publisher
+//! drains on the cache's thread, hands the batch to its own thread, and the cache goes
+//! on. Events the ring overwrote before a drain reached them are counted in
+//! [`EventBatch::lost`]: a subscriber that sees a gap asks for a snapshot.
+
+use kvpage_core::{EventError, Events, KvEvent, RemovedBlock, StoredBlock};
+
+use super::KvCache;
+
+/// A block that entered the prefix cache, owned (see [`kvpage_core::StoredBlock`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StoredEvent {
+    /// The physical block now holding it.
+    pub block: u32,
+    /// Its chain hash (stable for one hash key on every run and machine).
+    pub hash: u64,
+    /// Its parent's chain hash (the namespace's seed hash for a chain's first block).
+    pub parent_hash: u64,
+    /// The parent block when it was registered; `None` for a chain's first block.
+    pub parent: Option<u32>,
+    /// The namespace whose prompts may hit it.
+    pub namespace: u64,
+    /// Its `block_size` token ids.
+    pub tokens: Vec<u32>,
+}
+
+impl From<StoredBlock<'_>> for StoredEvent {
+    fn from(s: StoredBlock<'_>) -> Self {
+        Self {
+            block: s.block,
+            hash: s.hash,
+            parent_hash: s.parent_hash,
+            parent: s.parent,
+            namespace: s.namespace,
+            tokens: s.tokens.to_vec(),
+        }
+    }
+}
+
+/// One change of the prefix cache, owned (see [`kvpage_core::KvEvent`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CacheEvent {
+    /// A block was registered.
+    Stored(StoredEvent),
+    /// A registered block left the cache.
+    Removed(RemovedBlock),
+    /// Every registered block left the cache at once.
+    Cleared,
+}
+
+impl From<KvEvent<'_>> for CacheEvent {
+    fn from(e: KvEvent<'_>) -> Self {
+        match e {
+            KvEvent::Stored(s) => Self::Stored(s.into()),
+            KvEvent::Removed(r) => Self::Removed(r),
+            KvEvent::Cleared => Self::Cleared,
+        }
+    }
+}
+
+/// Consecutive events: `events[i]` has sequence number `first_seq + i`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventBatch {
+    /// Sequence number of the first event (where the read started when there is none).
+    pub first_seq: u64,
+    /// Events before `first_seq` that were asked for but overwritten in the ring.
+    pub lost: u64,
+    /// The events, oldest first.
+    pub events: Vec<CacheEvent>,
+}
+
+impl EventBatch {
+    /// The sequence number after the last event: where the next read starts. O(1).
+    pub fn end_seq(&self) -> u64 {
+        self.first_seq + self.events.len() as u64
+    }
+
+    /// Takes up to `max` events of `events` (all of them with `usize::MAX`).
+    fn read(events: Events<'_>, max: usize) -> Self {
+        Self {
+            first_seq: events.next_seq(),
+            lost: events.lost(),
+            events: events.take(max).map(|(_, e)| e.into()).collect(),
+        }
+    }
+}
+
+impl KvCache {
+    /// Copies up to `max` events from where the previous drain stopped (sequence 0 for
+    /// the first) and moves past them. Events the ring overwrote since are counted in
+    /// [`EventBatch::lost`] and skipped. Always empty with
+    /// [`super::CacheConfig::event_capacity`] 0. O(events × block_size); allocates the
+    /// batch.
+    pub fn drain_events(&mut self, max: usize) -> EventBatch {
+        let batch = match self.block_manager().events_since(self.event_cursor) {
+            Ok(events) => EventBatch::read(events, max),
+            // The cursor only ever holds sequence numbers the ring issued.
+            Err(EventError::FutureSeq { next, .. }) => EventBatch {
+                first_seq: next,
+                ..EventBatch::default()
+            },
+        };
+        self.event_cursor = batch.end_seq();
+        batch
+    }
+
+    /// The events from sequence number `seq` on, without moving the drain's cursor:
+    /// what a replay request ("everything since `seq`") answers. O(events ×
+    /// block_size).
+    ///
+    /// # Errors
+    /// [`EventError::FutureSeq`] when `seq` was never issued.
+    pub fn events_since(&self, seq: u64) -> Result<EventBatch, EventError> {
+        Ok(EventBatch::read(
+            self.block_manager().events_since(seq)?,
+            usize::MAX,
+        ))
+    }
+
+    /// The sequence number the next event gets. O(1).
+    pub fn next_event_seq(&self) -> u64 {
+        self.block_manager().next_event_seq()
+    }
+
+    /// Every registered block in its stored-event form: the blocks lookups can reach,
+    /// parents before children, then those whose chain an eviction broke (still
+    /// registered until evicted, and removed by an event when they are). Replaying it
+    /// and then the events from [`KvCache::next_event_seq`] at the time of the call
+    /// gives the registered blocks at any later moment. Blocks whose parent left are
+    /// left out when events are off (their parent hash is not kept).
+    /// O(num_blocks × chain depth).
+    pub fn events_snapshot(&self) -> Vec<StoredEvent> {
+        let m = self.block_manager();
+        let reachable = self.prefix_blocks_in_order();
+        let mut placed = vec![false; m.config().num_blocks as usize];
+        let mut out = Vec::with_capacity(reachable.len());
+        for &(b, _) in &reachable {
+            placed[b as usize] = true;
+            out.extend(m.stored_block(b).map(StoredEvent::from));
+        }
+        for b in 0..m.config().num_blocks {
+            if !placed[b as usize] {
+                out.extend(m.stored_block(b).map(StoredEvent::from));
+            }
+        }
+        out
+    }
+
+    /// Evicts every cached block below [`kvpage_core::Priority::Pinned`]; when that
+    /// empties the prefix cache it records one [`CacheEvent::Cleared`] (see
+    /// [`kvpage_core::BlockManager::clear_prefix_cache`]). Returns the blocks evicted.
+    /// O(evicted).
+    pub fn clear_prefix_cache(&mut self) -> u32 {
+        Self::with_manager(&mut self.tables, |m| m.clear_prefix_cache())
+    }
+}
