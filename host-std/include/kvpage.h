@@ -47,6 +47,19 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // Default `max_seq_len` of `kvpage_cache_default_params`.
 #define KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN 4096
 
+// `kvpage_kv_event.kind`: a block entered the prefix cache (vLLM's `BlockStored`).
+#define KVPAGE_EVENT_STORED 1
+
+// `kvpage_kv_event.kind`: a block left the prefix cache (vLLM's `BlockRemoved`).
+#define KVPAGE_EVENT_REMOVED 2
+
+// `kvpage_kv_event.kind`: every block left the prefix cache at once (vLLM's
+// `AllBlocksCleared`).
+#define KVPAGE_EVENT_CLEARED 3
+
+// `kvpage_kv_event.block` / `.parent` when there is none.
+#define KVPAGE_EVENT_NO_BLOCK UINT32_MAX
+
 
 
 // Storage dtype: 32-bit IEEE float.
@@ -374,6 +387,45 @@ typedef struct kvpage_context_shift {
   // Row moves executed (0 for a block-aligned shift).
   uint32_t row_moves;
 } kvpage_context_shift;
+
+// One KV cache event. Fields a kind does not use are 0 (`parent`:
+// `KVPAGE_EVENT_NO_BLOCK`).
+typedef struct kvpage_kv_event {
+  // Sequence number: one more than the previous event's, the first is 0.
+  uint64_t seq;
+  // The block's chain hash (stored, removed); stable across runs and machines for a
+  // fixed `hash_key`.
+  uint64_t hash;
+  // The parent's chain hash (stored; the namespace's seed hash for a chain's first
+  // block, whose `parent` is `KVPAGE_EVENT_NO_BLOCK`).
+  uint64_t parent_hash;
+  // The block's namespace (stored, removed).
+  uint64_t namespace_id;
+  // Index in the token buffer of the block's first token id (stored).
+  uint64_t tokens_offset;
+  // `KVPAGE_EVENT_STORED`, `KVPAGE_EVENT_REMOVED` or `KVPAGE_EVENT_CLEARED`.
+  uint32_t kind;
+  // The physical block (stored, removed).
+  uint32_t block;
+  // The parent block when the block was stored; `KVPAGE_EVENT_NO_BLOCK` for none.
+  uint32_t parent;
+  // Token ids of the block in the token buffer: the block size (stored), else 0.
+  uint32_t token_count;
+} kvpage_kv_event;
+
+// What `kvpage_cache_events_drain` did.
+typedef struct kvpage_events_report {
+  // Sequence number of the first event written (where the drain started).
+  uint64_t first_seq;
+  // Events before `first_seq` the ring overwrote before a drain reached them.
+  uint64_t lost;
+  // Events written.
+  size_t events;
+  // Token ids written.
+  size_t tokens;
+  // Events still waiting in the ring (drain again).
+  uint64_t pending;
+} kvpage_events_report;
 
 // Limits of one step of an engine or scheduler.
 typedef struct kvpage_scheduler_params {
@@ -1167,6 +1219,46 @@ kvpage_result kvpage_cache_seq_pos_max(const kvpage_cache *cache,
                                        kvpage_seq seq,
                                        int64_t *out_pos,
                                        struct kvpage_error *err);
+
+// Copies the events since the previous drain (sequence 0 for the first) into
+// `events[..n]`, with the token ids of stored blocks packed into `tokens` (each event
+// names its range), as many whole events as both buffers hold; moves past them and
+// writes the report to `*out_report`. Events the ring overwrote before this drain
+// reached them are skipped and counted in `lost` (also by a call with `events_len` 0,
+// which writes no event).
+// Allocates nothing. O(events × block size).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_BUFFER_TOO_SMALL` when the next event is a stored block
+// and `tokens_len` is under the block size (`needed`, `available`). Nothing changes
+// on error.
+//
+// # Safety
+// `cache` is null or a live cache; `events` is null or writable for `events_len`
+// events, `tokens` for `tokens_len` ids; `out_report` is null or writable.
+kvpage_result kvpage_cache_events_drain(kvpage_cache *cache,
+                                        struct kvpage_kv_event *events,
+                                        size_t events_len,
+                                        uint32_t *tokens,
+                                        size_t tokens_len,
+                                        struct kvpage_events_report *out_report,
+                                        struct kvpage_error *err);
+
+// Evicts every cached block of the prefix cache below `KVPAGE_PRIORITY_PINNED` and
+// writes how many to `*out_evicted` (NULL to ignore). When that empties the prefix
+// cache (no registered block held by a sequence or pinned) the event ring records one
+// `KVPAGE_EVENT_CLEARED` instead of a removal per block. O(evicted).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (cache), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_evicted` null or writable.
+kvpage_result kvpage_cache_clear_prefix_cache(kvpage_cache *cache,
+                                              uint32_t *out_evicted,
+                                              struct kvpage_error *err);
 
 // `kvpage_cache_create_with_prompt` for a sequence of retention `priority` (a
 // `KVPAGE_PRIORITY_*` level): the cached blocks it reuses and the blocks it commits

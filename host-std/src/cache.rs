@@ -27,7 +27,7 @@ mod edit;
 mod events;
 mod retain;
 
-pub use events::{CacheEvent, EventBatch, StoredEvent};
+pub use events::{CacheEvent, Drained, EventBatch, StoredEvent};
 pub use retain::CACHE_NAMESPACES;
 
 use core::sync::atomic::{AtomicU32, Ordering};

@@ -70,7 +70,7 @@ mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
 pub use cache::{
-    CacheConfig, CacheError, CacheEvent, Capacity, EventBatch, KvCache, PromptSeq, Seq,
+    CacheConfig, CacheError, CacheEvent, Capacity, Drained, EventBatch, KvCache, PromptSeq, Seq,
     StoredEvent, CACHE_NAMESPACES,
 };
 pub use dtype::Element;

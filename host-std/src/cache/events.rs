@@ -81,14 +81,27 @@ impl EventBatch {
         self.first_seq + self.events.len() as u64
     }
 
-    /// Takes up to `max` events of `events` (all of them with `usize::MAX`).
-    fn read(events: Events<'_>, max: usize) -> Self {
+    /// Every event of `events`, owned.
+    fn read(events: Events<'_>) -> Self {
         Self {
             first_seq: events.next_seq(),
             lost: events.lost(),
-            events: events.take(max).map(|(_, e)| e.into()).collect(),
+            events: events.map(|(_, e)| e.into()).collect(),
         }
     }
+}
+
+/// What [`KvCache::drain_events_with`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Drained {
+    /// Sequence number of the first event offered (where the drain started).
+    pub first_seq: u64,
+    /// Events before `first_seq` that the ring overwrote before this drain reached them.
+    pub lost: u64,
+    /// Events taken: the drain moved past `first_seq + taken`.
+    pub taken: u64,
+    /// Events still in the ring after them.
+    pub pending: u64,
 }
 
 impl KvCache {
@@ -98,16 +111,59 @@ impl KvCache {
     /// [`super::CacheConfig::event_capacity`] 0. O(events × block_size); allocates the
     /// batch.
     pub fn drain_events(&mut self, max: usize) -> EventBatch {
-        let batch = match self.block_manager().events_since(self.event_cursor) {
-            Ok(events) => EventBatch::read(events, max),
+        let mut events = Vec::new();
+        let d = self.drain_events_with(|_, e| {
+            let more = events.len() < max;
+            if more {
+                events.push(e.into());
+            }
+            more
+        });
+        EventBatch {
+            first_seq: d.first_seq,
+            lost: d.lost,
+            events,
+        }
+    }
+
+    /// Offers the events from where the previous drain stopped to `take`, oldest first
+    /// with their sequence numbers, until it returns `false` (that event stays for the
+    /// next drain), and moves past the ones it took. Events the ring overwrote since are
+    /// counted in [`Drained::lost`] and skipped (also when `take` takes none).
+    /// Allocates nothing. O(events offered) plus `take`.
+    pub fn drain_events_with(&mut self, mut take: impl FnMut(u64, KvEvent<'_>) -> bool) -> Drained {
+        let events = match self.block_manager().events_since(self.event_cursor) {
+            Ok(events) => events,
             // The cursor only ever holds sequence numbers the ring issued.
-            Err(EventError::FutureSeq { next, .. }) => EventBatch {
-                first_seq: next,
-                ..EventBatch::default()
-            },
+            Err(EventError::FutureSeq { next, .. }) => {
+                self.event_cursor = next;
+                return Drained {
+                    first_seq: next,
+                    ..Drained::default()
+                };
+            }
         };
-        self.event_cursor = batch.end_seq();
-        batch
+        let (first_seq, lost, end) = (events.next_seq(), events.lost(), events.end_seq());
+        let mut taken = 0;
+        for (seq, e) in events {
+            if !take(seq, e) {
+                break;
+            }
+            taken += 1;
+        }
+        self.event_cursor = first_seq + taken;
+        Drained {
+            first_seq,
+            lost,
+            taken,
+            pending: end - self.event_cursor,
+        }
+    }
+
+    /// Sequence number of the next event a drain offers (before skipping overwritten
+    /// ones). O(1).
+    pub fn event_cursor(&self) -> u64 {
+        self.event_cursor
     }
 
     /// The events from sequence number `seq` on, without moving the drain's cursor:
@@ -117,10 +173,7 @@ impl KvCache {
     /// # Errors
     /// [`EventError::FutureSeq`] when `seq` was never issued.
     pub fn events_since(&self, seq: u64) -> Result<EventBatch, EventError> {
-        Ok(EventBatch::read(
-            self.block_manager().events_since(seq)?,
-            usize::MAX,
-        ))
+        Ok(EventBatch::read(self.block_manager().events_since(seq)?))
     }
 
     /// The sequence number the next event gets. O(1).
