@@ -27,6 +27,8 @@
 //!     max_seqs: 4,
 //!     max_seq_len: 256,
 //!     threads: 0,
+//!     event_capacity: 0,
+//!     hash_key: None,
 //! };
 //! let mut cache = KvCache::new(config)?;
 //!
