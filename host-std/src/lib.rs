@@ -67,6 +67,8 @@ pub mod error;
 pub mod ffi;
 pub mod kernels;
 pub mod persist;
+#[cfg(feature = "events-zmq")]
+pub mod publish;
 mod shared;
 mod tables;
 
