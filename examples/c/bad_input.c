@@ -672,6 +672,25 @@ static void kv_event_calls(void) {
   EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 4, tokens, 8, &rep, &err));
   EXPECT_TRUE(rep.lost == 0 && rep.events == 2 && rep.pending == 2);
   EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+
+  /* An engine's cache: the same drain. */
+  {
+    kvpage_engine_params ep = kvpage_engine_default_params(GEOMETRY);
+    kvpage_engine *e = NULL;
+    kvpage_request id;
+    ep.cache = p;
+    ep.max_requests = 2;
+    ep.scheduler.token_budget = 16;
+    ep.scheduler.max_running = 2;
+    EXPECT(KVPAGE_OK, kvpage_engine_new(&ep, &e, &err));
+    EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_events_drain(NULL, ev, 4, tokens, 8, &rep, &err));
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_events_drain((kvpage_engine *)bad, ev, 4, tokens, 8, &rep, &err));
+    EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_events_drain(e, ev, 4, tokens, 8, NULL, &err));
+    EXPECT(KVPAGE_OK, kvpage_engine_add_request(e, 0, prompt, 9, 4, &id, &err));
+    EXPECT(KVPAGE_OK, kvpage_engine_events_drain(e, ev, 4, tokens, 8, &rep, &err));
+    EXPECT_TRUE(rep.first_seq == 0 && rep.lost == 0 && rep.events == 0 && rep.pending == 0);
+    EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+  }
   section("kv cache events", before);
 }
 

@@ -1245,6 +1245,22 @@ kvpage_result kvpage_cache_events_drain(kvpage_cache *cache,
                                         struct kvpage_events_report *out_report,
                                         struct kvpage_error *err);
 
+// `kvpage_cache_events_drain` on the engine's cache (sized by `cache.event_capacity` in
+// `kvpage_engine_params`). O(events × block size).
+//
+// # Errors
+// As `kvpage_cache_events_drain` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+//
+// # Safety
+// `engine` is null or a live engine; the buffers as for `kvpage_cache_events_drain`.
+kvpage_result kvpage_engine_events_drain(kvpage_engine *engine,
+                                         struct kvpage_kv_event *events,
+                                         size_t events_len,
+                                         uint32_t *tokens,
+                                         size_t tokens_len,
+                                         struct kvpage_events_report *out_report,
+                                         struct kvpage_error *err);
+
 // Evicts every cached block of the prefix cache below `KVPAGE_PRIORITY_PINNED` and
 // writes how many to `*out_evicted` (NULL to ignore). When that empties the prefix
 // cache (no registered block held by a sequence or pinned) the event ring records one

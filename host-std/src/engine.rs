@@ -77,6 +77,12 @@ impl Engine {
         &self.cache
     }
 
+    /// The cache, for the event drain of the C API (nothing else may change it behind
+    /// the engine's back). O(1).
+    pub(crate) fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
     /// The core's request engine. O(1).
     pub(crate) fn engine(&self) -> &kvpage_core::Engine<'_> {
         core_engine(&self.cache.tables)

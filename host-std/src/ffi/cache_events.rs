@@ -8,7 +8,9 @@ use kvpage_core::KvEvent;
 
 use super::args::{out, out_opt, slice_mut, tagged_mut};
 use super::cache::kvpage_cache;
+use super::engine::kvpage_engine;
 use super::result::{kvpage_error, kvpage_result, run, Fail};
+use crate::KvCache;
 
 /// `kvpage_kv_event.kind`: a block entered the prefix cache (vLLM's `BlockStored`).
 pub const KVPAGE_EVENT_STORED: u32 = 1;
@@ -97,40 +99,81 @@ pub unsafe extern "C" fn kvpage_cache_events_drain(
             let events = slice_mut(events, events_len, "events")?;
             let tokens = slice_mut(tokens, tokens_len, "tokens")?;
             let report = out(out_report, "out_report")?;
-            let block_size = c.cache.geometry().block_size() as usize;
-            if !events.is_empty() && tokens.len() < block_size && next_is_stored(&c.cache) {
-                return Err(Fail::short("tokens", block_size, tokens.len()));
-            }
-            let (mut n, mut t) = (0, 0);
-            let drained = c.cache.drain_events_with(|seq, e| {
-                let need = match e {
-                    KvEvent::Stored(s) => s.tokens.len(),
-                    _ => 0,
-                };
-                if n == events.len() || t + need > tokens.len() {
-                    return false;
-                }
-                events[n] = to_c(seq, &e, t);
-                if let KvEvent::Stored(s) = e {
-                    tokens[t..t + need].copy_from_slice(s.tokens);
-                }
-                (n, t) = (n + 1, t + need);
-                true
-            });
-            report.set(kvpage_events_report {
-                first_seq: drained.first_seq,
-                lost: drained.lost,
-                events: n,
-                tokens: t,
-                pending: drained.pending,
-            });
+            report.set(drain_into(&mut c.cache, events, tokens)?);
             Ok(())
         })
     }
 }
 
+/// `kvpage_cache_events_drain` on the engine's cache (sized by `cache.event_capacity` in
+/// `kvpage_engine_params`). O(events × block size).
+///
+/// # Errors
+/// As `kvpage_cache_events_drain` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+///
+/// # Safety
+/// `engine` is null or a live engine; the buffers as for `kvpage_cache_events_drain`.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_engine_events_drain(
+    engine: *mut kvpage_engine,
+    events: *mut kvpage_kv_event,
+    events_len: usize,
+    tokens: *mut u32,
+    tokens_len: usize,
+    out_report: *mut kvpage_events_report,
+    err: *mut kvpage_error,
+) -> kvpage_result {
+    // SAFETY: pointers checked by `tagged_mut` / `slice_mut` / `out`.
+    unsafe {
+        run(err, || {
+            let e = tagged_mut(engine)?;
+            let events = slice_mut(events, events_len, "events")?;
+            let tokens = slice_mut(tokens, tokens_len, "tokens")?;
+            let report = out(out_report, "out_report")?;
+            report.set(drain_into(e.engine.cache_mut(), events, tokens)?);
+            Ok(())
+        })
+    }
+}
+
+/// The drain of both functions: whole events into `events` and their token ids into
+/// `tokens`, checked first so that a refusal consumes nothing.
+fn drain_into(
+    cache: &mut KvCache,
+    events: &mut [kvpage_kv_event],
+    tokens: &mut [u32],
+) -> Result<kvpage_events_report, Fail> {
+    let block_size = cache.geometry().block_size() as usize;
+    if !events.is_empty() && tokens.len() < block_size && next_is_stored(cache) {
+        return Err(Fail::short("tokens", block_size, tokens.len()));
+    }
+    let (mut n, mut t) = (0, 0);
+    let drained = cache.drain_events_with(|seq, e| {
+        let need = match e {
+            KvEvent::Stored(s) => s.tokens.len(),
+            _ => 0,
+        };
+        if n == events.len() || t + need > tokens.len() {
+            return false;
+        }
+        events[n] = to_c(seq, &e, t);
+        if let KvEvent::Stored(s) = e {
+            tokens[t..t + need].copy_from_slice(s.tokens);
+        }
+        (n, t) = (n + 1, t + need);
+        true
+    });
+    Ok(kvpage_events_report {
+        first_seq: drained.first_seq,
+        lost: drained.lost,
+        events: n,
+        tokens: t,
+        pending: drained.pending,
+    })
+}
+
 /// Whether the next event a drain of `cache` offers is a stored block.
-fn next_is_stored(cache: &crate::KvCache) -> bool {
+fn next_is_stored(cache: &KvCache) -> bool {
     let m = cache.block_manager();
     let from = cache.event_cursor().min(m.next_event_seq());
     m.events_since(from)
