@@ -7,7 +7,7 @@ use crate::events::{Events, StoredBlock};
 use crate::prefix::{Link, NIL};
 
 impl BlockManager<'_> {
-    /// The events from sequence number `seq` on, oldest first (see [`crate::events`]).
+    /// The events ([`crate::KvEvent`]) from sequence number `seq` on, oldest first.
     /// Events `seq..` that the ring no longer holds are counted in [`Events::lost`] and
     /// the iterator starts at the oldest one it holds; read again from
     /// [`Events::end_seq`]. Nothing is consumed: any number of readers can follow.
