@@ -67,6 +67,7 @@ fn append(c: &mut Criterion) {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
     let mut storage = manager_storage(&config);
     let mut kv = BlockManager::new(config, &mut storage).unwrap();
@@ -120,6 +121,7 @@ const LONG_SEQS: Config = Config {
     prefix_cache: true,
     max_position_runs: 4,
     max_namespaces: 0,
+    event_capacity: 0,
 };
 
 /// Append of a 4096-token prompt with its ids to an empty sequence (256 new blocks, the

@@ -46,6 +46,13 @@ pub struct Config {
     /// costs a few words per namespace plus, when not 0, one `u32` (owner) and one `u64`
     /// (LRU stamp) per block.
     pub max_namespaces: u32,
+    /// Entries of the KV event ring ([`crate::BlockManager::events_since`]): every block
+    /// that enters or leaves the prefix cache becomes an event there, for KV-aware
+    /// routers. When full, the oldest events are overwritten (readers see the gap).
+    /// 0 (the default of [`Config::for_geometry`]) means no events and no storage; so
+    /// does [`Config::prefix_cache`] off. Costs `5 + block_size / 2` words per entry and,
+    /// when not 0, one word per block (each registered block's parent hash).
+    pub event_capacity: u32,
 }
 
 /// The largest [`Config::max_namespaces`] [`Config::validate`] accepts (eviction scans
@@ -84,6 +91,7 @@ impl Config {
             prefix_cache: true,
             max_position_runs: DEFAULT_POSITION_RUNS,
             max_namespaces: 0,
+            event_capacity: 0,
         }
     }
 
@@ -95,6 +103,14 @@ impl Config {
     /// This configuration with [`Config::hash_key`] set to `hash_key`. O(1).
     pub const fn with_hash_key(self, hash_key: u64) -> Config {
         Config { hash_key, ..self }
+    }
+
+    /// This configuration with [`Config::event_capacity`] set to `event_capacity`. O(1).
+    pub const fn with_events(self, event_capacity: u32) -> Config {
+        Config {
+            event_capacity,
+            ..self
+        }
     }
 
     /// This configuration with the prefix cache off ([`Config::prefix_cache`]). O(1).

@@ -292,3 +292,30 @@ impl fmt::Display for ImportError {
 }
 
 impl core::error::Error for ImportError {}
+
+/// Why [`crate::BlockManager::events_since`] refused a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum EventError {
+    /// The requested sequence number was never issued: it is past the next event's
+    /// (a reader that followed another manager, or an earlier run of this one).
+    FutureSeq {
+        /// The sequence number asked for.
+        requested: u64,
+        /// The sequence number the next event gets.
+        next: u64,
+    },
+}
+
+impl fmt::Display for EventError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::FutureSeq { requested, next } => write!(
+                f,
+                "event {requested} was never issued (the next event is {next})"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for EventError {}

@@ -17,6 +17,7 @@
 //!     prefix_cache: true,
 //!     max_position_runs: 4,
 //!     max_namespaces: 0,
+//!     event_capacity: 0,
 //! };
 //! let mut storage = [0u64; CONFIG.storage_words()];
 //! let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -52,6 +53,7 @@
 mod config;
 pub mod engine;
 mod error;
+mod events;
 mod geometry;
 mod host_tier;
 pub mod index_set;
@@ -70,7 +72,8 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, Finished, FinishedRequests,
     RequestId, RequestState, Sampled, ScheduledSeq, Step,
 };
-pub use error::{GeometryError, ImportError, InitError, QuotaError, SeqError};
+pub use error::{EventError, GeometryError, ImportError, InitError, QuotaError, SeqError};
+pub use events::{Events, KvEvent, RemovedBlock, StoredBlock};
 pub use geometry::{DType, Geometry};
 pub use host_tier::HostPool;
 pub use index_set::IndexSet;

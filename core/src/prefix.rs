@@ -23,6 +23,7 @@
 //! do nothing.
 
 use crate::config::Config;
+use crate::events::{EventRing, RemovedBlock, StoredBlock};
 use crate::retention::{LruLists, Priority};
 use crate::storage::{u32_words, Carver};
 
@@ -160,6 +161,13 @@ pub(crate) struct PrefixCache<'a> {
     lru: LruLists<'a>,
     /// Blocks whose priority is `Pinned`, in any state.
     pinned_marked: u32,
+    /// Registered blocks.
+    registered: u32,
+    /// Each registered block's parent hash as registered (only with events on, so a
+    /// block whose parent left can still be reported in its stored form).
+    parent_hash: &'a mut [u64],
+    /// Every registration and unregistration, for routers ([`crate::events`]).
+    pub(crate) events: EventRing<'a>,
 }
 
 impl<'a> PrefixCache<'a> {
@@ -176,6 +184,16 @@ impl<'a> PrefixCache<'a> {
             + u32_words(n * config.block_size as u128)
             + u32_words(config.hash_capacity() as u128)
             + LruLists::storage_words(config.num_blocks, config.namespace_slots(), true)
+            + Self::parent_hash_words(config)
+            + EventRing::storage_words(config)
+    }
+
+    /// Words of the parent-hash array: one per block with events on, else none.
+    const fn parent_hash_words(config: &Config) -> u128 {
+        match EventRing::capacity(config) {
+            0 => 0,
+            _ => config.num_blocks as u128,
+        }
     }
 
     /// Carves the arrays counted by [`PrefixCache::storage_words`]: all empty when the
@@ -211,6 +229,9 @@ impl<'a> PrefixCache<'a> {
                 carve,
             ),
             pinned_marked: 0,
+            registered: 0,
+            parent_hash: carve.words(Self::parent_hash_words(config) as usize),
+            events: EventRing::new(config, carve),
         };
         debug_assert_eq!((carve.taken() - start) as u128, Self::storage_words(config));
         cache
@@ -431,6 +452,7 @@ impl<'a> PrefixCache<'a> {
         self.parent[i] = parent.block;
         self.parent_gen[i] = parent.gen;
         self.flags[i] |= REGISTERED;
+        self.registered += 1;
         let link = self.link_of(b);
         self.set_hashed(b, hash, link);
         let mask = self.table.len() - 1;
@@ -439,7 +461,36 @@ impl<'a> PrefixCache<'a> {
             pos = (pos + 1) & mask;
         }
         self.table[pos] = b + 1;
+        if self.events.enabled() {
+            // The parent is registered (callers check its link), so its hash is current.
+            let (parent_block, parent_hash) = match parent.block {
+                NIL => (None, self.hasher.root(namespace)),
+                p => (Some(p), self.hash[p as usize]),
+            };
+            self.parent_hash[i] = parent_hash;
+            let tokens = self.token_range(b);
+            self.events.stored(StoredBlock {
+                block: b,
+                hash,
+                parent_hash,
+                parent: parent_block,
+                namespace,
+                tokens: &self.tokens[tokens],
+            });
+        }
         link
+    }
+
+    /// Registered blocks (used and cached). O(1).
+    #[inline]
+    pub(crate) fn registered_count(&self) -> u32 {
+        self.registered
+    }
+
+    /// The parent hash registered block `b` was registered with, when events are on
+    /// (`None` otherwise). O(1).
+    pub(crate) fn stored_parent_hash(&self, b: u32) -> Option<u64> {
+        self.parent_hash.get(b as usize).copied()
     }
 
     /// Removes registered block `b` from the table (not from the LRU list) and bumps its
@@ -448,7 +499,13 @@ impl<'a> PrefixCache<'a> {
         let i = b as usize;
         debug_assert!(self.is_registered(b));
         self.flags[i] &= !REGISTERED;
+        self.registered -= 1;
         self.gen[i] = self.gen[i].wrapping_add(1);
+        self.events.removed(RemovedBlock {
+            block: b,
+            hash: self.hash[i],
+            namespace: self.namespace[i],
+        });
         let mask = self.table.len() - 1;
         let mut pos = self.hash[i] as usize & mask;
         while self.table[pos] != b + 1 {
@@ -577,6 +634,7 @@ mod tests {
             prefix_cache: true,
             max_position_runs: 4,
             max_namespaces: 0,
+            event_capacity: 0,
         }
     }
 

@@ -16,6 +16,7 @@ const CONFIG: Config = Config {
     prefix_cache: true,
     max_position_runs: 4,
     max_namespaces: 0,
+    event_capacity: 0,
 };
 
 fn with_manager(f: impl FnOnce(&mut BlockManager<'_>)) {
@@ -64,6 +65,7 @@ fn config_for_a_geometry() {
             prefix_cache: true,
             max_position_runs: 4,
             max_namespaces: 0,
+            event_capacity: 0,
         }
     );
     assert_eq!(Config::for_geometry(&g, 64, 4, 256).max_blocks_per_seq, 16);
@@ -121,6 +123,7 @@ fn storage_without_prefix_cache_leaves_out_every_prefix_array() {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
     let without = Config {
         prefix_cache: false,

@@ -13,6 +13,7 @@ const CONFIG: Config = Config {
     prefix_cache: true,
     max_position_runs: 4,
     max_namespaces: 0,
+    event_capacity: 0,
 };
 
 fn run(index: u32, position: u32) -> PositionRun {

@@ -78,6 +78,7 @@ fn random_operations_allocate_nothing() {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 2,
+        event_capacity: 64,
     };
     let mut storage = vec![0u64; CONFIG.storage_words()];
     let mut kv = BlockManager::new(CONFIG, &mut storage).unwrap();
@@ -174,6 +175,15 @@ fn random_operations_allocate_nothing() {
                 if rng.below(16) == 0 {
                     kv.unpin_cached();
                 }
+                if rng.below(64) == 0 {
+                    kv.clear_prefix_cache();
+                }
+                // Reading the event ring (a publisher's job) allocates nothing either.
+                let from = kv
+                    .next_event_seq()
+                    .saturating_sub(u64::from(rng.below(100)));
+                let events = kv.events_since(from).unwrap();
+                let _ = events.lost() + events.map(|(s, _)| s).sum::<u64>();
                 false
             }
         };
@@ -214,6 +224,7 @@ fn engine_steps_allocate_nothing() {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
     const ENGINE: EngineConfig = EngineConfig {
         max_requests: 16,

@@ -20,6 +20,7 @@ fn config(num_blocks: u32) -> Config {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 2,
+        event_capacity: 0,
     }
 }
 

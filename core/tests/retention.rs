@@ -12,6 +12,7 @@ const CONFIG: Config = Config {
     prefix_cache: true,
     max_position_runs: 4,
     max_namespaces: 2,
+    event_capacity: 0,
 };
 
 /// A prompt of `blocks` full blocks plus one token, distinct per `base`.

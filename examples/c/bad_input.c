@@ -609,6 +609,91 @@ static void prefix_file_calls(void) {
   section("prefix cache files", before);
 }
 
+/* KV cache events: a drain into buffers too small for a stored block, null pointers and
+ * a non-cache are refused and consume nothing; small buffers drain everything in order;
+ * a ring that overflows reports the gap; a clear is one event. */
+static void kv_event_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8);
+  kvpage_cache *c = NULL;
+  kvpage_seq s;
+  kvpage_kv_event ev[4];
+  kvpage_events_report rep, zero;
+  uint32_t prompt[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, tokens[8], n = 0;
+  uint64_t seq = 0;
+  static uint8_t bad[64];
+
+  p.event_capacity = 4;
+  p.hash_key = 99;
+  memset(&zero, 0, sizeof zero);
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(c, 3, prompt, 9, &s, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_commit(c, s, NULL, &err));
+
+  rep = zero;
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_events_drain(NULL, ev, 4, tokens, 8, &rep, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_events_drain(c, NULL, 4, tokens, 8, &rep, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_events_drain(c, ev, 4, NULL, 8, &rep, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_events_drain(c, ev, 4, tokens, 8, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_events_drain((kvpage_cache *)bad, ev, 4, tokens, 8, &rep, &err));
+  EXPECT_TRUE(kvpage_cache_events_drain(c, ev, 4, tokens, BLOCK - 1, &rep, &err) == KVPAGE_ERR_BUFFER_TOO_SMALL && err.needed == BLOCK && err.available == BLOCK - 1);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_clear_prefix_cache(NULL, &n, &err));
+  EXPECT_TRUE(memcmp(&rep, &zero, sizeof rep) == 0);
+
+  /* Nothing was consumed: one event per call, in order, parent first. */
+  EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 1, tokens, 8, &rep, &err));
+  EXPECT_TRUE(rep.first_seq == 0 && rep.lost == 0 && rep.events == 1 && rep.tokens == BLOCK && rep.pending == 1);
+  EXPECT_TRUE(ev[0].kind == KVPAGE_EVENT_STORED && ev[0].parent == KVPAGE_EVENT_NO_BLOCK && ev[0].namespace_id == 3);
+  EXPECT_TRUE(ev[0].token_count == BLOCK && tokens[ev[0].tokens_offset] == 1 && tokens[BLOCK - 1] == 4);
+  seq = ev[0].hash;
+  EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 4, tokens, 8, &rep, &err));
+  EXPECT_TRUE(rep.first_seq == 1 && rep.events == 1 && rep.pending == 0);
+  EXPECT_TRUE(ev[0].seq == 1 && ev[0].parent_hash == seq && tokens[0] == 5);
+
+  /* A clear of a held chain evicts nothing; released, it is one event. */
+  EXPECT(KVPAGE_OK, kvpage_cache_clear_prefix_cache(c, &n, &err));
+  EXPECT_TRUE(n == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, s, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_clear_prefix_cache(c, &n, &err));
+  EXPECT_TRUE(n == 2);
+  EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 4, tokens, 8, &rep, &err));
+  EXPECT_TRUE(rep.first_seq == 2 && rep.events == 1 && ev[0].kind == KVPAGE_EVENT_CLEARED);
+
+  /* Three prompts of two blocks each overflow the 4-entry ring: the gap is reported. */
+  for (n = 0; n < 3; n++) {
+    prompt[0] = 10 + n;
+    EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt(c, 0, prompt, 9, &s, NULL, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_commit(c, s, NULL, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_release(c, s, &err));
+  }
+  EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 0, NULL, 0, &rep, &err));
+  EXPECT_TRUE(rep.lost > 0 && rep.first_seq == 3 + rep.lost && rep.events == 0 && rep.pending == 4);
+  EXPECT(KVPAGE_OK, kvpage_cache_events_drain(c, ev, 4, tokens, 8, &rep, &err));
+  EXPECT_TRUE(rep.lost == 0 && rep.events == 2 && rep.pending == 2);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+
+  /* An engine's cache: the same drain. */
+  {
+    kvpage_engine_params ep = kvpage_engine_default_params(GEOMETRY);
+    kvpage_engine *e = NULL;
+    kvpage_request id;
+    ep.cache = p;
+    ep.max_requests = 2;
+    ep.scheduler.token_budget = 16;
+    ep.scheduler.max_running = 2;
+    EXPECT(KVPAGE_OK, kvpage_engine_new(&ep, &e, &err));
+    EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_events_drain(NULL, ev, 4, tokens, 8, &rep, &err));
+    EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_events_drain((kvpage_engine *)bad, ev, 4, tokens, 8, &rep, &err));
+    EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_events_drain(e, ev, 4, tokens, 8, NULL, &err));
+    EXPECT(KVPAGE_OK, kvpage_engine_add_request(e, 0, prompt, 9, 4, &id, &err));
+    EXPECT(KVPAGE_OK, kvpage_engine_events_drain(e, ev, 4, tokens, 8, &rep, &err));
+    EXPECT_TRUE(rep.first_seq == 0 && rep.lost == 0 && rep.events == 0 && rep.pending == 0);
+    EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+  }
+  section("kv cache events", before);
+}
+
 static kvpage_engine_params engine_params(void) {
   kvpage_engine_params p = kvpage_engine_default_params(GEOMETRY);
   p.cache = cache_params(16);
@@ -956,6 +1041,7 @@ int main(void) {
   rotate_calls();
   seq_blob_calls();
   prefix_file_calls();
+  kv_event_calls();
   engine_calls();
   manager_and_scheduler_calls();
   manager_seq_calls();

@@ -190,6 +190,8 @@ fn cache_config(script: &Script, seqs: u32) -> Result<CacheConfig> {
         max_seqs: seqs,
         max_seq_len: script.max_seq_len,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
 }
 

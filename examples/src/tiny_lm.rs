@@ -368,6 +368,8 @@ mod tests {
             max_seqs: 1,
             max_seq_len: 32,
             threads: 1,
+            event_capacity: 0,
+            hash_key: None,
         })
         .unwrap();
         let seq = cache.create(0).unwrap();
@@ -403,6 +405,8 @@ mod tests {
             max_seqs: 1,
             max_seq_len: 32,
             threads: 1,
+            event_capacity: 0,
+            hash_key: None,
         })
         .unwrap();
         let seq = cache.create(0).unwrap();

@@ -56,6 +56,8 @@ fn new_cache(blocks: u32) -> KvCache {
         max_seqs: 2 * blocks,
         max_seq_len: TOKENS,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .expect("cache")
 }

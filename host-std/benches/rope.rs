@@ -216,6 +216,8 @@ impl CacheShift {
             max_seqs: 1,
             max_seq_len: len,
             threads: 0,
+            event_capacity: 0,
+            hash_key: None,
         })
         .expect("cache");
         let mut k = vec![0.0; (len * KV_HEADS * HEAD_DIM) as usize];

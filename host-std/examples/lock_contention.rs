@@ -25,6 +25,7 @@ const CONFIG: Config = Config {
     prefix_cache: false,
     max_position_runs: 4,
     max_namespaces: 0,
+    event_capacity: 0,
 };
 
 /// Runs a closure on the manager under the lock.

@@ -47,6 +47,19 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // Default `max_seq_len` of `kvpage_cache_default_params`.
 #define KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN 4096
 
+// `kvpage_kv_event.kind`: a block entered the prefix cache (vLLM's `BlockStored`).
+#define KVPAGE_EVENT_STORED 1
+
+// `kvpage_kv_event.kind`: a block left the prefix cache (vLLM's `BlockRemoved`).
+#define KVPAGE_EVENT_REMOVED 2
+
+// `kvpage_kv_event.kind`: every block left the prefix cache at once (vLLM's
+// `AllBlocksCleared`).
+#define KVPAGE_EVENT_CLEARED 3
+
+// `kvpage_kv_event.block` / `.parent` when there is none.
+#define KVPAGE_EVENT_NO_BLOCK UINT32_MAX
+
 
 
 // Storage dtype: 32-bit IEEE float.
@@ -289,6 +302,14 @@ typedef struct kvpage_cache_params {
   // Threads of the attention kernels, the calling thread included; 0 = one per
   // available core. Results do not depend on it.
   uint32_t threads;
+  // Entries of the KV event ring (`kvpage_cache_events_drain`), for KV-aware
+  // routers; 0 (the default) = no events. Each costs about `40 + 4 * block_size`
+  // bytes.
+  uint32_t event_capacity;
+  // Key of the prefix cache's block hash; 0 (the default) = a random secret key per
+  // cache. A fixed key makes block hashes (in KV events and persisted caches) the
+  // same on every run and machine; keep it secret in a multi-tenant service.
+  uint64_t hash_key;
 } kvpage_cache_params;
 
 // Details of a failure, written by a function that fails when the caller passes a
@@ -366,6 +387,45 @@ typedef struct kvpage_context_shift {
   // Row moves executed (0 for a block-aligned shift).
   uint32_t row_moves;
 } kvpage_context_shift;
+
+// One KV cache event. Fields a kind does not use are 0 (`parent`:
+// `KVPAGE_EVENT_NO_BLOCK`).
+typedef struct kvpage_kv_event {
+  // Sequence number: one more than the previous event's, the first is 0.
+  uint64_t seq;
+  // The block's chain hash (stored, removed); stable across runs and machines for a
+  // fixed `hash_key`.
+  uint64_t hash;
+  // The parent's chain hash (stored; the namespace's seed hash for a chain's first
+  // block, whose `parent` is `KVPAGE_EVENT_NO_BLOCK`).
+  uint64_t parent_hash;
+  // The block's namespace (stored, removed).
+  uint64_t namespace_id;
+  // Index in the token buffer of the block's first token id (stored).
+  uint64_t tokens_offset;
+  // `KVPAGE_EVENT_STORED`, `KVPAGE_EVENT_REMOVED` or `KVPAGE_EVENT_CLEARED`.
+  uint32_t kind;
+  // The physical block (stored, removed).
+  uint32_t block;
+  // The parent block when the block was stored; `KVPAGE_EVENT_NO_BLOCK` for none.
+  uint32_t parent;
+  // Token ids of the block in the token buffer: the block size (stored), else 0.
+  uint32_t token_count;
+} kvpage_kv_event;
+
+// What `kvpage_cache_events_drain` did.
+typedef struct kvpage_events_report {
+  // Sequence number of the first event written (where the drain started).
+  uint64_t first_seq;
+  // Events before `first_seq` the ring overwrote before a drain reached them.
+  uint64_t lost;
+  // Events written.
+  size_t events;
+  // Token ids written.
+  size_t tokens;
+  // Events still waiting in the ring (drain again).
+  uint64_t pending;
+} kvpage_events_report;
 
 // Limits of one step of an engine or scheduler.
 typedef struct kvpage_scheduler_params {
@@ -658,8 +718,8 @@ extern "C" {
 // Parameters for a cache of `geometry` with sane defaults: capacity 256 MiB in bytes
 // (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
-// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0).
-// The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
+// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
+// KV events and a random hash key (`event_capacity` and `hash_key` 0). The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
 // fail; thread-safe.
 struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry geometry);
 
@@ -1159,6 +1219,62 @@ kvpage_result kvpage_cache_seq_pos_max(const kvpage_cache *cache,
                                        kvpage_seq seq,
                                        int64_t *out_pos,
                                        struct kvpage_error *err);
+
+// Copies the events since the previous drain (sequence 0 for the first) into
+// `events[..n]`, with the token ids of stored blocks packed into `tokens` (each event
+// names its range), as many whole events as both buffers hold; moves past them and
+// writes the report to `*out_report`. Events the ring overwrote before this drain
+// reached them are skipped and counted in `lost` (also by a call with `events_len` 0,
+// which writes no event).
+// Allocates nothing. O(events × block size).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_BUFFER_TOO_SMALL` when the next event is a stored block
+// and `tokens_len` is under the block size (`needed`, `available`). Nothing changes
+// on error.
+//
+// # Safety
+// `cache` is null or a live cache; `events` is null or writable for `events_len`
+// events, `tokens` for `tokens_len` ids; `out_report` is null or writable.
+kvpage_result kvpage_cache_events_drain(kvpage_cache *cache,
+                                        struct kvpage_kv_event *events,
+                                        size_t events_len,
+                                        uint32_t *tokens,
+                                        size_t tokens_len,
+                                        struct kvpage_events_report *out_report,
+                                        struct kvpage_error *err);
+
+// `kvpage_cache_events_drain` on the engine's cache (sized by `cache.event_capacity` in
+// `kvpage_engine_params`). O(events × block size).
+//
+// # Errors
+// As `kvpage_cache_events_drain` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+//
+// # Safety
+// `engine` is null or a live engine; the buffers as for `kvpage_cache_events_drain`.
+kvpage_result kvpage_engine_events_drain(kvpage_engine *engine,
+                                         struct kvpage_kv_event *events,
+                                         size_t events_len,
+                                         uint32_t *tokens,
+                                         size_t tokens_len,
+                                         struct kvpage_events_report *out_report,
+                                         struct kvpage_error *err);
+
+// Evicts every cached block of the prefix cache below `KVPAGE_PRIORITY_PINNED` and
+// writes how many to `*out_evicted` (NULL to ignore). When that empties the prefix
+// cache (no registered block held by a sequence or pinned) the event ring records one
+// `KVPAGE_EVENT_CLEARED` instead of a removal per block. O(evicted).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (cache), `KVPAGE_ERR_MISALIGNED`,
+// `KVPAGE_ERR_INVALID_ARGUMENT` (not a cache).
+//
+// # Safety
+// `cache` is null or a live cache; `out_evicted` null or writable.
+kvpage_result kvpage_cache_clear_prefix_cache(kvpage_cache *cache,
+                                              uint32_t *out_evicted,
+                                              struct kvpage_error *err);
 
 // `kvpage_cache_create_with_prompt` for a sequence of retention `priority` (a
 // `KVPAGE_PRIORITY_*` level): the cached blocks it reuses and the blocks it commits

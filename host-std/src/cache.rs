@@ -24,8 +24,10 @@
 //!   the prefix cache: a block is never shared before its K/V is written.
 
 mod edit;
+mod events;
 mod retain;
 
+pub use events::{CacheEvent, Drained, EventBatch, StoredEvent};
 pub use retain::CACHE_NAMESPACES;
 
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -78,6 +80,15 @@ pub struct CacheConfig {
     /// available core. [`KvCache::new`] starts `threads - 1` workers once (see
     /// [`WorkerPool::new`]); they are parked between calls and joined on drop.
     pub threads: usize,
+    /// Entries of the KV event ring ([`KvCache::drain_events`]), for KV-aware routers;
+    /// 0 = no events. Each takes about `40 + 4 × block_size` bytes (see
+    /// [`kvpage_core::Config::event_capacity`]).
+    pub event_capacity: u32,
+    /// Key of the prefix cache's block hash. `None`: a random secret key per cache, so
+    /// crafted prompts cannot aim at the hash table. `Some(key)`: that key, so block
+    /// hashes (in KV events and persisted caches) are the same on every run and
+    /// machine; keep it secret in a multi-tenant service.
+    pub hash_key: Option<u64>,
 }
 
 /// Handle of a sequence of one [`KvCache`]. `Copy`; stale once released, refused by
@@ -296,6 +307,8 @@ pub struct KvCache {
     edit_copies: Vec<BlockCopy>,
     /// Row moves of one edit ([`Config::max_row_moves`] entries).
     edit_moves: Vec<RowMove>,
+    /// Sequence number of the next event [`KvCache::drain_events`] reads.
+    event_cursor: u64,
 }
 
 impl core::fmt::Debug for KvCache {
@@ -345,10 +358,11 @@ impl KvCache {
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
         let core_config = Config {
             max_namespaces: CACHE_NAMESPACES,
+            event_capacity: config.event_capacity,
             ..Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
         }
         .with_instance(instance)
-        .with_hash_key(random_hash_key(instance));
+        .with_hash_key(config.hash_key.unwrap_or_else(|| random_hash_key(instance)));
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config, engine)?;
         let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
@@ -383,6 +397,7 @@ impl KvCache {
             batch,
             edit_copies,
             edit_moves,
+            event_cursor: 0,
         })
     }
 

@@ -77,6 +77,12 @@ impl Engine {
         &self.cache
     }
 
+    /// The cache, for the event drain of the C API (nothing else may change it behind
+    /// the engine's back). O(1).
+    pub(crate) fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
     /// The core's request engine. O(1).
     pub(crate) fn engine(&self) -> &kvpage_core::Engine<'_> {
         core_engine(&self.cache.tables)
@@ -155,6 +161,14 @@ impl Engine {
     /// [`KvCache::unpin_cached`] on the engine's cache. O(unpinned × namespaces).
     pub fn unpin_cached(&mut self) -> u32 {
         self.cache.unpin_cached()
+    }
+
+    /// [`KvCache::drain_events`] on the engine's cache: the KV events since the last
+    /// drain, for a router (size the ring with the cache's
+    /// [`crate::CacheConfig::event_capacity`]; a snapshot is
+    /// `engine.cache().events_snapshot()`). O(events × block_size).
+    pub fn drain_events(&mut self, max: usize) -> crate::EventBatch {
+        self.cache.drain_events(max)
     }
 
     /// Plans and executes one step, including its block copies (swap-out, swap-in,

@@ -27,6 +27,8 @@
 //!     max_seqs: 4,
 //!     max_seq_len: 256,
 //!     threads: 0,
+//!     event_capacity: 0,
+//!     hash_key: None,
 //! };
 //! let mut cache = KvCache::new(config)?;
 //!
@@ -65,21 +67,26 @@ pub mod error;
 pub mod ffi;
 pub mod kernels;
 pub mod persist;
+#[cfg(feature = "events-zmq")]
+pub mod publish;
 mod shared;
 mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
-pub use cache::{CacheConfig, CacheError, Capacity, KvCache, PromptSeq, Seq, CACHE_NAMESPACES};
+pub use cache::{
+    CacheConfig, CacheError, CacheEvent, Capacity, Drained, EventBatch, KvCache, PromptSeq, Seq,
+    StoredEvent, CACHE_NAMESPACES,
+};
 pub use dtype::Element;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};
 pub use kernels::{Executor, RopeError, RopePairing, RopeParams, WorkerPool};
 pub use kvpage_core::{
-    BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, FinishReason, Finished,
-    FinishedRequests, Geometry, GeometryError, NamespaceQuota, PositionRun, Preemption, Priority,
-    QuotaError, RequestId, RequestState, RowMove, Sampled, ScheduledSeq, SchedulerConfig, SeqError,
-    Stats, Step,
+    BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, EventError, FinishReason,
+    Finished, FinishedRequests, Geometry, GeometryError, KvEvent, NamespaceQuota, PositionRun,
+    Preemption, Priority, QuotaError, RemovedBlock, RequestId, RequestState, RowMove, Sampled,
+    ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
 };
 pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,

@@ -75,6 +75,7 @@ mod tests {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
 
     #[test]

@@ -189,6 +189,7 @@ mod tests {
             prefix_cache: true,
             max_position_runs: 4,
             max_namespaces: 0,
+            event_capacity: 0,
         };
         assert_eq!(config.storage_words(), usize::MAX);
         assert!(matches!(

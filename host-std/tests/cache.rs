@@ -30,6 +30,8 @@ fn cache_on(dtype: DType, block_size: u32, blocks: u32, threads: usize) -> KvCac
         max_seqs: 8,
         max_seq_len: 256,
         threads,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap()
 }
@@ -201,6 +203,8 @@ fn arena_sized_in_bytes() {
         max_seqs: 2,
         max_seq_len: 64,
         threads: 0,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     assert_eq!(c.stats().total_blocks, 10);
@@ -214,6 +218,8 @@ fn arena_sized_in_bytes() {
         max_seqs: 2,
         max_seq_len: 64,
         threads: 0,
+        event_capacity: 0,
+        hash_key: None,
     };
     assert_eq!(KvCache::new(tiny).unwrap_err(), CacheError::BadConfig);
 }

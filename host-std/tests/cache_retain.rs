@@ -17,6 +17,8 @@ fn cache(blocks: u32) -> KvCache {
         max_seqs: 4,
         max_seq_len: 64,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap()
 }
@@ -202,6 +204,8 @@ fn the_engine_keeps_a_namespace_within_its_quota() {
             max_seqs: 4,
             max_seq_len: 64,
             threads: 1,
+            event_capacity: 0,
+            hash_key: None,
         },
         max_requests: 4,
         scheduler: kvpage::SchedulerConfig {

@@ -51,6 +51,8 @@ fn run<T: Element>(dtype: DType, kernel_threads: usize) {
         max_seqs: SEQS as u32,
         max_seq_len: 200,
         threads: kernel_threads,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     let mut r = rng(dtype as u64);

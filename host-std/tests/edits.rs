@@ -102,6 +102,8 @@ fn random_edits<T: Element + Into<f32>>(dtype: DType, block_size: u32, seed: u64
         max_seqs: 5,
         max_seq_len: 48,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     let mut h = Harness {
@@ -244,6 +246,8 @@ fn shift_then_own_then_positions() {
         max_seqs: 2,
         max_seq_len: 32,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     let a = cache.create(0).unwrap();

@@ -112,6 +112,8 @@ impl Twin {
             max_seqs: MAX_SEQS,
             max_seq_len: 64,
             threads: THREADS as usize,
+            event_capacity: 0,
+            hash_key: None,
         })
         .unwrap();
         Self {

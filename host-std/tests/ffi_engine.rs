@@ -184,6 +184,8 @@ fn rust_engine() -> Engine {
             max_seqs: 8,
             max_seq_len: 64,
             threads: 1,
+            event_capacity: 0,
+            hash_key: None,
         },
         max_requests: 8,
         scheduler: SchedulerConfig {
@@ -517,6 +519,7 @@ fn run_tier3_against_core(preemption: u32) -> kvpage_engine_counters {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
     let mut mwords = vec![0u64; config.storage_words()];
     let mut kv = BlockManager::new(config, &mut mwords).unwrap();
@@ -1441,6 +1444,7 @@ fn tier3_bad_input_and_a_foreign_manager_are_refused_and_change_nothing() {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 0,
+        event_capacity: 0,
     };
     let mut w1 = vec![0u64; cfg(1).storage_words()];
     let mut w2 = vec![0u64; cfg(2).storage_words()];

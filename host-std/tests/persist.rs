@@ -27,6 +27,8 @@ fn config(geometry: Geometry, blocks: u32) -> CacheConfig {
         max_seqs: 16,
         max_seq_len: 256,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     }
 }
 

@@ -24,6 +24,8 @@ fn cache(dtype: DType, blocks: u32) -> KvCache {
         max_seqs: 8,
         max_seq_len: 64,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap()
 }
@@ -313,6 +315,8 @@ fn a_wrong_header_or_origin_is_refused_and_changes_nothing() {
         max_seqs: 2,
         max_seq_len: 32,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     assert!(matches!(

@@ -64,6 +64,8 @@ fn cache(dtype: DType, head_dim: u32, threads: usize) -> KvCache {
         max_seqs: 4,
         max_seq_len: 512,
         threads,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap()
 }

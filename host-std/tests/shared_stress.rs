@@ -38,6 +38,7 @@ const CONFIG: Config = Config {
     prefix_cache: true,
     max_position_runs: 4,
     max_namespaces: 0,
+    event_capacity: 0,
 };
 const BS: u32 = CONFIG.block_size;
 const MAX_TOKENS: u32 = CONFIG.block_size * CONFIG.max_blocks_per_seq;

@@ -278,6 +278,8 @@ fn serve_with_engine<T: Element>(preemption: Preemption) {
             max_seqs: 5,
             max_seq_len: 40,
             threads: 2,
+            event_capacity: 0,
+            hash_key: None,
         },
         max_requests: 8,
         scheduler: SchedulerConfig {
@@ -391,6 +393,8 @@ fn decode_together<T: Element>() {
         max_seqs: 8,
         max_seq_len: 64,
         threads: 2,
+        event_capacity: 0,
+        hash_key: None,
     })
     .unwrap();
     let check = |tokens: &[u32], got: &[f32], what: &str| {

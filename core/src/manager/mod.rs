@@ -46,6 +46,7 @@
 mod append;
 mod commit;
 mod edit;
+mod events;
 pub(crate) mod pool;
 mod positions;
 mod quota;

@@ -137,6 +137,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         prefix_cache: true,
         max_position_runs: 4,
         max_namespaces: 1,
+        event_capacity: 0,
     };
     let max_tokens = kv_config.max_tokens_per_seq() as usize;
     let mut kv_words = vec![0u64; kv_config.storage_words()];

@@ -2,7 +2,7 @@
 // `PREFIX_CACHE` and `MAX_NAMESPACES` (0: no quotas; then every implicit eviction is
 // checked against the (priority, LRU) order, else explicit evictions only).
 use kvpage_core::{
-    BlockCopy, BlockManager, Config, Edited, HostPool, NamespaceQuota, PositionRun, Priority, QuotaError, RowMove,
+    BlockCopy, BlockManager, Config, Edited, HostPool, KvEvent, NamespaceQuota, PositionRun, Priority, QuotaError, RowMove,
     SeqError, SeqId, Stats,
 };
 use proptest::prelude::*;
@@ -18,6 +18,8 @@ const CONFIG: Config = Config {
     prefix_cache: PREFIX_CACHE,
     max_position_runs: 3,
     max_namespaces: MAX_NAMESPACES,
+    // Enough for any one operation's events: every step replays them (`check_events`).
+    event_capacity: 256,
 };
 const BS: u32 = CONFIG.block_size;
 
@@ -111,6 +113,10 @@ struct Model {
     cached: HashMap<u32, (Priority, usize)>,
     /// Quotas set successfully.
     quotas: HashMap<u64, NamespaceQuota>,
+    /// The registered blocks as the KV event stream tells them (block, hash), and the
+    /// next event to read.
+    events: BTreeMap<u32, u64>,
+    event_seq: u64,
 }
 
 /// Everything observable about the manager, to prove a failed operation changed nothing.
@@ -123,6 +129,7 @@ struct Snapshot {
     priorities: Vec<Option<Priority>>,
     namespaces: Vec<(NamespaceQuota, u32, u32)>,
     rows: Vec<(SeqId, u32, Vec<u32>, Vec<PositionRun>)>,
+    next_event_seq: u64,
 }
 
 fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapshot {
@@ -131,6 +138,7 @@ fn snapshot(kv: &BlockManager<'_>, host: &HostPool<'_>, model: &Model) -> Snapsh
         host_free: host.free_blocks(),
         refcounts: (0..CONFIG.num_blocks).map(|b| kv.refcount(b).unwrap()).collect(),
         registered: (0..CONFIG.num_blocks).map(|b| kv.is_registered(b)).collect(),
+        next_event_seq: kv.next_event_seq(),
         priorities: (0..CONFIG.num_blocks).map(|b| kv.block_priority(b)).collect(),
         namespaces: (0..3).map(|ns| (kv.namespace_quota(ns), kv.namespace_blocks(ns), kv.available_blocks_for(ns))).collect(),
         rows: model
@@ -335,6 +343,29 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
 /// Eviction order after a step: of the blocks cached before it, the ones evicted (no
 /// longer registered) come before every one still cached by (priority, step it entered
 /// its list), pinned ones are never evicted; then records the cached blocks' lists.
+/// Applies the operation's KV events to the model's view of the prefix cache, which must
+/// then be exactly the registered blocks, with the hashes the manager reports.
+fn check_events(kv: &BlockManager<'_>, model: &mut Model) {
+    let events = kv.events_since(model.event_seq).unwrap();
+    assert_eq!(events.lost(), 0);
+    model.event_seq = events.end_seq();
+    for (_, e) in events {
+        match e {
+            KvEvent::Stored(s) => {
+                assert!(model.events.insert(s.block, s.hash).is_none(), "stored twice");
+                assert!(s.parent.is_none_or(|p| model.events.contains_key(&p)), "parent not stored");
+            }
+            KvEvent::Removed(r) => assert_eq!(model.events.remove(&r.block), Some(r.hash)),
+            KvEvent::Cleared => model.events.clear(),
+        }
+    }
+    let registered: BTreeMap<u32, u64> = (0..CONFIG.num_blocks)
+        .filter_map(|b| kv.stored_block(b).map(|s| (b, s.hash)))
+        .collect();
+    assert_eq!(model.events, registered);
+    assert_eq!(registered.len(), (0..CONFIG.num_blocks).filter(|&b| kv.is_registered(b)).count());
+}
+
 fn check_retention(kv: &BlockManager<'_>, model: &mut Model, step: usize, check_order: bool) {
     let still = |b: u32| kv.is_registered(b);
     let evicted: Vec<(Priority, usize)> = model.cached.iter().filter(|(&b, _)| !still(b)).map(|(_, &k)| k).collect();
@@ -385,6 +416,8 @@ fn run(ops: &[Op]) {
         next_unique: 1 << 32,
         cached: HashMap::new(),
         quotas: HashMap::new(),
+        events: BTreeMap::new(),
+        event_seq: 0,
     };
     let mut slots = vec![0u32; 64];
     let mut copies = [BlockCopy { src: 0, dst: 0 }; 16];
@@ -835,6 +868,7 @@ fn run(ops: &[Op]) {
         }
         check_retention(&kv, &mut model, step, matches!(op, Op::Evict { .. }) || MAX_NAMESPACES == 0);
         check_invariants(&kv, &model);
+        check_events(&kv, &mut model);
         let swapped_blocks: usize = model.swapped.values().map(|c| c.len().div_ceil(BS as usize)).sum();
         assert_eq!(host.free_blocks() as usize, HOST_BLOCKS as usize - swapped_blocks);
         for s in model.swapped.keys() {

@@ -270,6 +270,10 @@ enum Call {
     ResultStr {
         code: u32,
     },
+    CacheEventsDrain {
+        events: Buf,
+        tokens: Buf,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -415,6 +419,7 @@ fuzz_target!(|data: &[u8]| {
         params.max_seqs = u32::from(s.max_seqs % 5);
         params.max_seq_len = u32::from(s.max_seq_len % 40);
         params.threads = 1;
+        params.event_capacity = u32::from(s.blocks % 7);
         let mut cache: *mut kvpage_cache = null_mut();
         let pp = if s.null_params {
             null()
@@ -1015,6 +1020,29 @@ fuzz_target!(|data: &[u8]| {
                         _ => kvpage_scheduler_cancel(g.cast(), w.mgr, 0, err),
                     };
                     assert_ne!(c, KVPAGE_OK, "a garbage object was accepted");
+                    c
+                }
+                Call::CacheEventsDrain { events, tokens } => {
+                    let ev = Arg::<kvpage_kv_event>::new(events, 4, |_| kvpage_kv_event::default());
+                    let tk = Arg::<u32>::new(tokens, 8, |_| SENT32);
+                    let mut o = kvpage_events_report {
+                        first_seq: SENT64,
+                        ..kvpage_events_report::default()
+                    };
+                    let c = kvpage_cache_events_drain(
+                        w.cache,
+                        ev.ptr,
+                        ev.len,
+                        tk.ptr,
+                        tk.len,
+                        optr!(o),
+                        err,
+                    );
+                    unwritten
+                        .push(o.first_seq == SENT64 && tk.contents().iter().all(|&t| t == SENT32));
+                    if c == KVPAGE_OK {
+                        assert!(o.events <= ev.len && o.tokens <= tk.len);
+                    }
                     c
                 }
                 Call::ResultStr { code } => {

@@ -245,6 +245,8 @@ fuzz_target!(|data: &[u8]| {
         max_seqs: u32::from(setup.max_seqs % 6),
         max_seq_len: u32::from(setup.max_seq_len % 48),
         threads: 1 + usize::from(setup.two_threads),
+        event_capacity: 0,
+        hash_key: None,
     };
     let mut cache = match KvCache::new(config) {
         Ok(c) => c,
@@ -528,6 +530,8 @@ fuzz_target!(|data: &[u8]| {
                         max_seqs: 2,
                         max_seq_len: 8,
                         threads: 1,
+                        event_capacity: 0,
+                        hash_key: None,
                     })
                     .expect("a small cache");
                     let s = c.create(0).expect("a sequence");

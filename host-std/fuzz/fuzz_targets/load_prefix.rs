@@ -29,6 +29,8 @@ fn cache() -> KvCache {
         max_seqs: 3,
         max_seq_len: 32,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .expect("cache");
     // One prompt cached already, so loads also meet blocks that are there.

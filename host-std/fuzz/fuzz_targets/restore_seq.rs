@@ -35,6 +35,8 @@ fn cache(mode: u8) -> KvCache {
         max_seqs: 3,
         max_seq_len: 32,
         threads: 1,
+        event_capacity: 0,
+        hash_key: None,
     })
     .expect("cache");
     // One sequence already there, its K/V written.

@@ -43,6 +43,14 @@ pub struct kvpage_cache_params {
     /// Threads of the attention kernels, the calling thread included; 0 = one per
     /// available core. Results do not depend on it.
     pub threads: u32,
+    /// Entries of the KV event ring (`kvpage_cache_events_drain`), for KV-aware
+    /// routers; 0 (the default) = no events. Each costs about `40 + 4 * block_size`
+    /// bytes.
+    pub event_capacity: u32,
+    /// Key of the prefix cache's block hash; 0 (the default) = a random secret key per
+    /// cache. A fixed key makes block hashes (in KV events and persisted caches) the
+    /// same on every run and machine; keep it secret in a multi-tenant service.
+    pub hash_key: u64,
 }
 
 /// Default arena size of `kvpage_cache_default_params`: 256 MiB.
@@ -78,6 +86,8 @@ impl kvpage_cache_params {
             max_seqs: self.max_seqs,
             max_seq_len: self.max_seq_len,
             threads: self.threads as usize,
+            event_capacity: self.event_capacity,
+            hash_key: (self.hash_key != 0).then_some(self.hash_key),
         })
     }
 }
@@ -172,8 +182,8 @@ fn head_mut<'a, T>(
 /// Parameters for a cache of `geometry` with sane defaults: capacity 256 MiB in bytes
 /// (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
 /// (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
-/// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0).
-/// The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
+/// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
+/// KV events and a random hash key (`event_capacity` and `hash_key` 0). The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
 /// fail; thread-safe.
 #[no_mangle]
 pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpage_cache_params {
@@ -184,6 +194,8 @@ pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpa
         max_seqs: KVPAGE_CACHE_DEFAULT_MAX_SEQS,
         max_seq_len: KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN,
         threads: 0,
+        event_capacity: 0,
+        hash_key: 0,
     }
 }
 

@@ -56,6 +56,7 @@ impl kvpage_manager_config {
             prefix_cache: self.prefix_cache != 0,
             max_position_runs: kvpage_core::DEFAULT_POSITION_RUNS,
             max_namespaces: self.max_namespaces,
+            event_capacity: 0,
         }
     }
 }

@@ -22,7 +22,8 @@
 //! [`geometry`], [`rope`] (rotary embedding parameters), [`stats`], [`plan`] (block copies, step records), [`step`] (the step
 //! as C sees it, shared by tiers 1 and 3), and argument checks. The tiers:
 //! 1. [`cache`] (the owned cache), [`cache_edit`] (its sequence edits and positions),
-//!    [`seq_blob`] (saving and restoring its sequences)
+//!    [`seq_blob`] (saving and restoring its sequences), [`cache_events`] (draining its
+//!    KV cache events for routers)
 //!    and [`engine`] (its engine step);
 //! 2. the block manager over caller memory: [`manager`] (config, storage, init, pool
 //!    queries), [`manager_seqs`] (sequence operations and slot mappings),
@@ -36,6 +37,7 @@
 mod args;
 pub mod cache;
 pub mod cache_edit;
+pub mod cache_events;
 pub mod cache_retain;
 pub mod engine;
 pub mod geometry;
@@ -60,6 +62,7 @@ pub mod version;
 pub use block_table::*;
 pub use cache::*;
 pub use cache_edit::*;
+pub use cache_events::*;
 pub use cache_retain::*;
 pub use engine::*;
 pub use geometry::*;

@@ -28,6 +28,8 @@
 //!     max_seqs: 4,
 //!     max_seq_len: 128,
 //!     threads: 1,
+//!     event_capacity: 0,
+//!     hash_key: None,
 //! };
 //! let model = ModelFingerprint::from_u64(0x5eed);
 //! let mut cache = KvCache::new(config)?;

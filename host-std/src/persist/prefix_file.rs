@@ -222,7 +222,7 @@ impl KvCache {
     /// The reachable registered blocks, parents before children, each with the index
     /// of its parent in the list ([`NO_PARENT`] for a chain's first block).
     /// O(num_blocks × chain depth) at worst, O(num_blocks) for shallow chains.
-    fn prefix_blocks_in_order(&self) -> Vec<(u32, u32)> {
+    pub(crate) fn prefix_blocks_in_order(&self) -> Vec<(u32, u32)> {
         let m = self.block_manager();
         let n = m.config().num_blocks;
         let parent_of: Vec<Option<Option<u32>>> = (0..n)
