@@ -262,6 +262,11 @@ fn c_add(e: *mut kvpage_engine, ns: u64, prompt: &[u32], max_new: u32) -> kvpage
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "minutes when interpreted (a whole engine run's attention); the engine's C \
+              entry points run under Miri in the bad-input and tier-3 tests"
+)]
 fn tier1_c_engine_equals_the_rust_engine_bit_for_bit() {
     let p = engine_params();
     let ce = new_c_engine(&p);

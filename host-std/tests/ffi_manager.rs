@@ -1407,18 +1407,9 @@ fn bad_ids_and_short_buffers_change_nothing_and_the_manager_works_after() {
         let e = refused(&c, &live, KVPAGE_ERR_BUFFER_TOO_SMALL, |e| csr(3, 2, 1, e));
         assert_eq!((e.needed, e.available), (2, 1));
         refused(&c, &live, KVPAGE_ERR_NULL_POINTER, |e| {
-            kvpage_manager_block_table_csr(
-                c.m,
-                null(),
-                2,
-                ip.as_mut_ptr(),
-                3,
-                ix.as_mut_ptr(),
-                2,
-                lp.as_mut_ptr(),
-                2,
-                e,
-            )
+            // The pointers taken above: a fresh `as_mut_ptr` here would retag the
+            // arrays and invalidate them (Miri's Stacked Borrows caught that).
+            kvpage_manager_block_table_csr(c.m, null(), 2, ipp, 3, ixp, 2, lpp, 2, e)
         });
         assert!(ip.iter().chain(&ix).chain(&lp).all(|&x| x == SENTINEL));
         assert_eq!(csr(3, 2, 2, null_mut()), KVPAGE_OK);
