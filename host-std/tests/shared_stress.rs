@@ -384,17 +384,21 @@ fn stress(with: With<'_, '_>, seed: u64) {
         .collect();
     let sum = |f: fn(&Outcome) -> u32| outcomes.iter().map(f).sum::<u32>();
     // The run did what it is for: prompts shared across threads, forks of other threads'
-    // sequences, and of handles released meanwhile.
-    assert!(sum(|o| o.prefix_hits) > 0, "no prefix hit");
-    assert!(
-        sum(|o| o.foreign_forks) > 0,
-        "no fork of another thread's sequence"
-    );
-    assert!(sum(|o| o.stale_forks) > 0, "no fork of a stale handle");
-    assert!(sum(|o| o.refused) > 0, "no refused operation");
+    // sequences, and of handles released meanwhile. (Under Miri the run is a few dozen
+    // operations, too short to promise each interleaving: there it checks the accesses
+    // for data races and undefined behaviour, and the invariants below.)
+    if !cfg!(miri) {
+        assert!(sum(|o| o.prefix_hits) > 0, "no prefix hit");
+        assert!(
+            sum(|o| o.foreign_forks) > 0,
+            "no fork of another thread's sequence"
+        );
+        assert!(sum(|o| o.stale_forks) > 0, "no fork of a stale handle");
+        assert!(sum(|o| o.refused) > 0, "no refused operation");
+    }
     with(&mut |m| {
         check_quiescent(m, &live);
-        assert!(m.stats().prefix_hit_tokens > 0);
+        assert!(cfg!(miri) || m.stats().prefix_hit_tokens > 0);
     });
 
     // Every thread releases what it holds, concurrently.
