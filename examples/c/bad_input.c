@@ -1034,6 +1034,66 @@ static void manager_retention_calls(void) {
   section("manager retention calls", before);
 }
 
+/* Priorities and quotas on the owned cache and the engine: null and foreign objects,
+ * bad levels, stale ids, refused quotas change nothing; then they work. */
+static void cache_retention_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(8);
+  kvpage_engine_params ep = engine_params();
+  kvpage_cache *c = NULL;
+  kvpage_engine *e = NULL;
+  kvpage_seq s, gone, r = KVPAGE_SEQ_NONE;
+  kvpage_stats st0, st1;
+  uint64_t garbage[4] = {1, 2, 3, 4}; /* not a cache */
+  uint32_t prompt[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, n = 99, reused = 99;
+
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create_with_prompt_at(c, 0, KVPAGE_PRIORITY_PINNED, prompt, 9, &s, &reused, &err));
+  EXPECT_TRUE(reused == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_commit(c, s, NULL, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_create(c, 0, &gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, gone, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st0, &err));
+
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create_with_prompt_at(NULL, 0, 1, prompt, 9, &r, NULL, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_create_with_prompt_at(c, 0, 1, prompt, 9, NULL, NULL, &err));
+  EXPECT_TRUE(kvpage_cache_create_with_prompt_at(c, 0, 7, prompt, 9, &r, NULL, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 7);
+  memset(&err, 0, sizeof err);
+  EXPECT_TRUE(r == KVPAGE_SEQ_NONE);
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_set_priority((kvpage_cache *)garbage, s, 1, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_set_priority(c, s, 4, &err));
+  EXPECT(KVPAGE_ERR_STALE_SEQ, kvpage_cache_set_priority(c, gone, 1, &err));
+  EXPECT(KVPAGE_ERR_BEYOND_LENGTH, kvpage_cache_set_range_priority(c, s, 2, 10, 2, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_unpin_cached(NULL, &n, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_cache_set_namespace_quota(c, 2, 4, 5, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_namespace_blocks(c, 2, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_namespace_blocks((kvpage_cache *)garbage, 2, &n, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_stats(c, &st1, &err));
+  EXPECT_TRUE(same_stats(&st0, &st1));
+
+  /* A quota refuses a prompt over it; pinned blocks stay until unpinned. */
+  EXPECT(KVPAGE_OK, kvpage_cache_set_namespace_quota(c, 2, 2, 0, &err));
+  EXPECT_TRUE(kvpage_cache_create_with_prompt_at(c, 2, 1, prompt, 9, &r, NULL, &err) == KVPAGE_ERR_QUOTA_EXCEEDED && err.needed == 3 && err.available == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_OK, kvpage_cache_namespace_blocks(c, 2, &n, &err));
+  EXPECT_TRUE(n == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_release(c, s, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_evict_cached(c, 8, &n, &err));
+  EXPECT_TRUE(n == 0);
+  EXPECT(KVPAGE_OK, kvpage_cache_unpin_cached(c, &n, &err));
+  EXPECT_TRUE(n == 2);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+
+  /* The engine's cache takes a quota too. */
+  EXPECT(KVPAGE_OK, kvpage_engine_new(&ep, &e, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_engine_set_namespace_quota(NULL, 1, 4, 0, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_set_namespace_quota((kvpage_engine *)garbage, 1, 4, 0, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_engine_set_namespace_quota(e, 1, 4, 9, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_set_namespace_quota(e, 1, 4, 1, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+  section("cache retention calls", before);
+}
+
 int main(void) {
   result_codes();
   cache_configs();
@@ -1046,6 +1106,7 @@ int main(void) {
   manager_and_scheduler_calls();
   manager_seq_calls();
   manager_retention_calls();
+  cache_retention_calls();
   if (failures) {
     printf("%u of %u checks failed\n", failures, checks);
     return 1;
