@@ -396,20 +396,18 @@ pub unsafe extern "C" fn kvpage_cache_create_with_prompt(
     out_reused: *mut u32,
     err: *mut kvpage_error,
 ) -> kvpage_result {
-    // SAFETY: pointers checked by `tagged_mut` / `slice` / `out` / `out_opt`.
+    // SAFETY: forwarded contract (the same pointers).
     unsafe {
-        run(err, || {
-            let c = tagged_mut(cache)?;
-            let prompt = slice(prompt, prompt_len, "prompt")?;
-            let dst = out(out_seq, "out_seq")?;
-            let reused = out_opt(out_reused, "out_reused")?;
-            let start = c.cache.create_with_prompt(namespace, prompt)?;
-            dst.set(seq_to_c(start.seq.id()));
-            if let Some(r) = reused {
-                r.set(start.reused_tokens);
-            }
-            Ok(())
-        })
+        super::cache_retain::kvpage_cache_create_with_prompt_at(
+            cache,
+            namespace,
+            super::manager_retain::KVPAGE_PRIORITY_NORMAL,
+            prompt,
+            prompt_len,
+            out_seq,
+            out_reused,
+            err,
+        )
     }
 }
 

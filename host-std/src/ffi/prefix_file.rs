@@ -57,6 +57,20 @@ impl From<PrefixLoadReport> for kvpage_prefix_load_report {
     }
 }
 
+/// Loads `bytes` into `c` and writes the report to `report` when given.
+fn load_into(
+    c: &mut kvpage_cache,
+    bytes: &[u8],
+    model: &ModelFingerprint,
+    report: Option<super::args::Out<kvpage_prefix_load_report>>,
+) -> Result<(), super::result::Fail> {
+    let r = c.cache.load_prefix_cache(bytes, model)?;
+    if let Some(o) = report {
+        o.set(r.into());
+    }
+    Ok(())
+}
+
 /// Writes the bytes `kvpage_cache_prefix_save` needs now to `*out_size`: 96 plus, per
 /// reachable prefix-cache block, 40 + 4 × block size + bytes per block.
 /// O(blocks × chain depth).
@@ -197,11 +211,7 @@ pub unsafe extern "C" fn kvpage_cache_prefix_load(
             let bytes = slice(bytes, len, "bytes")?;
             let model = ModelFingerprint(obj(model, "model")?.bytes);
             let report = out_opt(out_report, "out_report")?;
-            let r = c.cache.load_prefix_cache(bytes, &model)?;
-            if let Some(o) = report {
-                o.set(r.into());
-            }
-            Ok(())
+            load_into(c, bytes, &model, report)
         })
     }
 }
@@ -233,11 +243,7 @@ pub unsafe extern "C" fn kvpage_cache_prefix_load_file(
             let model = ModelFingerprint(obj(model, "model")?.bytes);
             let report = out_opt(out_report, "out_report")?;
             let bytes = read_file(&path)?;
-            let r = c.cache.load_prefix_cache(&bytes, &model)?;
-            if let Some(o) = report {
-                o.set(r.into());
-            }
-            Ok(())
+            load_into(c, &bytes, &model, report)
         })
     }
 }
