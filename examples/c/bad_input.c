@@ -1094,6 +1094,39 @@ static void cache_retention_calls(void) {
   section("cache retention calls", before);
 }
 
+/* The KV event publisher: this library is built without the events-zmq feature, so
+ * starting one is KVPAGE_ERR_UNSUPPORTED; bad arguments still get their codes. */
+static void publisher_calls(void) {
+  unsigned before = checks;
+  kvpage_publisher_params pp;
+  kvpage_publisher *pub = NULL;
+  uint64_t garbage[4] = {1, 2, 3, 4}; /* not a publisher */
+  kvpage_published done;
+  char addr[64];
+
+  memset(&pp, 0, sizeof pp);
+  pp.endpoint = "tcp://127.0.0.1:*";
+  pp.format = KVPAGE_WIRE_TAGGED_MAP;
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_publisher_start(NULL, &pub, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_publisher_start(&pp, NULL, &err));
+  pp.format = 9;
+  EXPECT_TRUE(kvpage_publisher_start(&pp, &pub, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 9);
+  memset(&err, 0, sizeof err);
+  pp.format = KVPAGE_WIRE_POSITIONAL_ARRAY;
+  pp.endpoint = NULL;
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_publisher_start(&pp, &pub, &err));
+  pp.endpoint = "tcp://127.0.0.1:*";
+  EXPECT(KVPAGE_ERR_UNSUPPORTED, kvpage_publisher_start(&pp, &pub, &err));
+  EXPECT_TRUE(pub == NULL);
+  EXPECT_TRUE(strcmp(kvpage_result_str(KVPAGE_ERR_UNSUPPORTED), "not supported by this build") == 0);
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_publisher_publish(NULL, NULL, 0, &done, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_publisher_publish((kvpage_publisher *)garbage, NULL, 0, &done, &err));
+  EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_publisher_endpoint(NULL, addr, sizeof addr, NULL, &err));
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_publisher_free((kvpage_publisher *)garbage, &err));
+  EXPECT(KVPAGE_OK, kvpage_publisher_free(NULL, &err));
+  section("publisher calls", before);
+}
+
 int main(void) {
   result_codes();
   cache_configs();
@@ -1107,6 +1140,7 @@ int main(void) {
   manager_seq_calls();
   manager_retention_calls();
   cache_retention_calls();
+  publisher_calls();
   if (failures) {
     printf("%u of %u checks failed\n", failures, checks);
     return 1;

@@ -33,10 +33,8 @@ typedef struct kvpage_engine kvpage_engine;
 typedef struct kvpage_manager kvpage_manager;
 /* Tier 3: the engine step over a tier-2 manager, in caller storage. */
 typedef struct kvpage_scheduler kvpage_scheduler;
-
-// Namespaces a [`KvCache`] can give a quota ([`KvCache::set_namespace_quota`]).
-// Namespaces without one share the rest of the pool.
-#define CACHE_NAMESPACES 8
+/* The KV event publisher (kvpage_publisher_start / _free). */
+typedef struct kvpage_publisher kvpage_publisher;
 
 // Default arena size of `kvpage_cache_default_params`: 256 MiB.
 #define KVPAGE_CACHE_DEFAULT_BYTES (256 << 20)
@@ -60,7 +58,8 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // `kvpage_kv_event.block` / `.parent` when there is none.
 #define KVPAGE_EVENT_NO_BLOCK UINT32_MAX
 
-
+// Namespaces an owned cache (or an engine's cache) can give a quota.
+#define KVPAGE_CACHE_NAMESPACES 8
 
 // Storage dtype: 32-bit IEEE float.
 #define KVPAGE_DTYPE_F32 0
@@ -101,8 +100,14 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 // The prefix-cache file format version this library writes and reads.
 #define KVPAGE_PREFIX_FILE_VERSION 1
 
+// Wire form: vLLM's current tagged maps (`{"type": "BlockStored", ...}`).
+#define KVPAGE_WIRE_TAGGED_MAP 0
+
+// Wire form: the older positional arrays (`["BlockStored", ...]`).
+#define KVPAGE_WIRE_POSITIONAL_ARRAY 1
+
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_QUOTA_REFUSED
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_UNSUPPORTED
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
@@ -135,12 +140,6 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 
 // Patch version of the header.
 #define KVPAGE_VERSION_PATCH 0
-
-// The prefix-cache format version this build writes and reads.
-#define PREFIX_FORMAT_VERSION 1
-
-// Bytes of the header, its CRC included.
-#define PREFIX_HEADER_LEN 96
 
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
@@ -260,6 +259,9 @@ enum kvpage_result
   // held, `available` = limit), or the free blocks cannot cover the reservations
   // (`needed`, `available` = free).
   KVPAGE_ERR_QUOTA_REFUSED = 47,
+  // This build of the library lacks the feature the call needs (e.g. the KV event
+  // publisher without `events-zmq`).
+  KVPAGE_ERR_UNSUPPORTED = 48,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -696,6 +698,36 @@ typedef struct kvpage_prefix_load_report {
   // Bytes after the last block (ignored).
   uint64_t trailing_bytes;
 } kvpage_prefix_load_report;
+
+// How `kvpage_publisher_start` sends. Strings are NUL-terminated and copied.
+typedef struct kvpage_publisher_params {
+  // Address the PUB socket binds, e.g. "tcp://127.0.0.1:5557" ("…:*" picks a port:
+  // see `kvpage_publisher_endpoint`). Required.
+  const char *endpoint;
+  // Address the replay ROUTER socket binds; NULL for no replay.
+  const char *replay_endpoint;
+  // First frame of every message; NULL for the empty topic (vLLM's default).
+  const char *topic;
+  // `data_parallel_rank` of every batch.
+  uint32_t data_parallel_rank;
+  // `KVPAGE_WIRE_TAGGED_MAP` or `KVPAGE_WIRE_POSITIONAL_ARRAY`.
+  uint32_t format;
+  // Batches kept for replay requests (0: 10,000).
+  uint32_t replay_batches;
+  // Batches queued for the publisher thread before publishing stops queueing and
+  // resynchronises later (0: 1,024).
+  uint32_t queue_batches;
+} kvpage_publisher_params;
+
+// What one `kvpage_publisher_publish` did.
+typedef struct kvpage_published {
+  // Events in the batch handed to the publisher thread (0: nothing to send).
+  uint64_t events;
+  // Non-zero: the batch resynchronises subscribers (`AllBlocksCleared`, a snapshot).
+  uint32_t resync;
+  // Non-zero: the queue was full, nothing was handed over; the next batch resyncs.
+  uint32_t dropped;
+} kvpage_published;
 
 // What a tier-3 scheduler is sized for, next to its manager's configuration.
 typedef struct kvpage_scheduler_config {
@@ -2484,6 +2516,72 @@ kvpage_result kvpage_cache_prefix_load_file(kvpage_cache *cache,
                                             const struct kvpage_fingerprint *model,
                                             struct kvpage_prefix_load_report *out_report,
                                             struct kvpage_error *err);
+
+// Starts a publisher: binds its sockets (a bad or taken address fails here) and starts
+// its thread; writes it to `*out_publisher`. O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER` (`params`, `params->endpoint`, `out_publisher`),
+// `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT` (a string not UTF-8, an
+// unknown `format`: `value` = format), `KVPAGE_ERR_IO` (a socket cannot be made or
+// bound: the message says which), `KVPAGE_ERR_UNSUPPORTED` (built without the
+// `events-zmq` feature).
+//
+// # Safety
+// `params` is null or readable, its strings null or NUL-terminated; `out_publisher` is
+// null or writable.
+kvpage_result kvpage_publisher_start(const struct kvpage_publisher_params *params,
+                                     kvpage_publisher **out_publisher,
+                                     struct kvpage_error *err);
+
+// Writes the address the PUB socket is bound to (with the port it picked), NUL
+// included, into `out[..n]`, and `n` to `*out_len` when non-null. O(address).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a publisher), `KVPAGE_ERR_BUFFER_TOO_SMALL` (`needed` bytes).
+//
+// # Safety
+// `publisher` is null or a live publisher; `out` is null or writable for `len` bytes;
+// `out_len` is null or writable.
+kvpage_result kvpage_publisher_endpoint(kvpage_publisher *publisher,
+                                        char *out,
+                                        size_t len,
+                                        size_t *out_len,
+                                        struct kvpage_error *err);
+
+// Drains `cache`'s KV events and hands them to the publisher's thread as one batch,
+// never blocking on the network (after an overflow of the cache's ring or of the
+// queue, the batch resynchronises subscribers with `AllBlocksCleared` and a snapshot).
+// With `snapshot` non-zero it sends that resynchronising batch now, for a router that
+// starts cold. Writes what it did to `*out_published` when non-null.
+// O(events × block size), O(blocks × chain depth) when it resynchronises.
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a publisher or not a cache).
+//
+// # Safety
+// `publisher` is null or a live publisher; `cache` is null or a live cache;
+// `out_published` is null or writable.
+kvpage_result kvpage_publisher_publish(kvpage_publisher *publisher,
+                                       kvpage_cache *cache,
+                                       uint32_t snapshot,
+                                       struct kvpage_published *out_published,
+                                       struct kvpage_error *err);
+
+// Sends what is queued, stops the publisher's thread and frees it (waiting up to a
+// second for subscribers to take the last messages). NULL is a no-op returning
+// `KVPAGE_OK`. O(queued batches).
+//
+// # Errors
+// `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT` for a pointer that is not a
+// live publisher (nothing is freed).
+//
+// # Safety
+// `publisher` is null or a publisher from `kvpage_publisher_start` not yet freed,
+// used by no other call now or later.
+kvpage_result kvpage_publisher_free(kvpage_publisher *publisher, struct kvpage_error *err);
 
 // A static, NUL-terminated English message for `code`, e.g. "out of blocks". Unknown
 // codes give "unknown result code". Never null; the string lives forever.

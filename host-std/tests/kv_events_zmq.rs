@@ -205,3 +205,120 @@ fn after_a_restart_with_a_persisted_cache_a_snapshot_matches() {
     let verdict = finish(child, &publisher, &second);
     assert!(verdict.starts_with("OK"), "{verdict}");
 }
+
+/// The publisher through the C API: start on a picked loopback port, publish a C
+/// cache's events and a snapshot to a real SUB socket, free; bad arguments refused.
+#[test]
+fn the_c_api_starts_and_feeds_a_publisher() {
+    use core::ptr::null_mut;
+    use kvpage::ffi::kvpage_result::*;
+    use kvpage::ffi::*;
+
+    let mut params = kvpage_cache_default_params(kvpage_geometry {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 4,
+        block_size: 4,
+        dtype: KVPAGE_DTYPE_F32,
+    });
+    params.capacity_bytes = 0;
+    params.capacity_blocks = 16;
+    params.event_capacity = 64;
+    let endpoint = c"tcp://127.0.0.1:*";
+    let mut pp = kvpage_publisher_params {
+        endpoint: endpoint.as_ptr(),
+        replay_endpoint: core::ptr::null(),
+        topic: core::ptr::null(),
+        data_parallel_rank: 0,
+        format: KVPAGE_WIRE_TAGGED_MAP,
+        replay_batches: 0,
+        queue_batches: 0,
+    };
+    let (mut c, mut p) = (null_mut(), null_mut());
+    let mut addr = [0 as core::ffi::c_char; 64];
+    let mut n = 0usize;
+    let mut done = kvpage_published::default();
+    let prompt: Vec<u32> = (0..9).collect();
+    let mut seq = KVPAGE_SEQ_NONE;
+    // SAFETY: valid pointers throughout; both objects are freed at the end.
+    unsafe {
+        assert_eq!(kvpage_cache_new(&params, &mut c, null_mut()), KVPAGE_OK);
+        assert_eq!(kvpage_publisher_start(&pp, &mut p, null_mut()), KVPAGE_OK);
+        assert_eq!(
+            kvpage_publisher_endpoint(p, addr.as_mut_ptr(), 3, &mut n, null_mut()),
+            KVPAGE_ERR_BUFFER_TOO_SMALL
+        );
+        assert_eq!(
+            kvpage_publisher_endpoint(p, addr.as_mut_ptr(), addr.len(), &mut n, null_mut()),
+            KVPAGE_OK
+        );
+        let bound = core::ffi::CStr::from_ptr(addr.as_ptr())
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            bound.starts_with("tcp://127.0.0.1:") && n == bound.len() + 1,
+            "{bound}"
+        );
+        let ctx = zmq::Context::new();
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_subscribe(b"").unwrap();
+        sub.set_rcvtimeo(5_000).unwrap();
+        sub.connect(&bound).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(
+            kvpage_cache_create_with_prompt(
+                c,
+                0,
+                prompt.as_ptr(),
+                prompt.len(),
+                &mut seq,
+                null_mut(),
+                null_mut()
+            ),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            kvpage_cache_commit(c, seq, null_mut(), null_mut()),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            kvpage_publisher_publish(p, c, 0, &mut done, null_mut()),
+            KVPAGE_OK
+        );
+        assert_eq!((done.events, done.resync, done.dropped), (2, 0, 0));
+        let frames = sub.recv_multipart(0).unwrap();
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[1], 0u64.to_be_bytes());
+        assert_eq!(
+            kvpage_publisher_publish(p, c, 1, &mut done, null_mut()),
+            KVPAGE_OK
+        );
+        assert_eq!(
+            (done.events, done.resync),
+            (3, 1),
+            "AllBlocksCleared and 2 stored"
+        );
+        assert_eq!(sub.recv_multipart(0).unwrap()[1], 1u64.to_be_bytes());
+        // Bad arguments.
+        assert_eq!(
+            kvpage_publisher_publish(p, null_mut(), 0, &mut done, null_mut()),
+            KVPAGE_ERR_NULL_POINTER
+        );
+        pp.format = 5;
+        assert_eq!(
+            kvpage_publisher_start(&pp, &mut p, null_mut()),
+            KVPAGE_ERR_INVALID_ARGUMENT
+        );
+        pp.format = KVPAGE_WIRE_TAGGED_MAP;
+        pp.endpoint = c"not-an-address".as_ptr();
+        let mut other = null_mut();
+        assert_eq!(
+            kvpage_publisher_start(&pp, &mut other, null_mut()),
+            KVPAGE_ERR_IO
+        );
+        assert!(other.is_null());
+        assert_eq!(kvpage_publisher_free(p, null_mut()), KVPAGE_OK);
+        assert_eq!(kvpage_cache_free(c, null_mut()), KVPAGE_OK);
+    }
+}

@@ -12,7 +12,8 @@ use super::manager_retain::priority_from_c;
 use super::result::{kvpage_error, kvpage_result, run};
 
 /// Namespaces an owned cache (or an engine's cache) can give a quota.
-pub const KVPAGE_CACHE_NAMESPACES: u32 = crate::CACHE_NAMESPACES;
+pub const KVPAGE_CACHE_NAMESPACES: u32 = 8;
+const _: () = assert!(KVPAGE_CACHE_NAMESPACES == crate::CACHE_NAMESPACES);
 
 /// `kvpage_cache_create_with_prompt` for a sequence of retention `priority` (a
 /// `KVPAGE_PRIORITY_*` level): the cached blocks it reuses and the blocks it commits

@@ -130,10 +130,13 @@ pub enum kvpage_result {
     /// held, `available` = limit), or the free blocks cannot cover the reservations
     /// (`needed`, `available` = free).
     KVPAGE_ERR_QUOTA_REFUSED = 47,
+    /// This build of the library lacks the feature the call needs (e.g. the KV event
+    /// publisher without `events-zmq`).
+    KVPAGE_ERR_UNSUPPORTED = 48,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_QUOTA_REFUSED as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_UNSUPPORTED as u32;
 
 use kvpage_result::*;
 
@@ -191,6 +194,7 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         45 => c"i/o error",
         46 => c"namespace quota exceeded",
         47 => c"namespace quota refused",
+        48 => c"not supported by this build",
         _ => c"unknown result code",
     };
     s.as_ptr()
