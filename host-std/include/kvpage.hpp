@@ -211,6 +211,11 @@ class Cache {
   Status set_namespace_quota(uint64_t ns, uint32_t max_blocks, uint32_t reserved) noexcept {
     return call(kvpage_cache_set_namespace_quota, ns, max_blocks, reserved);
   }
+  /// Drains KV cache events into `events` (token ids of stored blocks into `tokens`).
+  Status events_drain(kvpage_kv_event *events, std::size_t events_len, uint32_t *tokens,
+                      std::size_t tokens_len, kvpage_events_report &report) noexcept {
+    return call(kvpage_cache_events_drain, events, events_len, tokens, tokens_len, &report);
+  }
 
  private:
   using Handle = detail::Owner<kvpage_cache, detail::free_cache>;
