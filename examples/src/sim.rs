@@ -590,6 +590,11 @@ pub trait Router {
     /// The replica for a request with prompt token ids `prompt` in `namespace`, given
     /// every replica's requests in flight (`loads`). Must be `< loads.len()`.
     fn route(&mut self, prompt: &[u32], namespace: u64, loads: &[usize]) -> usize;
+    /// Times the router lost events and rebuilt its view of a replica from a snapshot.
+    /// O(1).
+    fn resyncs(&self) -> u64 {
+        0
+    }
 }
 
 /// Builds the storage of one replica.
