@@ -42,9 +42,21 @@ impl RouterKind {
     pub fn build(self, replicas: usize, block_size: u32) -> Box<dyn Router> {
         match self {
             RouterKind::RoundRobin => Box::new(RoundRobin { next: 0 }),
-            RouterKind::PrefixAware => Box::new(PrefixAware::new(replicas, block_size)),
+            RouterKind::PrefixAware => prefix_aware(replicas, block_size, EVENT_CAPACITY),
         }
     }
+}
+
+/// The prefix-aware router for `replicas` replicas with `block_size`-token blocks, each
+/// replica's manager keeping `event_capacity` events (at least 1; a ring that overflows
+/// between two steps costs a snapshot, counted by [`Router::resyncs`]). O(replicas).
+pub fn prefix_aware(replicas: usize, block_size: u32, event_capacity: u32) -> Box<dyn Router> {
+    Box::new(PrefixAware {
+        replicas: (0..replicas).map(|_| ReplicaIndex::default()).collect(),
+        block_size: block_size.max(1) as usize,
+        event_capacity: event_capacity.max(1),
+        resyncs: 0,
+    })
 }
 
 /// Request `i` to replica `i mod N`.
@@ -149,6 +161,7 @@ fn parent_of(namespace: u64, parent: Option<u32>, parent_hash: u64) -> Parent {
 struct PrefixAware {
     replicas: Vec<ReplicaIndex>,
     block_size: usize,
+    event_capacity: u32,
     /// Times a replica's ring had overwritten events before they were read and its index
     /// was rebuilt from a snapshot ([`BlockManager::stored_block`]).
     resyncs: u64,
@@ -158,19 +171,9 @@ struct PrefixAware {
 /// at most its token budget's worth of blocks, plus as many evictions).
 const EVENT_CAPACITY: u32 = 1 << 14;
 
-impl PrefixAware {
-    fn new(replicas: usize, block_size: u32) -> Self {
-        Self {
-            replicas: (0..replicas).map(|_| ReplicaIndex::default()).collect(),
-            block_size: block_size.max(1) as usize,
-            resyncs: 0,
-        }
-    }
-}
-
 impl Router for PrefixAware {
     fn event_capacity(&self) -> u32 {
-        EVENT_CAPACITY
+        self.event_capacity
     }
 
     fn observe(&mut self, replica: usize, kv: &BlockManager<'_>) {
