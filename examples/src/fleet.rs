@@ -293,15 +293,15 @@ pub fn table(rows: &[FleetSummary]) -> String {
     let mut o = String::new();
     let _ = write!(o, "{:<26}", "router");
     for r in rows {
-        let _ = write!(o, "{:>16}", r.router.name());
+        let _ = write!(o, "{:>20}", r.router.name());
     }
     o.push('\n');
-    o.push_str(&"-".repeat(26 + 16 * rows.len()));
+    o.push_str(&"-".repeat(26 + 20 * rows.len()));
     o.push('\n');
     let mut line = |label: &str, f: &dyn Fn(&FleetSummary) -> String| {
         let _ = write!(o, "{label:<26}");
         for r in rows {
-            let _ = write!(o, "{:>16}", f(r));
+            let _ = write!(o, "{:>20}", f(r));
         }
         o.push('\n');
     };

@@ -65,6 +65,20 @@ RETENTION
       replay --limit 300 --policies paged-prefix --tenants 2 \
              --shared-prefix-tokens 1024 --kv-budget-gb 4 --retention-table
 
+FLEET
+  --replicas N (N > 1) replays the first prefix-cache policy on N replicas, each an
+  engine with the whole KV budget and its own clock (they run in parallel), behind a
+  router that assigns every request when it arrives; --router round-robin, prefix-aware
+  or both (the default) side by side. The prefix-aware router knows each replica's cache
+  only from that replica's KV cache events (drained after each of its steps; stored
+  blocks indexed by parent hash and token ids, removals and clears applied; a ring that
+  overflowed is rebuilt from a snapshot and counted as a resync): it sends a request to
+  the replica with the longest cached prefix of its prompt, ties and misses to the one
+  with the fewest requests in flight. The table shows fleet prefix-hit tokens and rate
+  (of all prompt tokens), TTFT, tokens/s over the fleet's makespan and requests per
+  replica, e.g.
+      replay --replicas 4 --shared-prefix-tokens 2048 --prefix-groups 32 --kv-budget-gb 8
+
 METRICS
   kv utilization = tokens stored / token slots reserved (time-integrated); waste = slots
   reserved but empty plus free bytes in holes too small for a request, over the budget
@@ -650,7 +664,7 @@ pub fn run_fleets(a: &Args, s: &Setup) -> Result<Vec<FleetSummary>, String> {
         .policies
         .iter()
         .find(|p| p.prefix)
-        .ok_or("--replicas needs a prefix-cache policy (paged-prefix)")?;
+        .ok_or("--replicas needs a prefix-cache policy: --shared-prefix-tokens T or --policies paged-prefix")?;
     let kinds = routers(a)?;
     let replicas = a.replicas.max(1) as usize;
     let (cfg, memory) = policy_config(a, s, p, false, retention(a)?)?;
@@ -905,7 +919,17 @@ pub fn main_with(a: &Args) -> Result<String, String> {
         );
         return Ok(out);
     }
+    if a.replicas == 0 {
+        return Err("--replicas: at least 1".into());
+    }
+    routers(a)?;
     if a.replicas > 1 {
+        if a.json.is_some() || a.plot.is_some() || a.retention_table {
+            return Err(
+                "--replicas N > 1 prints the fleet table; --json, --plot and --retention-table are for one replica"
+                    .into(),
+            );
+        }
         let rows = run_fleets(a, &s)?;
         let _ = writeln!(
             out,
@@ -921,7 +945,6 @@ pub fn main_with(a: &Args) -> Result<String, String> {
         );
         return Ok(out);
     }
-    routers(a)?;
     let results = run_all(a, &s)?;
     let reports: Vec<Report> = results.iter().map(|r| r.report.clone()).collect();
     out.push('\n');
