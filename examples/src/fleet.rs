@@ -10,6 +10,11 @@
 //! every replica's index; the longest cached prefix wins, ties go to the replica with
 //! fewer requests in flight, and with no match anywhere the least-loaded replica (lowest
 //! index among equals) gets it.
+//!
+//! Timing: each replica steps on its own clock up to a request's arrival before the
+//! request is routed, so the router sees every step that started before the arrival
+//! (a step in progress at the arrival counts as done: its blocks are already in the
+//! events, a step's length early).
 
 use std::collections::HashMap;
 
@@ -238,7 +243,7 @@ pub struct FleetSummary {
     pub prefix_hit_tokens: u64,
     /// Prompt tokens of every request.
     pub prompt_tokens: u64,
-    /// Time to first token, mean / median / 99th percentile (s).
+    /// Mean time to first token (s).
     pub ttft_mean_s: f64,
     /// Median TTFT (s).
     pub ttft_p50_s: f64,

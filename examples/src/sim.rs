@@ -29,6 +29,11 @@
 //! (when its memory is allocated) and integrated over the step's duration. When nothing
 //! is in flight, time jumps to the next arrival.
 //!
+//! # Fleets
+//! [`run_fleet`] runs N such engines (replicas), each on its own clock, and a [`Router`]
+//! assigns every request to one when it arrives (see [`crate::fleet`]); [`run`] is the
+//! fleet of one.
+//!
 //! Errors: an engine failure or a request that can never be admitted is a [`SimError`],
 //! not a panic and not an endless loop.
 
