@@ -2,6 +2,7 @@
 //! roofline step model, the KV memory of each policy, the continuous-batching replay on
 //! kvpage's engine and its reports; the tiny transformer and the script of `long_chat`.
 
+pub mod fleet;
 pub mod incident;
 pub mod long_chat;
 pub mod memory;

@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvpage_core::{DType, Geometry, NamespaceQuota};
 
+use crate::fleet::{self, FleetSummary, RouterKind};
 use crate::memory::MemoryConfig;
 use crate::metrics::Report;
 use crate::presets::{self, DeviceSpec, ModelSpec};
 use crate::retention::Retention;
-use crate::sim::{run, Hooks, Preemption, RunOutput, SimConfig, TokenSource};
+use crate::sim::{run, run_fleet, Hooks, Preemption, RunOutput, SimConfig, TokenSource};
 use crate::step_model::Roofline;
 use crate::svg;
 use crate::trace::{self, Request};
@@ -63,6 +64,20 @@ RETENTION
   hit tokens and the shared-prompt tokens computed, e.g.
       replay --limit 300 --policies paged-prefix --tenants 2 \
              --shared-prefix-tokens 1024 --kv-budget-gb 4 --retention-table
+
+FLEET
+  --replicas N (N > 1) replays the first prefix-cache policy on N replicas, each an
+  engine with the whole KV budget and its own clock (they run in parallel), behind a
+  router that assigns every request when it arrives; --router round-robin, prefix-aware
+  or both (the default) side by side. The prefix-aware router knows each replica's cache
+  only from that replica's KV cache events (drained after each of its steps; stored
+  blocks indexed by parent hash and token ids, removals and clears applied; a ring that
+  overflowed is rebuilt from a snapshot and counted as a resync): it sends a request to
+  the replica with the longest cached prefix of its prompt, ties and misses to the one
+  with the fewest requests in flight. The table shows fleet prefix-hit tokens and rate
+  (of all prompt tokens), TTFT, tokens/s over the fleet's makespan and requests per
+  replica, e.g.
+      replay --replicas 4 --shared-prefix-tokens 2048 --prefix-groups 32 --kv-budget-gb 8
 
 METRICS
   kv utilization = tokens stored / token slots reserved (time-integrated); waste = slots
@@ -185,6 +200,30 @@ pub struct Args {
     /// printing prefix hits and the tokens computed
     #[arg(long)]
     pub retention_table: bool,
+    /// Replicas behind a router: N engines, each with the whole KV budget, on their own
+    /// clocks; N > 1 replays the first prefix-cache policy (paged-prefix) per router and
+    /// prints the fleet table
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub replicas: u32,
+    /// Router of --replicas N > 1: round-robin, prefix-aware (from each replica's KV
+    /// cache events) or both side by side
+    #[arg(long, default_value = "both", value_name = "NAME")]
+    pub router: String,
+}
+
+/// The routers `--router` names.
+///
+/// # Errors
+/// A message naming `--router` and the known names.
+pub fn routers(a: &Args) -> Result<Vec<RouterKind>, String> {
+    match a.router.as_str() {
+        "round-robin" => Ok(vec![RouterKind::RoundRobin]),
+        "prefix-aware" => Ok(vec![RouterKind::PrefixAware]),
+        "both" => Ok(vec![RouterKind::RoundRobin, RouterKind::PrefixAware]),
+        other => Err(format!(
+            "--router: unknown router {other:?}; known: round-robin, prefix-aware, both"
+        )),
+    }
 }
 
 /// The [`Retention`] the flags ask for.
@@ -542,6 +581,37 @@ pub fn run_policy_with(
     record_series: bool,
     retention: Retention,
 ) -> Result<RunOutput, String> {
+    let (cfg, memory) = policy_config(a, s, p, record_series, retention)?;
+    let hooks = Hooks {
+        progress,
+        observer: None,
+    };
+    let started = Instant::now();
+    let mut out = run(
+        &p.name,
+        &s.requests,
+        &memory,
+        &s.roofline,
+        &cfg,
+        tokens,
+        hooks,
+    )
+    .map_err(|e| format!("{}: {e}", p.name))?;
+    out.report.extra.wall_s = started.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// The engine limits and the memory of policy `p` under the flags `a`.
+///
+/// # Errors
+/// A message when the watermark leaves no room or the memory cannot be built.
+fn policy_config(
+    a: &Args,
+    s: &Setup,
+    p: &PolicySpec,
+    record_series: bool,
+    retention: Retention,
+) -> Result<(SimConfig, MemoryConfig), String> {
     let cfg = SimConfig {
         retention,
         max_num_seqs: a.max_num_seqs,
@@ -580,23 +650,62 @@ pub fn run_policy_with(
         MemoryConfig::contiguous(s.geometry, s.budget_bytes, a.max_num_seqs, a.max_seq_len)
             .map_err(|e| format!("{}: {e}", p.name))?
     };
-    let hooks = Hooks {
-        progress,
-        observer: None,
-    };
-    let started = Instant::now();
-    let mut out = run(
-        &p.name,
-        &s.requests,
-        &memory,
-        &s.roofline,
-        &cfg,
-        tokens,
-        hooks,
+    Ok((cfg, memory))
+}
+
+/// The `--replicas N` run mode: the first prefix-cache policy of `s` on `a.replicas`
+/// replicas behind each router of `--router`, in parallel threads; one summary per
+/// router, in `--router` order. O(routers × fleet run).
+///
+/// # Errors
+/// A message when no policy has a prefix cache, the flags are malformed or a run fails.
+pub fn run_fleets(a: &Args, s: &Setup) -> Result<Vec<FleetSummary>, String> {
+    let p = s
+        .policies
+        .iter()
+        .find(|p| p.prefix)
+        .ok_or("--replicas needs a prefix-cache policy: --shared-prefix-tokens T or --policies paged-prefix")?;
+    let kinds = routers(a)?;
+    let replicas = a.replicas.max(1) as usize;
+    let (cfg, memory) = policy_config(a, s, p, false, retention(a)?)?;
+    let tokens = TokenSource::new(
+        s.requests.len(),
+        a.shared_prefix_tokens,
+        a.prefix_groups,
+        a.seed,
     )
-    .map_err(|e| format!("{}: {e}", p.name))?;
-    out.report.extra.wall_s = started.elapsed().as_secs_f64();
-    Ok(out)
+    .with_tenants(&cfg.retention);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = kinds
+            .iter()
+            .map(|&k| {
+                let (cfg, memory, tokens) = (&cfg, &memory, &tokens);
+                scope.spawn(move || {
+                    let mut router = k.build(replicas, s.geometry.block_size());
+                    let outs = run_fleet(
+                        &p.name,
+                        &s.requests,
+                        memory,
+                        &s.roofline,
+                        cfg,
+                        tokens,
+                        replicas,
+                        router.as_mut(),
+                        Hooks::default(),
+                    )
+                    .map_err(|e| format!("{} ({}): {e}", p.name, k.name()))?;
+                    Ok(FleetSummary::new(k, &s.requests, &outs, router.resyncs()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a replay thread panicked".into()))
+            })
+            .collect()
+    })
 }
 
 /// Runs every policy of `setup`, in parallel threads, with a progress bar on stderr when
@@ -803,6 +912,32 @@ pub fn main_with(a: &Args) -> Result<String, String> {
     if a.retention_table {
         out.push('\n');
         out.push_str(&retention_table(a, &s)?);
+        let _ = writeln!(
+            out,
+            "\nreplay wall time: {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+        return Ok(out);
+    }
+    if a.replicas == 0 {
+        return Err("--replicas: at least 1".into());
+    }
+    routers(a)?;
+    if a.replicas > 1 {
+        if a.json.is_some() || a.plot.is_some() || a.retention_table {
+            return Err(
+                "--replicas N > 1 prints the fleet table; --json, --plot and --retention-table are for one replica"
+                    .into(),
+            );
+        }
+        let rows = run_fleets(a, &s)?;
+        let _ = writeln!(
+            out,
+            "fleet:   {} replicas of {}, each with the KV budget above, routed per request\n",
+            a.replicas,
+            s.policies.iter().find(|p| p.prefix).map_or("", |p| &p.name)
+        );
+        out.push_str(&fleet::table(&rows));
         let _ = writeln!(
             out,
             "\nreplay wall time: {:.2} s",

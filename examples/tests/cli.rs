@@ -83,3 +83,37 @@ fn long_chat_shifts_saves_restores_and_continues_identically() {
         .contains("continued the restore from the file: identical tokens, bit-identical logits"));
     assert!(text.contains("long_chat: all checks passed"));
 }
+
+#[test]
+fn a_fleet_replay_prints_both_routers() {
+    let (code, out, err) = replay(&[
+        "--limit",
+        "300",
+        "--quiet",
+        "--replicas",
+        "3",
+        "--shared-prefix-tokens",
+        "1024",
+        "--prefix-groups",
+        "16",
+        "--kv-budget-gb",
+        "8",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("fleet:   3 replicas of paged-prefix"), "{out}");
+    for row in [
+        "round-robin",
+        "prefix-aware",
+        "prefix hit tokens",
+        "TTFT p99 (s)",
+    ] {
+        assert!(out.contains(row), "{row}: {out}");
+    }
+    assert!(out.contains("96/96/96"), "round-robin splits evenly: {out}");
+    let (code, _, err) = replay(&["--replicas", "2", "--router", "random"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--router: unknown router \"random\""), "{err}");
+    let (code, _, err) = replay(&["--replicas", "0"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--replicas"), "{err}");
+}
