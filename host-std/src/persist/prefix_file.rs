@@ -244,6 +244,11 @@ impl KvCache {
                 let Some(parent) = parent_of[x as usize] else {
                     break false;
                 };
+                // A chain is at most every block long (parent links carry registration
+                // generations, so a cycle cannot be alive; this bounds the walk anyway).
+                if chain.len() >= n as usize {
+                    break false;
+                }
                 chain.push(x);
                 at = parent;
             };
