@@ -358,20 +358,25 @@ mod tests {
     use super::*;
     use kvpage::{CacheConfig, Capacity};
 
-    /// Without any edit, the paged forward pass equals the dense reference.
-    #[test]
-    fn paged_equals_dense() {
-        let model = TinyLm::new(1);
-        let mut cache = KvCache::new(CacheConfig {
+    /// A cache of `blocks` blocks of 4 tokens for one sequence of up to 32 tokens.
+    fn one_seq_cache(blocks: u32) -> KvCache {
+        KvCache::new(CacheConfig {
             geometry: TinyLm::geometry(4).unwrap(),
-            capacity: Capacity::Blocks(8),
+            capacity: Capacity::Blocks(blocks),
             max_seqs: 1,
             max_seq_len: 32,
             threads: 1,
             event_capacity: 0,
             hash_key: None,
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    /// Without any edit, the paged forward pass equals the dense reference.
+    #[test]
+    fn paged_equals_dense() {
+        let model = TinyLm::new(1);
+        let mut cache = one_seq_cache(8);
         let seq = cache.create(0).unwrap();
         let prompt = [5, 9, 63, 0, 17, 17, 2];
         cache.append_tokens(seq, &prompt).unwrap();
@@ -399,16 +404,7 @@ mod tests {
     #[test]
     fn unaligned_shift_equals_dense() {
         let model = TinyLm::new(2);
-        let mut cache = KvCache::new(CacheConfig {
-            geometry: TinyLm::geometry(4).unwrap(),
-            capacity: Capacity::Blocks(10),
-            max_seqs: 1,
-            max_seq_len: 32,
-            threads: 1,
-            event_capacity: 0,
-            hash_key: None,
-        })
-        .unwrap();
+        let mut cache = one_seq_cache(10);
         let seq = cache.create(0).unwrap();
         let prompt: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
         cache.append_tokens(seq, &prompt).unwrap();

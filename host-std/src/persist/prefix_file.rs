@@ -132,6 +132,12 @@ fn crc32(parts: &[&[u8]]) -> u32 {
 }
 
 impl PrefixHeader {
+    /// Bytes of the file this header announces (saturating).
+    fn file_len(&self) -> u64 {
+        (PREFIX_HEADER_LEN as u64)
+            .saturating_add(u64::from(self.records).saturating_mul(self.record_len))
+    }
+
     fn encode(&self) -> [u8; PREFIX_HEADER_LEN] {
         let mut h = [0u8; PREFIX_HEADER_LEN];
         let g = &self.geometry;
@@ -290,9 +296,9 @@ impl KvCache {
     /// registered block, 40 + 4 × block size + bytes per block.
     /// O(num_blocks × chain depth).
     pub fn saved_prefix_cache_size(&self) -> u64 {
-        let records = self.prefix_blocks_in_order().len() as u64;
-        let h = self.prefix_header(0, &ModelFingerprint::default());
-        PREFIX_HEADER_LEN as u64 + records.saturating_mul(h.record_len)
+        let records = self.prefix_blocks_in_order().len() as u32;
+        self.prefix_header(records, &ModelFingerprint::default())
+            .file_len()
     }
 
     /// Saves every reachable block of the prefix cache (cached, pinned, or held by live
@@ -308,7 +314,7 @@ impl KvCache {
     ) -> Result<SavedPrefixCache, CacheError> {
         let order = self.prefix_blocks_in_order();
         let header = self.prefix_header(order.len() as u32, fingerprint);
-        let size = PREFIX_HEADER_LEN as u64 + order.len() as u64 * header.record_len;
+        let size = header.file_len();
         let got = out.len();
         let out = usize::try_from(size)
             .ok()
@@ -344,7 +350,7 @@ impl KvCache {
         })?;
         Ok(SavedPrefixCache {
             blocks: header.records,
-            bytes: PREFIX_HEADER_LEN as u64 + order.len() as u64 * header.record_len,
+            bytes: header.file_len(),
         })
     }
 
@@ -419,15 +425,17 @@ impl KvCache {
         // The record length follows from a geometry equal to the cache's: it fits.
         let rec = header.record_len as usize;
         let present = (body.len() / rec).min(header.records as usize);
+        let missing = header.records - present as u32;
         let mut report = PrefixLoadReport {
             records: header.records,
-            missing: header.records - present as u32,
-            trailing_bytes: (body.len() - present * rec) as u64,
+            missing,
+            // A file cut short has a partial record at its end, no trailing bytes.
+            trailing_bytes: match missing {
+                0 => (body.len() - present * rec) as u64,
+                _ => 0,
+            },
             ..PrefixLoadReport::default()
         };
-        if report.missing > 0 {
-            report.trailing_bytes = 0;
-        }
         let g = *self.geometry();
         let bs = g.block_size() as usize;
         let esize = g.dtype().size_bytes() as usize;
