@@ -8,9 +8,17 @@
 //! level-0 word that may hold a member, so the common case of taking and returning
 //! indices near the bottom touches one word.
 //!
+//! The hinted level-0 word lives in the set itself (`hint_bits`), not in the word array,
+//! and is written back when the hint moves: taking and returning indices in that word
+//! then touch one field at a fixed offset and no computed address, which takes the
+//! store-to-load round trip through the array (and its bounds checks) off the common
+//! path (`cargo bench -p kvpage-core --bench core -- alloc_free`, one pop + insert:
+//! 4.0 ns with the word in the array, against 1.3 ns for a `Vec` pop + push).
+//!
 //! Invariants: a bit of level `l + 1` is set iff the word it stands for at level `l` is
 //! non-zero; `count` equals the number of set bits at level 0; no level-0 word below
-//! `hint` has a set bit.
+//! `hint` has a set bit. Level-0 word `hint` is `hint_bits`; the array's entry for it is
+//! stale until the hint moves.
 
 /// Bits per word.
 const BITS: usize = 32;
@@ -53,6 +61,8 @@ pub struct IndexSet<'a> {
     universe: u32,
     count: u32,
     hint: u32,
+    /// Level-0 word `hint` (the array's entry for it is stale).
+    hint_bits: u32,
 }
 
 impl<'a> IndexSet<'a> {
@@ -89,6 +99,7 @@ impl<'a> IndexSet<'a> {
                 members = level_words[level];
             }
         }
+        let hint_bits = words[0];
         Self {
             words,
             level_start,
@@ -96,6 +107,7 @@ impl<'a> IndexSet<'a> {
             universe,
             count: if full { universe } else { 0 },
             hint: 0,
+            hint_bits,
         }
     }
 
@@ -114,40 +126,94 @@ impl<'a> IndexSet<'a> {
 
     /// Whether `i` is a member; `false` for indices outside the universe. O(1).
     pub fn contains(&self, i: u32) -> bool {
-        i < self.universe && (self.word(0, i as usize / BITS) >> (i % 32)) & 1 == 1
+        i < self.universe && (self.level0(i as usize / BITS) >> (i % 32)) & 1 == 1
+    }
+
+    /// Level-0 word `index`, wherever it lives. O(1).
+    #[inline(always)]
+    fn level0(&self, index: usize) -> u32 {
+        if index == self.hint as usize {
+            self.hint_bits
+        } else {
+            self.words[index]
+        }
+    }
+
+    /// Moves the hint to level-0 word `index`: writes the hinted word back to the array
+    /// and takes word `index` out of it. O(1).
+    fn move_hint(&mut self, index: usize) {
+        self.words[self.hint as usize] = self.hint_bits;
+        self.hint = index as u32;
+        self.hint_bits = self.words[index];
     }
 
     /// Adds `i`; returns whether it was absent. Indices outside the universe are ignored
     /// and return `false`. O(levels) worst case, O(1) when the word already had members.
+    #[inline]
     pub fn insert(&mut self, i: u32) -> bool {
         if i >= self.universe {
             return false;
         }
         let word_index = i / BITS as u32;
-        let word = &mut self.words[word_index as usize];
         let mask = 1 << (i % BITS as u32);
-        if *word & mask != 0 {
+        if word_index == self.hint {
+            // The common case (a block returned next to the ones being handed out): one
+            // field is read and written.
+            let old = self.hint_bits;
+            if old & mask != 0 {
+                return false;
+            }
+            self.hint_bits = old | mask;
+            self.count += 1;
+            if old == 0 {
+                self.set_summary(word_index as usize);
+            }
+            return true;
+        }
+        self.insert_unhinted(word_index as usize, mask)
+    }
+
+    /// [`Self::insert`] into a level-0 word other than the hinted one. O(levels).
+    fn insert_unhinted(&mut self, word_index: usize, mask: u32) -> bool {
+        let old = self.words[word_index];
+        if old & mask != 0 {
             return false;
         }
-        let was_empty = *word == 0;
-        *word |= mask;
+        self.words[word_index] = old | mask;
         self.count += 1;
-        if word_index < self.hint {
-            self.hint = word_index;
+        if word_index < self.hint as usize {
+            self.move_hint(word_index);
         }
-        if was_empty {
-            let mut bit = word_index as usize;
-            for level in 1..self.levels as usize {
-                let word = self.word_mut(level, bit / BITS);
-                let was_empty = *word == 0;
-                *word |= 1 << (bit % BITS);
-                if !was_empty {
-                    break;
-                }
-                bit /= BITS;
-            }
+        if old == 0 {
+            self.set_summary(word_index);
         }
         true
+    }
+
+    /// Writes level-0 word `index`, wherever it lives. O(1).
+    #[inline(always)]
+    fn set_level0(&mut self, index: usize, value: u32) {
+        if index == self.hint as usize {
+            self.hint_bits = value;
+        } else {
+            self.words[index] = value;
+        }
+    }
+
+    /// Sets the summary bits above level-0 word `word`, which just became non-empty.
+    /// O(levels).
+    #[cold]
+    fn set_summary(&mut self, word: usize) {
+        let mut bit = word;
+        for level in 1..self.levels as usize {
+            let word = self.word_mut(level, bit / BITS);
+            let was_empty = *word == 0;
+            *word |= 1 << (bit % BITS);
+            if !was_empty {
+                break;
+            }
+            bit /= BITS;
+        }
     }
 
     /// Removes `i`; returns whether it was present. O(levels) worst case.
@@ -163,9 +229,9 @@ impl<'a> IndexSet<'a> {
     fn clear_present(&mut self, i: u32) {
         self.count -= 1;
         let word_index = i as usize / BITS;
-        let word = &mut self.words[word_index];
-        *word &= !(1 << (i as usize % BITS));
-        if *word == 0 {
+        let word = self.level0(word_index) & !(1 << (i as usize % BITS));
+        self.set_level0(word_index, word);
+        if word == 0 {
             self.clear_summary(word_index);
         }
     }
@@ -176,42 +242,54 @@ impl<'a> IndexSet<'a> {
         if self.count == 0 {
             return None;
         }
-        let hinted = self.word(0, self.hint as usize);
-        if hinted != 0 {
-            return Some(self.hint * BITS as u32 + hinted.trailing_zeros());
+        if self.hint_bits != 0 {
+            return Some(self.hint * BITS as u32 + self.hint_bits.trailing_zeros());
         }
         let mut index = 0usize;
         for level in (0..self.levels as usize).rev() {
-            let w = self.word(level, index);
+            let w = if level == 0 {
+                self.level0(index)
+            } else {
+                self.word(level, index)
+            };
             debug_assert!(w != 0, "summary bit set over an empty word");
             index = index * BITS + w.trailing_zeros() as usize;
         }
-        self.hint = (index / BITS) as u32;
+        self.move_hint(index / BITS);
         Some(index as u32)
     }
 
     /// Removes and returns the lowest member. O(levels); O(1) when the hinted word holds
     /// a member.
+    #[inline]
     pub fn pop_first(&mut self) -> Option<u32> {
-        // Fast path: level 0 starts at word 0, and clearing the lowest set bit of the
-        // hinted word needs no search and no membership test.
+        // Fast path: clearing the lowest set bit of the hinted word needs no search and
+        // no membership test.
         let h = self.hint as usize;
-        let w = self.words[h];
+        let w = self.hint_bits;
         if w != 0 {
             let rest = w & (w - 1);
-            self.words[h] = rest;
+            self.hint_bits = rest;
             self.count -= 1;
             if rest == 0 {
                 self.clear_summary(h);
             }
             return Some(h as u32 * BITS as u32 + w.trailing_zeros());
         }
+        self.pop_first_searching()
+    }
+
+    /// [`Self::pop_first`] when the hinted word is empty: a descent from the top level.
+    #[cold]
+    fn pop_first_searching(&mut self) -> Option<u32> {
         let i = self.first()?;
         self.clear_present(i);
         Some(i)
     }
 
     /// Clears the summary bits above level-0 word `word`, which just became empty.
+    /// O(levels).
+    #[cold]
     fn clear_summary(&mut self, word: usize) {
         let mut bit = word;
         for level in 1..self.levels as usize {
