@@ -56,6 +56,17 @@ impl Simd for Avx512 {
         unsafe { accumulate2(acc, p0, p1, v, hd, n) }
     }
     #[inline(always)]
+    fn accumulate4<T: Element>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; 4],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
+        unsafe { accumulate4(acc, p, v, hd, n) }
+    }
+    #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
         unsafe { accumulate1(acc, p, v, hd, n) }
     }
@@ -120,7 +131,56 @@ unsafe fn scores4<T: Element>(
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w32, w16) = (hd / 32 * 32, hd / 16 * 16);
     let qp = q.as_ptr();
-    for t in 0..n {
+    let tail = |r: usize, t: usize| -> f32 {
+        (w16..hd)
+            .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
+            .sum()
+    };
+    // Four tokens at a time: 16 accumulators (row × token), so each query vector is
+    // loaded once per four tokens and each key vector once per four rows.
+    let mut t0 = 0;
+    while t0 + 4 <= n {
+        // SAFETY: every load reads `qp[r * hd + d..+16]` or `k[(t0 + i) * hd + d..+16]`
+        // with `d + 16 <= hd`, `t0 + i < n` (asserted lengths above).
+        let sums = unsafe {
+            let kp = k.as_ptr().add(t0 * hd);
+            let mut a = [[_mm512_setzero_ps(); 4]; 4];
+            let mut d = 0;
+            while d < w16 {
+                let kv = [
+                    load16(kp.add(d)),
+                    load16(kp.add(hd + d)),
+                    load16(kp.add(2 * hd + d)),
+                    load16(kp.add(3 * hd + d)),
+                ];
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let qv = _mm512_loadu_ps(qp.add(r * hd + d));
+                    for (ai, ki) in ar.iter_mut().zip(kv) {
+                        *ai = _mm512_fmadd_ps(qv, ki, *ai);
+                    }
+                }
+                d += 16;
+            }
+            // One transposing reduction per token, over its four rows.
+            let mut sums = [[0.0f32; 4]; 4];
+            for (i, si) in sums.iter_mut().enumerate() {
+                *si = hsum4(
+                    fold8(a[0][i], _mm512_setzero_ps()),
+                    fold8(a[1][i], _mm512_setzero_ps()),
+                    fold8(a[2][i], _mm512_setzero_ps()),
+                    fold8(a[3][i], _mm512_setzero_ps()),
+                );
+            }
+            sums
+        };
+        for (i, si) in sums.iter().enumerate() {
+            for (r, sum) in si.iter().enumerate() {
+                s[r * stride + t0 + i] = sum + tail(r, t0 + i);
+            }
+        }
+        t0 += 4;
+    }
+    for t in t0..n {
         // SAFETY: every load reads `qp[r * hd + d..+16]` or `kt[d..+16]` with
         // `d + 16 <= hd` (asserted lengths above).
         let sums = unsafe {
@@ -152,10 +212,7 @@ unsafe fn scores4<T: Element>(
             )
         };
         for (r, sum) in sums.into_iter().enumerate() {
-            let tail: f32 = (w16..hd)
-                .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
-                .sum();
-            s[r * stride + t] = sum + tail;
+            s[r * stride + t] = sum + tail(r, t);
         }
     }
 }
@@ -256,6 +313,79 @@ unsafe fn accumulate2<T: Element>(
         for t in 0..n {
             acc[d] += p0[t] * v[t * hd + d].to_f32();
             acc[hd + d] += p1[t] * v[t * hd + d].to_f32();
+        }
+    }
+}
+
+/// See [`Simd::accumulate4`]: 64 dimensions of the four rows at a time (16 registers
+/// of accumulators), so each stored vector is loaded and widened once.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: usize, n: usize) {
+    assert!(acc.len() >= 4 * hd && p.iter().all(|p| p.len() >= n) && v.len() >= n * hd);
+    let (w64, w16) = (hd / 64 * 64, hd / 16 * 16);
+    let ap = acc.as_mut_ptr();
+    let vp = v.as_ptr();
+    let mut d = 0;
+    // SAFETY: accesses `acc[r * hd + d..+64]` (r < 4), `v[t * hd + d..+64]` and
+    // `p[r][t]` with `d + 64 <= hd`, `t < n` (asserted lengths above); then the same
+    // with 16.
+    unsafe {
+        while d < w64 {
+            let mut x = [[_mm512_setzero_ps(); 4]; 4];
+            for (r, xr) in x.iter_mut().enumerate() {
+                for (i, xi) in xr.iter_mut().enumerate() {
+                    *xi = _mm512_loadu_ps(ap.add(r * hd + d + 16 * i));
+                }
+            }
+            for t in 0..n {
+                let vt = vp.add(t * hd + d);
+                let vs = [
+                    load16(vt),
+                    load16(vt.add(16)),
+                    load16(vt.add(32)),
+                    load16(vt.add(48)),
+                ];
+                for (r, xr) in x.iter_mut().enumerate() {
+                    let b = _mm512_set1_ps(*p[r].get_unchecked(t));
+                    for (xi, vi) in xr.iter_mut().zip(vs) {
+                        *xi = _mm512_fmadd_ps(b, vi, *xi);
+                    }
+                }
+            }
+            for (r, xr) in x.iter().enumerate() {
+                for (i, xi) in xr.iter().enumerate() {
+                    _mm512_storeu_ps(ap.add(r * hd + d + 16 * i), *xi);
+                }
+            }
+            d += 64;
+        }
+        while d < w16 {
+            let mut x = [_mm512_setzero_ps(); 4];
+            for (r, xr) in x.iter_mut().enumerate() {
+                *xr = _mm512_loadu_ps(ap.add(r * hd + d));
+            }
+            for t in 0..n {
+                let vt = load16(vp.add(t * hd + d));
+                for (r, xr) in x.iter_mut().enumerate() {
+                    *xr = _mm512_fmadd_ps(_mm512_set1_ps(*p[r].get_unchecked(t)), vt, *xr);
+                }
+            }
+            for (r, xr) in x.iter().enumerate() {
+                _mm512_storeu_ps(ap.add(r * hd + d), *xr);
+            }
+            d += 16;
+        }
+    }
+    for d in w16..hd {
+        for t in 0..n {
+            let x = v[t * hd + d].to_f32();
+            for (r, pr) in p.iter().enumerate() {
+                acc[r * hd + d] += pr[t] * x;
+            }
         }
     }
 }

@@ -34,6 +34,22 @@ pub(crate) trait Simd: Copy {
         hd: usize,
         n: usize,
     );
+    /// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the four rows `acc_r = acc[r * hd..]`:
+    /// each stored value is widened once for the four rows. By default two
+    /// [`Simd::accumulate2`] calls (which widen each value twice).
+    #[inline(always)]
+    fn accumulate4<T: Element>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; 4],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
+        let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
+        self.accumulate2(a01, p[0], p[1], v, hd, n);
+        self.accumulate2(a23, p[2], p[3], v, hd, n);
+    }
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
     /// Maximum of `x` (`-inf` when empty).

@@ -39,6 +39,21 @@ pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
+/// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
+/// it has): `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1) after the first call.
+pub fn instruction_path() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512::Avx512::detect().is_some() {
+            return "avx512f";
+        }
+        if avx2::Avx2::detect().is_some() {
+            return "avx2+fma";
+        }
+    }
+    "portable"
+}
+
 /// Largest head dimension the kernels accept (their scratch is sized for it).
 pub const MAX_HEAD_DIM: usize = 256;
 

@@ -184,10 +184,10 @@ impl Prefetch {
         let end = self.bytes.min(self.done + lines * 64);
         #[cfg(target_arch = "x86_64")]
         while self.done < end {
-            use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
             // SAFETY: `done < bytes`, so the address is inside the tile; a prefetch never
             // faults anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.base.add(self.done).cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.base.add(self.done).cast()) };
             self.done += 64;
         }
         self.done = end;
@@ -286,13 +286,22 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             s[vis..n].fill(0.0);
         }
 
-        // Weighted values from the V tile, two rows at a time, `VALUE_STEP`
-        // tokens at a time.
+        // Weighted values from the V tile, four rows at a time (then two, then one),
+        // `VALUE_STEP` tokens at a time.
         let v = src.tile(1, t0, n);
         let per_step = pf_v.lines().div_ceil(n.div_ceil(VALUE_STEP));
         for ts in (0..n).step_by(VALUE_STEP) {
             let vt = &v[ts * hd..];
             let mut j = 0;
+            while j + 4 <= rows {
+                let cnt = visible(sc.limit[j + 3], t0 + ts, n - ts).min(VALUE_STEP);
+                if cnt > 0 {
+                    let s = &sc.s[j * MAX_CHUNK..(j + 4) * MAX_CHUNK];
+                    let p = [0, 1, 2, 3].map(|r| &s[r * MAX_CHUNK + ts..(r + 1) * MAX_CHUNK]);
+                    simd.accumulate4(&mut sc.acc[j * hd..(j + 4) * hd], p, vt, hd, cnt);
+                }
+                j += 4;
+            }
             while j < rows {
                 let pair = j + 1 < rows;
                 let widest = if pair { j + 1 } else { j };

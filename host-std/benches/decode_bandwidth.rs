@@ -1,0 +1,274 @@
+//! Decode attention against the machine's read bandwidth, per storage dtype and context
+//! length, all measured in one run.
+//!
+//! `cargo bench -p kvpage --bench decode_bandwidth` — for each context length (512, 2048
+//! and 8192 tokens; others can be given as arguments) and each storage dtype (f32, f16,
+//! bf16): a decode of `65536 / context` sequences (so every call reads the same number of
+//! tokens: 64 MiB of K/V per byte of element size, far past the last-level cache), 32
+//! query heads over 8 KV heads, head dim 128, blocks of 16 tokens in shuffled physical
+//! order, on one thread per core. Beside each call, interleaved with it, a read probe
+//! streams the same arena's bytes on the same threads: the kernel's figure is its share
+//! of that probe's bandwidth. The probe itself is checked against `memcpy` (the C
+//! library's, on the same threads and bytes): it prints both, so a probe that does not
+//! reach the machine's read speed shows.
+//!
+//! The machine-independent quantity is the bytes of K/V each call must read (printed);
+//! the figure to compare across machines is the fraction of the probe.
+
+mod common;
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{numeric_args, shuffled_arena, stats};
+use kvpage::kernels::{
+    instruction_path, paged_attention, AttentionParams, BlockTable, SeqQuery, WorkerPool,
+};
+use kvpage::{bf16, f16, Element, Geometry};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+const TOKENS_PER_CALL: u32 = 65536;
+const KV_HEADS: u32 = 8;
+const Q_HEADS: u32 = 32;
+const HEAD_DIM: u32 = 128;
+const BLOCK: u32 = 16;
+const ITERS: usize = 11;
+
+/// Sums `bytes` as `u64` words, one contiguous chunk per thread of `pool`, eight
+/// independent accumulators per thread (so the loop is bound by loads, not by one add
+/// chain).
+fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
+    let per = bytes.len().div_ceil(pool.threads()).next_multiple_of(64);
+    let total = AtomicU64::new(0);
+    pool.for_each_task(
+        pool.threads(),
+        || (),
+        |_, t| {
+            let chunk = bytes.chunks(per).nth(t).unwrap_or(&[]);
+            let mut acc = [0u64; 8];
+            let mut lines = chunk.chunks_exact(64);
+            for line in &mut lines {
+                for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
+                    *a = a.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap()));
+                }
+            }
+            let tail = lines.remainder().iter().map(|&b| u64::from(b)).sum::<u64>();
+            let s = acc.iter().fold(tail, |x, &y| x.wrapping_add(y));
+            total.fetch_add(s, Ordering::Relaxed);
+        },
+    );
+    total.into_inner()
+}
+
+/// Copies `src` into `dst` with the C library's `memcpy` (`copy_from_slice`), one chunk
+/// per thread of `pool`.
+fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
+    let per = src.len().div_ceil(pool.threads()).next_multiple_of(64);
+    let chunks: Vec<std::sync::Mutex<&mut [u8]>> =
+        dst.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    pool.for_each_task(
+        chunks.len(),
+        || (),
+        |_, t| {
+            let s = &src[t * per..(t * per + per).min(src.len())];
+            chunks[t].lock().unwrap().copy_from_slice(s);
+        },
+    );
+}
+
+/// One (context, dtype) row: median decode time, its bandwidth, and the probe's.
+fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
+    let seqs = (TOKENS_PER_CALL / context).max(1);
+    let blocks_per_seq = context.div_ceil(BLOCK);
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
+    let (layout, arena, physical) = shuffled_arena::<T>(geometry, seqs * blocks_per_seq, rng);
+    let table = BlockTable {
+        table: &physical,
+        stride: blocks_per_seq,
+    };
+    let queries: Vec<SeqQuery> = (0..seqs).map(|s| SeqQuery::decode(s, context)).collect();
+    let q: Vec<f32> = (0..seqs * Q_HEADS * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let params = AttentionParams {
+        q_heads: Q_HEADS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        pool: Some(pool),
+    };
+    let bytes = arena.as_bytes();
+    let (mut kernel, mut probe) = (Vec::new(), Vec::new());
+    for i in 0..ITERS + 2 {
+        let t = Instant::now();
+        paged_attention(
+            &layout,
+            arena.as_slice::<T>(),
+            0,
+            table,
+            &queries,
+            &q,
+            &mut out,
+            params,
+        )
+        .expect("decode");
+        let tk = t.elapsed();
+        black_box(&out);
+        let t = Instant::now();
+        black_box(read_probe(black_box(bytes), pool));
+        let tp = t.elapsed();
+        if i >= 2 {
+            kernel.push(tk);
+            probe.push(tp);
+        }
+    }
+    let ((k, k_best), (p, p_best)) = (stats(kernel), stats(probe));
+    let gbs = |d: Duration| bytes.len() as f64 / d.as_secs_f64() / 1e9;
+    println!(
+        "{:<5} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}%",
+        format!("{:?}", T::DTYPE),
+        bytes.len() as f64 / (1 << 20) as f64,
+        k.as_secs_f64() * 1e3,
+        gbs(k),
+        gbs(p),
+        100.0 * p.as_secs_f64() / k.as_secs_f64(),
+        100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
+    );
+}
+
+/// The same decode on one thread over K/V that stay in the cache (one sequence of 256
+/// tokens: 1 MiB of f32), repeated: the kernel's arithmetic rate, with memory out of the
+/// way. A kernel is bound by memory only while this rate per thread, times the threads,
+/// is well above the probe's bandwidth.
+fn in_cache<T: Element>(rng: &mut StdRng) {
+    let context = 256;
+    let blocks = context / BLOCK;
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
+    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
+    let table = BlockTable {
+        table: &physical,
+        stride: blocks,
+    };
+    let queries = [SeqQuery::decode(0, context)];
+    let q: Vec<f32> = (0..Q_HEADS * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let params = AttentionParams {
+        q_heads: Q_HEADS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        pool: None,
+    };
+    let mut times = Vec::new();
+    for i in 0..1010 {
+        let t = Instant::now();
+        paged_attention(
+            &layout,
+            arena.as_slice::<T>(),
+            0,
+            table,
+            &queries,
+            &q,
+            &mut out,
+            params,
+        )
+        .expect("decode");
+        if i >= 10 {
+            times.push(t.elapsed());
+        }
+        black_box(&out);
+    }
+    let (m, best) = stats(times);
+    let bytes = arena.as_bytes().len() as f64;
+    println!(
+        "  {:<5} {:>8.1} µs per call, {:>6.2} GB/s of K/V per thread (best {:.2})",
+        format!("{:?}", T::DTYPE),
+        m.as_secs_f64() * 1e6,
+        bytes / m.as_secs_f64() / 1e9,
+        bytes / best.as_secs_f64() / 1e9
+    );
+}
+
+/// The probe against `memcpy` on 256 MiB, interleaved, medians.
+fn probe_check(pool: &WorkerPool, rng: &mut StdRng) {
+    let n = 256 << 20;
+    let src: Vec<u8> = (0..n).map(|_| rng.random()).collect();
+    let mut dst = vec![0u8; n];
+    let (mut read, mut copy) = (Vec::new(), Vec::new());
+    for i in 0..ITERS + 2 {
+        let t = Instant::now();
+        black_box(read_probe(black_box(&src), pool));
+        let tr = t.elapsed();
+        let t = Instant::now();
+        memcpy_probe(black_box(&src), &mut dst, pool);
+        black_box(&dst);
+        let tc = t.elapsed();
+        if i >= 2 {
+            read.push(tr);
+            copy.push(tc);
+        }
+    }
+    let ((r, _), (c, _)) = (stats(read), stats(copy));
+    let gbs = |d: Duration| n as f64 / d.as_secs_f64() / 1e9;
+    println!(
+        "read probe {:.2} GB/s; memcpy reads at {:.2} GB/s (and writes as much): probe / memcpy read rate {:.2}",
+        gbs(r),
+        gbs(c),
+        c.as_secs_f64() / r.as_secs_f64()
+    );
+}
+
+/// The CPU's model name and its vector extensions, from `/proc/cpuinfo` where there is one.
+fn cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split(':').nth(1))
+            .map(str::trim)
+            .unwrap_or("?")
+            .to_string()
+    };
+    let flags = field("flags");
+    let vector: Vec<&str> = flags
+        .split_whitespace()
+        .filter(|f| f.starts_with("avx") || *f == "f16c" || *f == "fma" || f.starts_with("amx"))
+        .collect();
+    format!("{} [{}]", field("model name"), vector.join(" "))
+}
+
+fn main() {
+    let threads = std::env::var("KVPAGE_BENCH_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let pool = WorkerPool::new(threads);
+    let mut rng = StdRng::seed_from_u64(7);
+    println!("cpu: {}", cpu());
+    println!(
+        "kernel path: {}; {} threads; {Q_HEADS} q heads / {KV_HEADS} kv heads, head dim {HEAD_DIM}, block size {BLOCK}, {TOKENS_PER_CALL} tokens per call, median of {ITERS}",
+        instruction_path(),
+        pool.threads()
+    );
+    println!("in cache, one thread (1 seq x 256 tokens, repeated):");
+    in_cache::<f32>(&mut rng);
+    in_cache::<f16>(&mut rng);
+    in_cache::<bf16>(&mut rng);
+    probe_check(&pool, &mut rng);
+    println!(
+        "{:<5} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "dtype", "context", "seqs", "MiB", "decode ms", "GB/s", "probe", "of probe", "(best)"
+    );
+    let contexts = numeric_args(0);
+    let contexts = if contexts == [0] {
+        vec![512, 2048, 8192]
+    } else {
+        contexts
+    };
+    for context in contexts {
+        row::<f32>(context, &pool, &mut rng);
+        row::<f16>(context, &pool, &mut rng);
+        row::<bf16>(context, &pool, &mut rng);
+    }
+}
