@@ -1,11 +1,13 @@
 //! [`Simd`] with AVX-512F intrinsics (x86-64): the scores and the accumulation, the two
 //! loops that do all the multiply-adds, on 16-lane registers; `max`, `exp` and `scale`
-//! (a small share of the work) come from [`super::avx2`]. Same register blocking as
-//! there: scores take 4 query rows × 32 lanes per token, accumulation 2 rows × 64 lanes.
+//! (a small share of the work) come from [`super::avx2`]. Scores take 4 query rows × 4
+//! tokens (16 accumulators), accumulation 4 rows × 64 lanes. bf16 storage with a head
+//! dim that is a multiple of 32 goes to [`super::bf16_lanes`], which widens in lanes.
 
 use core::arch::x86_64::*;
 
 use super::avx2::{hsum4, Avx2};
+use super::bf16_lanes;
 use super::math::Simd;
 use crate::dtype::{Element, Kind};
 
@@ -37,11 +39,19 @@ impl Simd for Avx512 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        unsafe { scores4(q, k, hd, n, s, s_stride) }
+        if bf16_lanes::applies::<T>(hd) {
+            unsafe { bf16_lanes::scores4(q, k, hd, n, s, s_stride) }
+        } else {
+            unsafe { scores4(q, k, hd, n, s, s_stride) }
+        }
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        unsafe { scores1(q, k, hd, n, s) }
+        if bf16_lanes::applies::<T>(hd) {
+            unsafe { bf16_lanes::scores1(q, k, hd, n, s) }
+        } else {
+            unsafe { scores1(q, k, hd, n, s) }
+        }
     }
     #[inline(always)]
     fn accumulate2<T: Element>(
@@ -53,7 +63,11 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd) {
+            unsafe { bf16_lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        } else {
+            unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+        }
     }
     #[inline(always)]
     fn accumulate4<T: Element>(
@@ -64,11 +78,31 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        unsafe { accumulate4(acc, p, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd) {
+            unsafe { bf16_lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
+        } else {
+            unsafe { accumulate4(acc, p, v, hd, n) }
+        }
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        unsafe { accumulate1(acc, p, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd) {
+            unsafe { bf16_lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        } else {
+            unsafe { accumulate1(acc, p, v, hd, n) }
+        }
+    }
+    #[inline(always)]
+    fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        if bf16_lanes::applies::<T>(hd) {
+            bf16_lanes::to_split_order(rows);
+        }
+    }
+    #[inline(always)]
+    fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        if bf16_lanes::applies::<T>(hd) {
+            bf16_lanes::from_split_order(rows);
+        }
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {

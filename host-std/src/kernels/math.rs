@@ -52,6 +52,19 @@ pub(crate) trait Simd: Copy {
     }
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
+    /// Puts rows of `hd` floats (the scaled queries) into the order of dimensions this
+    /// arithmetic reads for storage `T`; the accumulators come out in that order too,
+    /// until [`Simd::leave_kernel_order`]. Identity by default. O(rows.len()).
+    #[inline(always)]
+    fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        let _ = (rows, hd);
+    }
+    /// Puts accumulated rows back into dimension order (inverse of
+    /// [`Simd::enter_kernel_order`]). O(rows.len()).
+    #[inline(always)]
+    fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        let _ = (rows, hd);
+    }
     /// Maximum of `x` (`-inf` when empty).
     fn max(self, x: &[f32]) -> f32;
     /// `x[i] = exp(x[i] - shift)` (with [`exp`]'s accuracy), returns `Σ x[i]`.

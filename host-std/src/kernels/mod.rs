@@ -23,6 +23,8 @@ mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod bf16_lanes;
 mod contiguous;
 mod copy;
 mod math;

@@ -214,6 +214,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
             *d = s * task.scale;
         }
+        simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
         sc.limit[j] = first_pos + qi + 1;
         sc.m[j] = f32::NEG_INFINITY;
         sc.l[j] = 0.0;
@@ -331,6 +332,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
         simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], 1.0 / sc.l[j]);
+        simd.leave_kernel_order::<T>(&mut sc.acc[j * hd..(j + 1) * hd], hd);
     }
 }
 
