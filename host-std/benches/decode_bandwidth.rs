@@ -219,6 +219,128 @@ fn probe_check(pool: &WorkerPool, rng: &mut StdRng) {
     );
 }
 
+/// Peak f32 multiply-add rate of one thread: independent 16-lane FMA chains (AVX-512F,
+/// else 8-lane AVX2 + FMA), in FLOP/s (2 per lane per FMA). The yardstick of the
+/// prefill section. Zero where the CPU has neither.
+fn fma_peak() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        /// # Safety
+        /// The CPU has AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn chains512(rounds: u64) -> f32 {
+            let mut a = [_mm512_set1_ps(1.0); 12];
+            let b = _mm512_set1_ps(black_box(0.999_999));
+            let c = _mm512_set1_ps(black_box(1e-6));
+            for _ in 0..rounds {
+                for x in a.iter_mut() {
+                    *x = _mm512_fmadd_ps(*x, b, c);
+                }
+            }
+            _mm512_reduce_add_ps(
+                a.iter()
+                    .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x)),
+            )
+        }
+        /// # Safety
+        /// The CPU has AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn chains256(rounds: u64) -> f32 {
+            let mut a = [_mm256_set1_ps(1.0); 12];
+            let b = _mm256_set1_ps(black_box(0.999_999));
+            let c = _mm256_set1_ps(black_box(1e-6));
+            for _ in 0..rounds {
+                for x in a.iter_mut() {
+                    *x = _mm256_fmadd_ps(*x, b, c);
+                }
+            }
+            let mut out = [0.0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), a[0]);
+            out.iter().sum()
+        }
+        let rounds = black_box(20_000_000u64);
+        let (lanes, seconds) = if is_x86_feature_detected!("avx512f") {
+            let t = Instant::now();
+            // SAFETY: AVX-512F detected.
+            black_box(unsafe { chains512(rounds) });
+            (16.0, t.elapsed().as_secs_f64())
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            let t = Instant::now();
+            // SAFETY: AVX2 and FMA detected.
+            black_box(unsafe { chains256(rounds) });
+            (8.0, t.elapsed().as_secs_f64())
+        } else {
+            return 0.0;
+        };
+        12.0 * rounds as f64 * lanes * 2.0 / seconds
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0.0
+}
+
+/// Chunked prefill: one sequence of 2048 tokens whose last 512 are new queries (causal),
+/// per dtype, on the pool's threads; its FLOP rate (`4 hd` per query head and visible
+/// token: the scores and the weighted values) against `threads × fma_peak()` measured
+/// just before.
+fn prefill<T: Element>(pool: &WorkerPool, peak: f64, rng: &mut StdRng) {
+    let (context, queries) = (2048u32, 512u32);
+    let blocks = context / BLOCK;
+    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
+    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
+    let table = BlockTable {
+        table: &physical,
+        stride: blocks,
+    };
+    let seqs = [SeqQuery {
+        row: 0,
+        context_len: context,
+        queries,
+    }];
+    let q: Vec<f32> = (0..queries * Q_HEADS * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let params = AttentionParams {
+        q_heads: Q_HEADS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        pool: Some(pool),
+    };
+    let mut times = Vec::new();
+    for i in 0..ITERS + 2 {
+        let t = Instant::now();
+        paged_attention(
+            &layout,
+            arena.as_slice::<T>(),
+            0,
+            table,
+            &seqs,
+            &q,
+            &mut out,
+            params,
+        )
+        .expect("prefill");
+        if i >= 2 {
+            times.push(t.elapsed());
+        }
+        black_box(&out);
+    }
+    let (m, _) = stats(times);
+    let visible: u64 = (0..u64::from(queries))
+        .map(|i| u64::from(context - queries) + i + 1)
+        .sum();
+    let flops = (visible * u64::from(Q_HEADS) * 4 * u64::from(HEAD_DIM)) as f64;
+    let rate = flops / m.as_secs_f64();
+    println!(
+        "  {:<5} {:>8.2} ms per call, {:>6.1} GFLOP/s = {:>5.1}% of {} threads x the FMA peak",
+        format!("{:?}", T::DTYPE),
+        m.as_secs_f64() * 1e3,
+        rate / 1e9,
+        100.0 * rate / (peak * pool.threads() as f64),
+        pool.threads()
+    );
+}
+
 /// The CPU's model name and its vector extensions, from `/proc/cpuinfo` where there is one.
 fn cpu() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
@@ -255,6 +377,14 @@ fn main() {
     in_cache::<f32>(&mut rng);
     in_cache::<f16>(&mut rng);
     in_cache::<bf16>(&mut rng);
+    let peak = fma_peak();
+    println!(
+        "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread:",
+        peak / 1e9
+    );
+    prefill::<f32>(&pool, peak, &mut rng);
+    prefill::<f16>(&pool, peak, &mut rng);
+    prefill::<bf16>(&pool, peak, &mut rng);
     probe_check(&pool, &mut rng);
     println!(
         "{:<5} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",

@@ -17,7 +17,7 @@
 //! chosen at run time per task ([`attend`]).
 
 use super::math::{self, Simd};
-use crate::dtype::Element;
+use crate::dtype::{Element, Kind};
 
 /// Query rows (query token × query head of one group) per task.
 pub(crate) const MAX_ROWS: usize = 16;
@@ -75,6 +75,9 @@ pub(crate) struct Scratch {
     /// After [`attend`]: the task's output rows, `[rows][head_dim]`.
     pub(crate) acc: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
     s: [f32; MAX_ROWS * MAX_CHUNK],
+    /// One step of K or V tokens widened to f32, when a task has more rows than one
+    /// pass of the arithmetic takes (see [`attend_body`]).
+    wide: [f32; WIDE_STEP * super::MAX_HEAD_DIM],
     m: [f32; MAX_ROWS],
     l: [f32; MAX_ROWS],
     limit: [usize; MAX_ROWS],
@@ -86,6 +89,7 @@ impl Scratch {
             q: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
             acc: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
             s: [0.0; MAX_ROWS * MAX_CHUNK],
+            wide: [0.0; WIDE_STEP * super::MAX_HEAD_DIM],
             m: [0.0; MAX_ROWS],
             l: [0.0; MAX_ROWS],
             limit: [0; MAX_ROWS],
@@ -155,6 +159,12 @@ unsafe fn attend_avx512<T: Element, S: KvSource<T>>(
 const SCORE_STEP: usize = 4;
 /// Tokens per step of the value accumulation.
 const VALUE_STEP: usize = 8;
+/// Tokens of the widened K or V step.
+const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
+    SCORE_STEP
+} else {
+    VALUE_STEP
+};
 
 /// Cache-line prefetches of one tile, issued a few at a time. No effect except on
 /// x86-64 (where a prefetch never faults).
@@ -207,6 +217,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
 
+    // A task of more rows than one pass of the arithmetic takes (chunked prefill: four
+    // query heads × several query tokens) reads each stored K and V vector once per
+    // four rows; 16-bit storage is then widened once per step into `sc.wide` and the
+    // passes read f32, instead of widening each vector once per pass.
+    let widen = T::KIND != Kind::F32 && rows > 4;
+
     // Load the scaled queries, reset the softmax state.
     for j in 0..rows {
         let (qi, qh) = task.row(j);
@@ -214,7 +230,9 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
             *d = s * task.scale;
         }
-        simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
+        if !widen {
+            simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
+        }
         sc.limit[j] = first_pos + qi + 1;
         sc.m[j] = f32::NEG_INFINITY;
         sc.l[j] = 0.0;
@@ -222,7 +240,6 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     }
     // Rows are ordered by query token, so later rows see at least as many tokens.
     let end = sc.limit[rows - 1];
-    let visible = |limit: usize, t0: usize, n: usize| limit.saturating_sub(t0).min(n);
 
     let mut t0 = 0;
     let mut n = src.run(0).min(chunk_max).min(end);
@@ -251,17 +268,14 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         let k = src.tile(0, t0, n);
         let per_step = pf_k.lines().div_ceil(n.div_ceil(SCORE_STEP));
         for ts in (0..n).step_by(SCORE_STEP) {
-            let mut j = 0;
-            while j < rows {
-                let group = (rows - j).min(4);
-                let cnt = visible(sc.limit[j + group - 1], t0 + ts, n - ts).min(SCORE_STEP);
-                let (kt, st) = (&k[ts * hd..], &mut sc.s[j * MAX_CHUNK + ts..]);
-                if cnt > 0 && group == 1 {
-                    simd.scores1(&sc.q[j * hd..(j + 1) * hd], kt, hd, cnt, st);
-                } else if cnt > 0 {
-                    simd.scores4(&sc.q[j * hd..(j + 4) * hd], kt, hd, cnt, st, MAX_CHUNK);
-                }
-                j += group;
+            let m = (n - ts).min(SCORE_STEP);
+            let kt = &k[ts * hd..(ts + m) * hd];
+            let (q, s, limit) = (&sc.q[..], &mut sc.s[ts..], &sc.limit[..rows]);
+            if widen {
+                T::widen(kt, &mut sc.wide[..m * hd]);
+                score_rows(simd, q, s, limit, hd, t0 + ts, &sc.wide[..m * hd], m);
+            } else {
+                score_rows(simd, q, s, limit, hd, t0 + ts, kt, m);
             }
             pf_k.advance(per_step);
         }
@@ -292,36 +306,14 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         let v = src.tile(1, t0, n);
         let per_step = pf_v.lines().div_ceil(n.div_ceil(VALUE_STEP));
         for ts in (0..n).step_by(VALUE_STEP) {
-            let vt = &v[ts * hd..];
-            let mut j = 0;
-            while j + 4 <= rows {
-                let cnt = visible(sc.limit[j + 3], t0 + ts, n - ts).min(VALUE_STEP);
-                if cnt > 0 {
-                    let s = &sc.s[j * MAX_CHUNK..(j + 4) * MAX_CHUNK];
-                    let p = [0, 1, 2, 3].map(|r| &s[r * MAX_CHUNK + ts..(r + 1) * MAX_CHUNK]);
-                    simd.accumulate4(&mut sc.acc[j * hd..(j + 4) * hd], p, vt, hd, cnt);
-                }
-                j += 4;
-            }
-            while j < rows {
-                let pair = j + 1 < rows;
-                let widest = if pair { j + 1 } else { j };
-                let cnt = visible(sc.limit[widest], t0 + ts, n - ts).min(VALUE_STEP);
-                if cnt > 0 && pair {
-                    let (p0, p1) = sc.s[j * MAX_CHUNK..(j + 2) * MAX_CHUNK].split_at(MAX_CHUNK);
-                    simd.accumulate2(
-                        &mut sc.acc[j * hd..(j + 2) * hd],
-                        &p0[ts..],
-                        &p1[ts..],
-                        vt,
-                        hd,
-                        cnt,
-                    );
-                } else if cnt > 0 {
-                    let p = &sc.s[j * MAX_CHUNK + ts..];
-                    simd.accumulate1(&mut sc.acc[j * hd..(j + 1) * hd], p, vt, hd, cnt);
-                }
-                j += if pair { 2 } else { 1 };
+            let m = (n - ts).min(VALUE_STEP);
+            let vt = &v[ts * hd..(ts + m) * hd];
+            let (acc, s, limit) = (&mut sc.acc[..], &sc.s[ts..], &sc.limit[..rows]);
+            if widen {
+                T::widen(vt, &mut sc.wide[..m * hd]);
+                value_rows(simd, acc, s, limit, hd, t0 + ts, &sc.wide[..m * hd], m);
+            } else {
+                value_rows(simd, acc, s, limit, hd, t0 + ts, vt, m);
             }
             pf_v.advance(per_step);
         }
@@ -332,7 +324,87 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
         simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], 1.0 / sc.l[j]);
-        simd.leave_kernel_order::<T>(&mut sc.acc[j * hd..(j + 1) * hd], hd);
+        if !widen {
+            simd.leave_kernel_order::<T>(&mut sc.acc[j * hd..(j + 1) * hd], hd);
+        }
+    }
+}
+
+/// Tokens `t..t + n` that a row seeing tokens `0..limit` sees, as a count.
+#[inline(always)]
+fn visible(limit: usize, t: usize, n: usize) -> usize {
+    limit.saturating_sub(t).min(n)
+}
+
+/// Scores of every row (`limit.len()` of them, `q` holding them `hd` apart) against the
+/// `m` keys `k` of context tokens `t..t + m`, into `s[j * MAX_CHUNK..]` (`s` starts at
+/// the step's offset in the chunk): four rows at a time (each key vector loaded once for
+/// four rows). Scores past a row's limit are computed for its group's widest row and
+/// zeroed after the exponentials. O(rows × m × hd).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn score_rows<U: Element, V: Simd>(
+    simd: V,
+    q: &[f32],
+    s: &mut [f32],
+    limit: &[usize],
+    hd: usize,
+    t: usize,
+    k: &[U],
+    m: usize,
+) {
+    let rows = limit.len();
+    let mut j = 0;
+    while j < rows {
+        let group = (rows - j).min(4);
+        let cnt = visible(limit[j + group - 1], t, m);
+        let st = &mut s[j * MAX_CHUNK..];
+        if cnt > 0 && group == 1 {
+            simd.scores1(&q[j * hd..(j + 1) * hd], k, hd, cnt, st);
+        } else if cnt > 0 {
+            simd.scores4(&q[j * hd..(j + 4) * hd], k, hd, cnt, st, MAX_CHUNK);
+        }
+        j += group;
+    }
+}
+
+/// Weighted values of the `m` tokens `v` (context tokens `t..t + m`) added into every
+/// row's accumulator (`acc[j * hd..]`), with the weights `s[j * MAX_CHUNK..]` (`s`
+/// starts at the step's offset in the chunk): four rows at a time, then two, then one.
+/// O(rows × m × hd).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn value_rows<U: Element, V: Simd>(
+    simd: V,
+    acc: &mut [f32],
+    s: &[f32],
+    limit: &[usize],
+    hd: usize,
+    t: usize,
+    v: &[U],
+    m: usize,
+) {
+    let rows = limit.len();
+    let weights = |j: usize| &s[j * MAX_CHUNK..j * MAX_CHUNK + m];
+    let mut j = 0;
+    while j + 4 <= rows {
+        let cnt = visible(limit[j + 3], t, m);
+        if cnt > 0 {
+            let p = [weights(j), weights(j + 1), weights(j + 2), weights(j + 3)];
+            simd.accumulate4(&mut acc[j * hd..(j + 4) * hd], p, v, hd, cnt);
+        }
+        j += 4;
+    }
+    while j < rows {
+        let pair = j + 1 < rows;
+        let cnt = visible(limit[if pair { j + 1 } else { j }], t, m);
+        if cnt > 0 && pair {
+            let a = &mut acc[j * hd..(j + 2) * hd];
+            simd.accumulate2(a, weights(j), weights(j + 1), v, hd, cnt);
+        } else if cnt > 0 {
+            simd.accumulate1(&mut acc[j * hd..(j + 1) * hd], weights(j), v, hd, cnt);
+        }
+        j += if pair { 2 } else { 1 };
     }
 }
 
