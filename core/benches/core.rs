@@ -207,6 +207,54 @@ fn fork(c: &mut Criterion) {
     g.finish();
 }
 
+/// Release of a 4096-token sequence (256 blocks back to the free set) against pushing
+/// its 256 block ids onto a `Vec` free list; and of the same sequence when its prompt
+/// was committed to the prefix cache (the 256 blocks stay cached, moving to the
+/// evictable list instead).
+fn release(c: &mut Criterion) {
+    let mut storage = manager_storage(&LONG_SEQS);
+    let mut kv = BlockManager::new(LONG_SEQS, &mut storage).unwrap();
+    let prompt: Vec<u32> = (0..4096u32).map(|t| t * 31 + 7).collect();
+    let mut slots = vec![0u32; 4096];
+    let mut g = c.benchmark_group("release_4096_tokens");
+    g.bench_function("paged", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let s = kv.create(0).unwrap();
+                kv.append(s, 4096, &mut slots).unwrap();
+                let t = Instant::now();
+                kv.release(black_box(s)).unwrap();
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    g.bench_function("paged_cached_prompt", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let hit = kv.create_with_prompt(0, &prompt, &mut slots).unwrap();
+                kv.commit(hit.seq, 4096).unwrap();
+                let t = Instant::now();
+                kv.release(black_box(hit.seq)).unwrap();
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    let ids: Vec<u32> = (0..256).collect();
+    let mut free: Vec<u32> = Vec::with_capacity(4096);
+    g.bench_function("vec_push_256", |b| {
+        b.iter(|| {
+            free.clear();
+            free.extend_from_slice(black_box(&ids));
+            black_box(&free);
+        })
+    });
+    g.finish();
+}
+
 /// Prefix lookup of a fully cached 4096-token prompt (255 blocks reused, 16 tokens
 /// appended) against hashing the prompt once with std's SipHash.
 fn prefix_lookup(c: &mut Criterion) {
@@ -320,6 +368,20 @@ fn report() {
             "<= 1000 ns",
         ),
         (
+            "release 4096 tokens (256 blocks)",
+            "release_4096_tokens",
+            "paged",
+            "vec_push_256",
+            "<= 4096 ns (1 ns/token)",
+        ),
+        (
+            "release 4096 cached prompt tokens",
+            "release_4096_tokens",
+            "paged_cached_prompt",
+            "vec_push_256",
+            "<= 4096 ns (1 ns/token)",
+        ),
+        (
             "prefix lookup 4096-token prompt",
             "prefix_lookup_4096_tokens",
             "paged",
@@ -351,7 +413,7 @@ fn report() {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = alloc_free, append, append_prompt, fork, prefix_lookup, worst_case
+    targets = alloc_free, append, append_prompt, fork, release, prefix_lookup, worst_case
 }
 
 fn main() {
