@@ -459,6 +459,12 @@ mod tests {
             (128, 77, 1, 4, 16),
             (64, 130, 3, 8, 32),
             (256, 20, 2, 2, 64),
+            // Three rows (a pair, then one) and one row, at head dims of 32 multiples
+            // that leave a last group of 32 (the bf16 in-lane path's tail).
+            (96, 40, 1, 3, 16),
+            (32, 33, 1, 1, 8),
+            // Five rows: more than one pass takes, so 16-bit storage is widened per step.
+            (64, 21, 5, 1, 16),
         ];
         let shapes = if cfg!(miri) {
             &shapes[..2]
