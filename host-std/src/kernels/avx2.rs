@@ -19,11 +19,13 @@ pub(crate) struct Avx2 {
 }
 
 impl Avx2 {
-    /// `Some` if the CPU has AVX2, FMA and F16C. O(1) after the first call. Always `None`
-    /// under Miri, which then checks the portable kernels every dispatcher falls back to.
+    /// `Some` if the CPU has AVX2, FMA and F16C (and [`super::CPU_PATH_ENV`] allows
+    /// them). O(1) after the first call. Always `None` under Miri, which then checks the
+    /// portable kernels every dispatcher falls back to.
     #[inline]
     pub(crate) fn detect() -> Option<Self> {
         let ok = !cfg!(miri)
+            && super::path_ceiling() >= 1
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c");

@@ -19,11 +19,13 @@ pub(crate) struct Avx512 {
 }
 
 impl Avx512 {
-    /// `Some` if the CPU has AVX-512F, AVX2, FMA and F16C. O(1) after the first call.
+    /// `Some` if the CPU has AVX-512F, AVX2, FMA and F16C (and [`super::CPU_PATH_ENV`]
+    /// allows them). O(1) after the first call.
     #[inline]
     pub(crate) fn detect() -> Option<Self> {
         let avx2 = Avx2::detect()?;
-        std::arch::is_x86_feature_detected!("avx512f").then_some(Self { avx2 })
+        (super::path_ceiling() >= 2 && std::arch::is_x86_feature_detected!("avx512f"))
+            .then_some(Self { avx2 })
     }
 }
 

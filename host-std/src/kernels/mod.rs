@@ -41,8 +41,27 @@ pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
+/// Name of the environment variable that caps the instruction set the kernels take:
+/// `avx2` (never AVX-512) or `portable` (no x86 vector extensions); unset, or any other
+/// value, lets them take the widest the CPU has. Read once, at the first kernel call. For
+/// measuring and testing the narrower paths on a machine that has the wider ones.
+pub const CPU_PATH_ENV: &str = "KVPAGE_CPU_PATH";
+
+/// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 2 any, 1
+/// AVX2, 0 portable. O(1) after the first call.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn path_ceiling() -> u8 {
+    static CEILING: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *CEILING.get_or_init(|| match std::env::var(CPU_PATH_ENV).as_deref() {
+        Ok("avx2") => 1,
+        Ok("portable") => 0,
+        _ => 2,
+    })
+}
+
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
-/// it has): `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1) after the first call.
+/// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1)
+/// after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
