@@ -8,6 +8,7 @@
 
 use core::arch::x86_64::*;
 
+use super::bf16_lanes::{self, avx2 as lanes};
 use super::math::{self, Simd};
 use crate::dtype::{Element, Kind};
 
@@ -45,11 +46,19 @@ impl Simd for Avx2 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        unsafe { scores4(q, k, hd, n, s, s_stride) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::scores4(q, k, hd, n, s, s_stride) }
+        } else {
+            unsafe { scores4(q, k, hd, n, s, s_stride) }
+        }
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        unsafe { scores1(q, k, hd, n, s) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::scores1(q, k, hd, n, s) }
+        } else {
+            unsafe { scores1(q, k, hd, n, s) }
+        }
     }
     #[inline(always)]
     fn accumulate2<T: Element>(
@@ -61,11 +70,48 @@ impl Simd for Avx2 {
         hd: usize,
         n: usize,
     ) {
-        unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        } else {
+            unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+        }
+    }
+    #[inline(always)]
+    fn accumulate4<T: Element>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; 4],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
+        } else {
+            let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
+            unsafe { accumulate2(a01, p[0], p[1], v, hd, n) };
+            unsafe { accumulate2(a23, p[2], p[3], v, hd, n) };
+        }
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        unsafe { accumulate1(acc, p, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        } else {
+            unsafe { accumulate1(acc, p, v, hd, n) }
+        }
+    }
+    #[inline(always)]
+    fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            bf16_lanes::to_split_order(rows, lanes::GROUP);
+        }
+    }
+    #[inline(always)]
+    fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            bf16_lanes::from_split_order(rows, lanes::GROUP);
+        }
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {

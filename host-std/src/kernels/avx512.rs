@@ -7,7 +7,7 @@
 use core::arch::x86_64::*;
 
 use super::avx2::{hsum4, Avx2};
-use super::bf16_lanes;
+use super::bf16_lanes::{self, avx512 as lanes};
 use super::math::Simd;
 use crate::dtype::{Element, Kind};
 
@@ -41,16 +41,16 @@ impl Simd for Avx512 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd) {
-            unsafe { bf16_lanes::scores4(q, k, hd, n, s, s_stride) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::scores4(q, k, hd, n, s, s_stride) }
         } else {
             unsafe { scores4(q, k, hd, n, s, s_stride) }
         }
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        if bf16_lanes::applies::<T>(hd) {
-            unsafe { bf16_lanes::scores1(q, k, hd, n, s) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::scores1(q, k, hd, n, s) }
         } else {
             unsafe { scores1(q, k, hd, n, s) }
         }
@@ -65,8 +65,8 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd) {
-            unsafe { bf16_lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
             unsafe { accumulate2(acc, p0, p1, v, hd, n) }
         }
@@ -80,30 +80,30 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd) {
-            unsafe { bf16_lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
         } else {
             unsafe { accumulate4(acc, p, v, hd, n) }
         }
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        if bf16_lanes::applies::<T>(hd) {
-            unsafe { bf16_lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            unsafe { lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
         } else {
             unsafe { accumulate1(acc, p, v, hd, n) }
         }
     }
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd) {
-            bf16_lanes::to_split_order(rows);
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            bf16_lanes::to_split_order(rows, lanes::GROUP);
         }
     }
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd) {
-            bf16_lanes::from_split_order(rows);
+        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
+            bf16_lanes::from_split_order(rows, lanes::GROUP);
         }
     }
     #[inline(always)]

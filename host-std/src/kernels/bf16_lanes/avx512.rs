@@ -1,52 +1,14 @@
-//! AVX-512F arithmetic for bf16 storage that never moves data across lanes.
-//!
-//! A bf16 value is the high half of an f32, so the 32 bf16 of one 64-byte load widen
-//! with one instruction per 16: the even elements (low halves of the 32-bit lanes)
-//! shifted up by 16 bits, the odd ones (high halves) with the low halves masked off.
-//! Both stay in their lanes, where the general path's `vpmovzxwd` crosses them; on the
-//! development CPU (AMD EPYC, AVX-512 executed as two 256-bit halves) that widening was
-//! half the time of the scores.
-//!
-//! The price is the order of the dimensions: within each group of 32, the f32 rows the
-//! arithmetic reads and writes (scaled queries, output accumulators) hold the 16 even
-//! dimensions first, then the 16 odd ones ([`to_split_order`]; [`from_split_order`]
-//! undoes it). The dot products do not care, being sums; the accumulators are put back
-//! in order once per task. Used when the head dimension is a multiple of 32
-//! ([`applies`]); other head dims take the general path.
+//! The in-lane bf16 arithmetic on AVX-512F: groups of 32 dimensions (16 even, then 16
+//! odd), one 64-byte load widened by a shift and a mask.
 
 use core::arch::x86_64::*;
 
-use super::avx2::hsum4;
-use crate::dtype::{Element, Kind};
+use super::bytes;
+use crate::dtype::Element;
+use crate::kernels::avx2::hsum4;
 
-/// Whether storage `T` with head dimension `hd` takes this path. O(1).
-#[inline(always)]
-pub(super) fn applies<T: Element>(hd: usize) -> bool {
-    T::KIND == Kind::Bf16 && hd.is_multiple_of(32) && hd > 0
-}
-
-/// Reorders each group of 32 in `rows` (a multiple of 32 long) to even dimensions
-/// first, then odd. O(rows.len()).
-pub(super) fn to_split_order(rows: &mut [f32]) {
-    for g in rows.chunks_exact_mut(32) {
-        let src: [f32; 32] = g.try_into().expect("group of 32");
-        for i in 0..16 {
-            g[i] = src[2 * i];
-            g[16 + i] = src[2 * i + 1];
-        }
-    }
-}
-
-/// Inverse of [`to_split_order`]. O(rows.len()).
-pub(super) fn from_split_order(rows: &mut [f32]) {
-    for g in rows.chunks_exact_mut(32) {
-        let src: [f32; 32] = g.try_into().expect("group of 32");
-        for i in 0..16 {
-            g[2 * i] = src[i];
-            g[2 * i + 1] = src[16 + i];
-        }
-    }
-}
+/// Dimensions per group of the split order.
+pub(in crate::kernels) const GROUP: usize = 32;
 
 /// Widens the 32 bf16 at `p` to (even elements, odd elements) as f32.
 ///
@@ -60,12 +22,6 @@ unsafe fn split32(p: *const u8) -> (__m512, __m512) {
     let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x));
     let odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536)));
     (even, odd)
-}
-
-/// Bytes of `T`'s storage as a pointer to bytes (the bf16 bit patterns).
-#[inline(always)]
-fn bytes<T: Element>(x: &[T]) -> *const u8 {
-    x.as_ptr().cast()
 }
 
 /// The 16 lanes of `a` folded to 8.
@@ -121,10 +77,10 @@ unsafe fn score_block<const TOK: usize>(
 /// Four tokens at a time, then one at a time.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `applies::<T>(hd)` holds.
+/// The CPU has AVX-512F; `applies::<T>(hd, GROUP)` holds.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn scores4<T: Element>(
+pub(in crate::kernels) unsafe fn scores4<T: Element>(
     q: &[f32],
     k: &[T],
     hd: usize,
@@ -159,10 +115,16 @@ pub(super) unsafe fn scores4<T: Element>(
 /// [`super::math::Simd::scores1`] for bf16 storage: `q` is in split order.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `applies::<T>(hd)` holds.
+/// The CPU has AVX-512F; `applies::<T>(hd, GROUP)` holds.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
+pub(in crate::kernels) unsafe fn scores1<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+) {
     assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
     let (qp, kp) = (q.as_ptr(), bytes(k));
     for (t, st) in s[..n].iter_mut().enumerate() {
@@ -187,10 +149,10 @@ pub(super) unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize
 /// accumulators), then a last group of 32. Each stored vector is loaded and widened once.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `applies::<T>(hd)` holds.
+/// The CPU has AVX-512F; `applies::<T>(hd, GROUP)` holds.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn accumulate<T: Element, const R: usize>(
+pub(in crate::kernels) unsafe fn accumulate<T: Element, const R: usize>(
     acc: &mut [f32],
     p: [&[f32]; R],
     v: &[T],
@@ -265,18 +227,6 @@ unsafe fn span<const R: usize, const G: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn split_order_round_trips() {
-        let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
-        let mut y = x.clone();
-        to_split_order(&mut y);
-        assert_eq!(&y[..4], &[0.0, 2.0, 4.0, 6.0]);
-        assert_eq!(&y[16..18], &[1.0, 3.0]);
-        assert_eq!(&y[32..34], &[32.0, 34.0]);
-        from_split_order(&mut y);
-        assert_eq!(x, y);
-    }
 
     #[test]
     fn split32_widens_even_and_odd_exactly() {
