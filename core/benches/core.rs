@@ -1,7 +1,7 @@
 //! Benchmarks of the core, each beside a baseline measured in the same run.
 //!
 //! Run with `cargo bench -p kvpage-core`. Criterion measures every pair; at the end a table
-//! prints each figure, its baseline and the ratio, read back from criterion's estimates.
+//! prints each figure (criterion's median), its baseline and the ratio, read back from its estimates.
 //! Operations that need a reset between timed calls use `iter_custom` and time only the
 //! operation itself.
 
@@ -320,14 +320,15 @@ fn worst_case(c: &mut Criterion) {
     g.finish();
 }
 
-/// Mean time of one criterion benchmark in nanoseconds, read from its estimates file.
-fn mean_ns(group: &str, id: &str) -> Option<f64> {
+/// Median time of one criterion benchmark in nanoseconds, read from its estimates file
+/// (the median: a few samples slowed by other jobs on a shared machine move the mean).
+fn median_ns(group: &str, id: &str) -> Option<f64> {
     let dir = std::env::var("CARGO_TARGET_DIR")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target").to_string());
     let path = format!("{dir}/criterion/{group}/{id}/new/estimates.json");
     let text = std::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    v["mean"]["point_estimate"].as_f64()
+    v["median"]["point_estimate"].as_f64()
 }
 
 fn report() {
@@ -401,7 +402,7 @@ fn report() {
         "benchmark", "kvpage ns", "baseline ns", "ratio"
     );
     for (name, group, ours, base, target) in rows {
-        match (mean_ns(group, ours), mean_ns(group, base)) {
+        match (median_ns(group, ours), median_ns(group, base)) {
             (Some(o), Some(b)) => {
                 println!("{name:<38} {o:>12.2} {b:>12.2} {:>8.2}  {target}", o / b)
             }
