@@ -34,7 +34,7 @@ fn op(universe: u32) -> impl Strategy<Value = Op> {
 }
 
 fn case() -> impl Strategy<Value = (u32, bool, Vec<Op>)> {
-    let max: u32 = if cfg!(miri) { 1_100 } else { 40_000 };
+    let max: u32 = if cfg!(miri) { 1_200 } else { 40_000 };
     prop_oneof![1..64u32, 64..1_100u32, 1_100..max].prop_flat_map(|u| {
         (
             Just(u),
