@@ -45,12 +45,11 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{fill, numeric_args, shuffled_arena, stats};
+use common::{fill, numeric_args, shuffled_arena, stats, timed_paged, PagedCall};
 use kvpage::kernels::{
-    contiguous_attention, paged_attention, AttentionParams, BlockTable, ContiguousKv, SeqQuery,
-    WorkerPool,
+    contiguous_attention, AttentionParams, BlockTable, ContiguousKv, Executor, SeqQuery, WorkerPool,
 };
-use kvpage::{f16, Element, Geometry, KvLayout};
+use kvpage::{f16, Element, Geometry};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -60,23 +59,6 @@ const KV_HEADS: u32 = 8;
 const Q_HEADS: u32 = 32;
 const HEAD_DIM: u32 = 128;
 const ITERS: usize = 15;
-
-/// Time of one paged-attention call over layer 0 (its output kept alive).
-fn timed_paged<T: Element>(
-    layout: &KvLayout,
-    arena: &[T],
-    table: BlockTable<'_>,
-    seqs: &[SeqQuery],
-    q: &[f32],
-    out: &mut [f32],
-    params: AttentionParams<'_>,
-) -> Duration {
-    let t = Instant::now();
-    paged_attention(layout, arena, 0, table, seqs, q, out, params).expect("paged");
-    let elapsed = t.elapsed();
-    black_box(&*out);
-    elapsed
-}
 
 /// Plain streaming read: wrapping sum of the buffer's u64 words, one chunk per thread of
 /// `pool`.
@@ -206,36 +188,9 @@ const OVERHEAD_ITERS: usize = 301;
 /// Prints medians and bests in µs.
 fn call_overhead<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let threads = pool.threads();
-    let block_size = 16;
-    let blocks = context.div_ceil(block_size);
-    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, block_size, T::DTYPE).expect("geometry");
-    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
-    let table = BlockTable {
-        table: &physical,
-        stride: blocks,
-    };
-    let seqs = [SeqQuery::decode(0, context)];
-    let q: Vec<f32> = (0..Q_HEADS * HEAD_DIM)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let mut out = vec![0.0f32; q.len()];
-    let params = |pool| AttentionParams {
-        q_heads: Q_HEADS,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        pool,
-    };
-    let (many, one) = (params(Some(pool)), params(None));
-    let mut call = |params| {
-        timed_paged(
-            &layout,
-            arena.as_slice::<T>(),
-            table,
-            &seqs,
-            &q,
-            &mut out,
-            params,
-        )
-    };
+    let mut paged = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, 16, Q_HEADS, 1, context, 1, rng);
+    let mut call = |pool: Option<&WorkerPool>| paged.time(pool.map(|p| p as &dyn Executor));
+    let (many, one) = (Some(pool), None);
     let (mut with_threads, mut alone) = (Vec::new(), Vec::new());
     for i in 0..OVERHEAD_ITERS + 10 {
         let (a, b) = (call(many), call(one));

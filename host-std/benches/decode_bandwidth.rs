@@ -21,11 +21,9 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{numeric_args, shuffled_arena, stats};
-use kvpage::kernels::{
-    instruction_path, paged_attention, AttentionParams, BlockTable, SeqQuery, WorkerPool,
-};
-use kvpage::{bf16, f16, Element, Geometry};
+use common::{numeric_args, stats, PagedCall};
+use kvpage::kernels::{instruction_path, WorkerPool};
+use kvpage::{bf16, f16, Element};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -81,42 +79,12 @@ fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
 /// One (context, dtype) row: median decode time, its bandwidth, and the probe's.
 fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let seqs = (TOKENS_PER_CALL / context).max(1);
-    let blocks_per_seq = context.div_ceil(BLOCK);
-    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
-    let (layout, arena, physical) = shuffled_arena::<T>(geometry, seqs * blocks_per_seq, rng);
-    let table = BlockTable {
-        table: &physical,
-        stride: blocks_per_seq,
-    };
-    let queries: Vec<SeqQuery> = (0..seqs).map(|s| SeqQuery::decode(s, context)).collect();
-    let q: Vec<f32> = (0..seqs * Q_HEADS * HEAD_DIM)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let mut out = vec![0.0f32; q.len()];
-    let params = AttentionParams {
-        q_heads: Q_HEADS,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        pool: Some(pool),
-    };
-    let bytes = arena.as_bytes();
+    let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, seqs, context, 1, rng);
     let (mut kernel, mut probe) = (Vec::new(), Vec::new());
     for i in 0..ITERS + 2 {
+        let tk = call.time(Some(pool));
         let t = Instant::now();
-        paged_attention(
-            &layout,
-            arena.as_slice::<T>(),
-            0,
-            table,
-            &queries,
-            &q,
-            &mut out,
-            params,
-        )
-        .expect("decode");
-        let tk = t.elapsed();
-        black_box(&out);
-        let t = Instant::now();
-        black_box(read_probe(black_box(bytes), pool));
+        black_box(read_probe(black_box(call.bytes()), pool));
         let tp = t.elapsed();
         if i >= 2 {
             kernel.push(tk);
@@ -124,11 +92,12 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
         }
     }
     let ((k, k_best), (p, p_best)) = (stats(kernel), stats(probe));
-    let gbs = |d: Duration| bytes.len() as f64 / d.as_secs_f64() / 1e9;
+    let bytes = call.bytes().len() as f64;
+    let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
     println!(
         "{:<5} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}%",
         format!("{:?}", T::DTYPE),
-        bytes.len() as f64 / (1 << 20) as f64,
+        bytes / (1 << 20) as f64,
         k.as_secs_f64() * 1e3,
         gbs(k),
         gbs(p),
@@ -142,45 +111,10 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
 /// way. A kernel is bound by memory only while this rate per thread, times the threads,
 /// is well above the probe's bandwidth.
 fn in_cache<T: Element>(rng: &mut StdRng) {
-    let context = 256;
-    let blocks = context / BLOCK;
-    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
-    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
-    let table = BlockTable {
-        table: &physical,
-        stride: blocks,
-    };
-    let queries = [SeqQuery::decode(0, context)];
-    let q: Vec<f32> = (0..Q_HEADS * HEAD_DIM)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let mut out = vec![0.0f32; q.len()];
-    let params = AttentionParams {
-        q_heads: Q_HEADS,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        pool: None,
-    };
-    let mut times = Vec::new();
-    for i in 0..1010 {
-        let t = Instant::now();
-        paged_attention(
-            &layout,
-            arena.as_slice::<T>(),
-            0,
-            table,
-            &queries,
-            &q,
-            &mut out,
-            params,
-        )
-        .expect("decode");
-        if i >= 10 {
-            times.push(t.elapsed());
-        }
-        black_box(&out);
-    }
+    let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, 256, 1, rng);
+    let times: Vec<Duration> = (0..1010).map(|_| call.time(None)).skip(10).collect();
     let (m, best) = stats(times);
-    let bytes = arena.as_bytes().len() as f64;
+    let bytes = call.bytes().len() as f64;
     println!(
         "  {:<5} {:>8.1} µs per call, {:>6.2} GB/s of K/V per thread (best {:.2})",
         format!("{:?}", T::DTYPE),
@@ -285,46 +219,12 @@ fn fma_peak() -> f64 {
 /// just before.
 fn prefill<T: Element>(pool: &WorkerPool, peak: f64, rng: &mut StdRng) {
     let (context, queries) = (2048u32, 512u32);
-    let blocks = context / BLOCK;
-    let geometry = Geometry::new(1, KV_HEADS, HEAD_DIM, BLOCK, T::DTYPE).expect("geometry");
-    let (layout, arena, physical) = shuffled_arena::<T>(geometry, blocks, rng);
-    let table = BlockTable {
-        table: &physical,
-        stride: blocks,
-    };
-    let seqs = [SeqQuery {
-        row: 0,
-        context_len: context,
-        queries,
-    }];
-    let q: Vec<f32> = (0..queries * Q_HEADS * HEAD_DIM)
-        .map(|_| rng.random_range(-1.0f32..1.0))
+    let mut call =
+        PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, context, queries, rng);
+    let times: Vec<Duration> = (0..ITERS + 2)
+        .map(|_| call.time(Some(pool)))
+        .skip(2)
         .collect();
-    let mut out = vec![0.0f32; q.len()];
-    let params = AttentionParams {
-        q_heads: Q_HEADS,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-        pool: Some(pool),
-    };
-    let mut times = Vec::new();
-    for i in 0..ITERS + 2 {
-        let t = Instant::now();
-        paged_attention(
-            &layout,
-            arena.as_slice::<T>(),
-            0,
-            table,
-            &seqs,
-            &q,
-            &mut out,
-            params,
-        )
-        .expect("prefill");
-        if i >= 2 {
-            times.push(t.elapsed());
-        }
-        black_box(&out);
-    }
     let (m, _) = stats(times);
     let visible: u64 = (0..u64::from(queries))
         .map(|i| u64::from(context - queries) + i + 1)

@@ -3,8 +3,10 @@
 //! numbers given on the command line.
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
 
+use kvpage::kernels::{paged_attention, AttentionParams, BlockTable, Executor, SeqQuery};
 use kvpage::{Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -55,4 +57,109 @@ pub fn shuffled_arena<T: Element>(
     let mut physical: Vec<u32> = (0..blocks).collect();
     physical.shuffle(rng);
     (layout, arena, physical)
+}
+
+/// Time of one paged-attention call over layer 0 (its output kept alive).
+pub fn timed_paged<T: Element>(
+    layout: &KvLayout,
+    arena: &[T],
+    table: BlockTable<'_>,
+    seqs: &[SeqQuery],
+    q: &[f32],
+    out: &mut [f32],
+    params: AttentionParams<'_>,
+) -> Duration {
+    let t = Instant::now();
+    paged_attention(layout, arena, 0, table, seqs, q, out, params).expect("paged");
+    let elapsed = t.elapsed();
+    black_box(&*out);
+    elapsed
+}
+
+/// One paged-attention call set up to be timed again and again: one layer of `kv_heads`
+/// heads of `head_dim` in storage `T`, blocks of `block_size` tokens in shuffled
+/// physical order filled with random K/V; `seqs` sequences of `context` tokens whose last
+/// `queries` are new, with random queries in [-1, 1) for `q_heads` query heads.
+pub struct PagedCall<T> {
+    layout: KvLayout,
+    arena: Arena,
+    physical: Vec<u32>,
+    stride: u32,
+    seqs: Vec<SeqQuery>,
+    q: Vec<f32>,
+    out: Vec<f32>,
+    q_heads: u32,
+    head_dim: u32,
+    _storage: core::marker::PhantomData<T>,
+}
+
+impl<T: Element> PagedCall<T> {
+    /// Builds the arena, table and queries. Shapes: see the type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kv_heads: u32,
+        head_dim: u32,
+        block_size: u32,
+        q_heads: u32,
+        seqs: u32,
+        context: u32,
+        queries: u32,
+        rng: &mut StdRng,
+    ) -> Self {
+        let stride = context.div_ceil(block_size);
+        let geometry =
+            Geometry::new(1, kv_heads, head_dim, block_size, T::DTYPE).expect("geometry");
+        let (layout, arena, physical) = shuffled_arena::<T>(geometry, seqs * stride, rng);
+        let seqs: Vec<SeqQuery> = (0..seqs)
+            .map(|row| SeqQuery {
+                row,
+                context_len: context,
+                queries,
+            })
+            .collect();
+        let q: Vec<f32> = (0..seqs.len() as u32 * queries * q_heads * head_dim)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let out = vec![0.0f32; q.len()];
+        Self {
+            layout,
+            arena,
+            physical,
+            stride,
+            seqs,
+            q,
+            out,
+            q_heads,
+            head_dim,
+            _storage: core::marker::PhantomData,
+        }
+    }
+
+    /// Time of one call on `pool` (`None`: the calling thread alone).
+    pub fn time(&mut self, pool: Option<&dyn Executor>) -> Duration {
+        let table = BlockTable {
+            table: &self.physical,
+            stride: self.stride,
+        };
+        let params = AttentionParams {
+            q_heads: self.q_heads,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+            pool,
+        };
+        let arena = self.arena.as_slice::<T>();
+        timed_paged(
+            &self.layout,
+            arena,
+            table,
+            &self.seqs,
+            &self.q,
+            &mut self.out,
+            params,
+        )
+    }
+
+    /// The arena's bytes: the K/V a decode reads.
+    pub fn bytes(&self) -> &[u8] {
+        self.arena.as_bytes()
+    }
 }

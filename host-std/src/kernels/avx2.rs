@@ -88,9 +88,7 @@ impl Simd for Avx2 {
         if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
             unsafe { lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
         } else {
-            let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
-            unsafe { accumulate2(a01, p[0], p[1], v, hd, n) };
-            unsafe { accumulate2(a23, p[2], p[3], v, hd, n) };
+            math::accumulate4_by_pairs(self, acc, p, v, hd, n);
         }
     }
     #[inline(always)]

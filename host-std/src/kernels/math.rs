@@ -46,9 +46,7 @@ pub(crate) trait Simd: Copy {
         hd: usize,
         n: usize,
     ) {
-        let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
-        self.accumulate2(a01, p[0], p[1], v, hd, n);
-        self.accumulate2(a23, p[2], p[3], v, hd, n);
+        accumulate4_by_pairs(self, acc, p, v, hd, n);
     }
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
@@ -71,6 +69,22 @@ pub(crate) trait Simd: Copy {
     fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32;
     /// `x[i] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
+}
+
+/// [`Simd::accumulate4`] as two [`Simd::accumulate2`] calls (rows 0-1, then 2-3). O(n ×
+/// hd).
+#[inline(always)]
+pub(crate) fn accumulate4_by_pairs<V: Simd, T: Element>(
+    simd: V,
+    acc: &mut [f32],
+    p: [&[f32]; 4],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
+    simd.accumulate2(a01, p[0], p[1], v, hd, n);
+    simd.accumulate2(a23, p[2], p[3], v, hd, n);
 }
 
 /// The portable implementation (any CPU): widens one token at a time into a stack
