@@ -10,7 +10,8 @@
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
 //!   a [`WorkerPool`] of threads started once (a cache owns one); re-rotation of stored
 //!   keys by a position delta ([`RopeParams`]) for a context shift.
-//!   a [`WorkerPool`] of threads started once (a cache owns one).
+//! - [`quant`]: 8-bit codes with scales (int8, FP8 E4M3), reference codecs for the
+//!   quantized storage to come.
 //! - [`persist`]: save a sequence (token ids, positions, K/V blocks) into a buffer or a
 //!   file and restore it into any free blocks of a cache of the same geometry and model.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
@@ -69,6 +70,7 @@ pub mod kernels;
 pub mod persist;
 #[cfg(feature = "events-zmq")]
 pub mod publish;
+pub mod quant;
 mod shared;
 mod tables;
 

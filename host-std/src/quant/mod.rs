@@ -1,0 +1,148 @@
+//! 8-bit codes for K/V with scales: the codecs and the scale granularities, as plain
+//! reference functions (no kernel uses them yet). They back the measurement that picks
+//! the storage layout of quantized blocks (`cargo bench -p kvpage --bench kv_quant_error`).
+//!
+//! A value `x` is stored as a code `c` and a scale `s` shared by a group of values:
+//! `x ≈ s · decode(c)`. The scale maps the group's largest magnitude onto the code's
+//! largest (127 for [`Code::Int8`], 448 for [`Code::Fp8E4m3`]), so nothing clips.
+
+pub mod fp8;
+
+/// An 8-bit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    /// Symmetric integers −127..=127 (−128 unused, so the range is symmetric).
+    Int8,
+    /// FP8 E4M3 ([`fp8`]).
+    Fp8E4m3,
+}
+
+impl Code {
+    /// The largest magnitude a code holds.
+    pub const fn max(self) -> f32 {
+        match self {
+            Self::Int8 => 127.0,
+            Self::Fp8E4m3 => fp8::MAX,
+        }
+    }
+
+    /// The code of `x / scale` (nearest; saturating). `scale > 0`. O(1).
+    pub fn encode(self, x: f32, scale: f32) -> u8 {
+        let y = x / scale;
+        match self {
+            Self::Int8 => {
+                let r = y.round().clamp(-127.0, 127.0);
+                // NaN rounds to 0 under the `as` conversion below; a NaN in the cache is
+                // a caller's bug that the float dtypes would keep, so keep it visible.
+                if y.is_nan() {
+                    return 0x80;
+                }
+                (r as i8) as u8
+            }
+            Self::Fp8E4m3 => fp8::encode(y),
+        }
+    }
+
+    /// The value of `code` before scaling (NaN for the NaN codes, −128 for Int8's
+    /// unused code, which [`Code::encode`] writes only for NaN input). O(1).
+    pub fn decode(self, code: u8) -> f32 {
+        match self {
+            Self::Int8 if code == 0x80 => f32::NAN,
+            Self::Int8 => f32::from(code as i8),
+            Self::Fp8E4m3 => fp8::decode(code),
+        }
+    }
+
+    /// The scale for a group whose largest magnitude is `absmax`: `absmax / max`, or 1
+    /// for an all-zero (or non-finite) group. O(1).
+    pub fn scale_for(self, absmax: f32) -> f32 {
+        if absmax > 0.0 && absmax.is_finite() {
+            absmax / self.max()
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Quantizes `x` in groups of `group` consecutive values (the last may be shorter),
+/// each group with its own scale: `codes[i]` and `scales[i / group]`. O(x.len()).
+///
+/// # Panics
+/// If `codes` is shorter than `x` or `scales` than the number of groups, or `group`
+/// is zero (a caller's sizing error in this reference code, not data).
+pub fn quantize(code: Code, x: &[f32], group: usize, codes: &mut [u8], scales: &mut [f32]) {
+    for (g, chunk) in x.chunks(group).enumerate() {
+        let absmax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let s = code.scale_for(absmax);
+        scales[g] = s;
+        for (c, &v) in codes[g * group..].iter_mut().zip(chunk) {
+            *c = code.encode(v, s);
+        }
+    }
+}
+
+/// Inverse of [`quantize`]: `out[i] = scales[i / group] · decode(codes[i])`. O(out.len()).
+pub fn dequantize(code: Code, codes: &[u8], scales: &[f32], group: usize, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = scales[i / group] * code.decode(codes[i]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_error_is_at_most_half_a_step() {
+        let x: Vec<f32> = (0..300)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173)
+            .collect();
+        for group in [1, 7, 32, 300] {
+            let (mut c, mut s) = (vec![0u8; 300], vec![0.0f32; 300]);
+            quantize(Code::Int8, &x, group, &mut c, &mut s);
+            let mut y = vec![0.0f32; 300];
+            dequantize(Code::Int8, &c, &s, group, &mut y);
+            for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+                let step = s[i / group];
+                assert!(
+                    (a - b).abs() <= 0.5 * step * (1.0 + 1e-4),
+                    "{i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_relative_error_is_within_the_mantissa() {
+        let x: Vec<f32> = (1..500).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let (mut c, mut s) = (vec![0u8; x.len()], vec![0.0f32; x.len()]);
+        quantize(Code::Fp8E4m3, &x, 1, &mut c, &mut s);
+        let mut y = vec![0.0f32; x.len()];
+        dequantize(Code::Fp8E4m3, &c, &s, 1, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            // A group of one: the value maps onto ±448 exactly.
+            assert!((a - b).abs() <= a.abs() * 1e-6, "{a} vs {b}");
+        }
+        quantize(Code::Fp8E4m3, &x, 64, &mut c, &mut s);
+        dequantize(Code::Fp8E4m3, &c, &s, 64, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            // Normal codes keep 3 mantissa bits: relative error at most 2^-4; values
+            // in the subnormal range (tiny against their group) lose more, absolutely
+            // bounded by half the smallest step.
+            let bound = (a.abs() / 16.0).max(s[0] * 2f32.powi(-10));
+            assert!((a - b).abs() <= bound * 1.0001 + 1e-7, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn zero_and_nan_groups() {
+        let (mut c, mut s) = ([0u8; 4], [0.0f32; 2]);
+        quantize(Code::Int8, &[0.0, 0.0, f32::NAN, 1.0], 2, &mut c, &mut s);
+        assert_eq!(s[0], 1.0);
+        assert_eq!(&c[..2], &[0, 0]);
+        let mut y = [0.0f32; 4];
+        dequantize(Code::Int8, &c, &s, 2, &mut y);
+        assert!(y[2].is_nan(), "NaN stays visible");
+        assert_eq!(y[3], 1.0);
+    }
+}
