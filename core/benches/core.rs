@@ -255,6 +255,56 @@ fn release(c: &mut Criterion) {
     g.finish();
 }
 
+/// A 4096-token prompt through the prefix cache when nothing of it is cached: the lookup
+/// misses, 256 blocks are allocated and their slots written, and the commit hashes and
+/// registers every full block; against hashing the prompt once with std's SipHash.
+fn prompt_miss(c: &mut Criterion) {
+    let config = LONG_SEQS;
+    let mut storage = manager_storage(&config);
+    let mut kv = BlockManager::new(config, &mut storage).unwrap();
+    let mut slots = vec![0u32; 4096];
+    let mut round = 0u32;
+    let mut g = c.benchmark_group("prompt_miss_4096_tokens");
+    g.bench_function("paged", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                // A prompt no earlier round registered (its first token differs).
+                round = round.wrapping_add(1);
+                let prompt: Vec<u32> = (0..4096u32)
+                    .map(|i| {
+                        if i == 0 {
+                            round
+                        } else {
+                            i.wrapping_mul(2_654_435_761) % 32_000
+                        }
+                    })
+                    .collect();
+                let t = Instant::now();
+                let hit = kv
+                    .create_with_prompt(0, black_box(&prompt), &mut slots)
+                    .unwrap();
+                kv.commit(hit.seq, 4096).unwrap();
+                total += t.elapsed();
+                assert_eq!(hit.reused_tokens, 0);
+                kv.release(hit.seq).unwrap();
+                kv.evict_cached(u32::MAX);
+            }
+            total
+        })
+    });
+    let prompt: Vec<u32> = (0..4096u32).collect();
+    g.bench_function("siphash_prompt", |b| {
+        b.iter(|| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            black_box(&prompt).hash(&mut h);
+            h.finish()
+        })
+    });
+    g.finish();
+}
+
 /// Prefix lookup of a fully cached 4096-token prompt (255 blocks reused, 16 tokens
 /// appended) against hashing the prompt once with std's SipHash.
 fn prefix_lookup(c: &mut Criterion) {
@@ -383,6 +433,13 @@ fn report() {
             "<= 4096 ns (1 ns/token)",
         ),
         (
+            "new 4096-token prompt, prefix cache on",
+            "prompt_miss_4096_tokens",
+            "paged",
+            "siphash_prompt",
+            "<= 20000 ns",
+        ),
+        (
             "prefix lookup 4096-token prompt",
             "prefix_lookup_4096_tokens",
             "paged",
@@ -414,7 +471,7 @@ fn report() {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = alloc_free, append, append_prompt, fork, release, prefix_lookup, worst_case
+    targets = alloc_free, append, append_prompt, fork, release, prompt_miss, prefix_lookup, worst_case
 }
 
 fn main() {
