@@ -2,9 +2,11 @@
 //!
 //! Block-major layout (the design document's, shared with every backend): block `b` is
 //! the element range `[b * elems_per_block, (b + 1) * elems_per_block)` and holds
-//! `[layer][k|v][kv_head][token_in_block][head_dim]`. A kernel for one layer and one KV
-//! head therefore reads one contiguous `[token][head_dim]` tile per block, and a
-//! copy-on-write or swap of a block is a single range copy covering all layers.
+//! `[layer][k|v][kv_head]` tiles of `[token_in_block][head_dim]` elements (for the 8-bit
+//! dtypes followed by the tile's `[token_in_block]` f32 scales, 4 one-byte elements
+//! each). A kernel for one layer and one KV head therefore reads one contiguous tile per
+//! block, and a copy-on-write or swap of a block is a single range copy covering all
+//! layers, scales included.
 //!
 //! The arena starts 64-byte aligned (a cache line, and the width of an AVX-512 load);
 //! a block starts aligned whenever `bytes_per_block` is a multiple of 64, which holds for
@@ -92,13 +94,18 @@ impl KvLayout {
     pub const fn num_slots(&self) -> u64 {
         self.num_blocks as u64 * self.geometry.block_size() as u64
     }
-    /// Elements of one `[token][head_dim]` tile (`block_size * head_dim`).
+    /// Elements of one tile ([`Geometry::tile_elems`]: `block_size * head_dim` values,
+    /// then `block_size * 4` scale elements for the 8-bit dtypes).
     pub const fn tile_elems(&self) -> usize {
+        self.geometry.tile_elems() as usize
+    }
+    /// Element offset, inside a tile, of its per-token scales: `block_size * head_dim`
+    /// (meaningful for the 8-bit dtypes only). O(1).
+    pub const fn scales_offset(&self) -> usize {
         self.geometry.block_size() as usize * self.geometry.head_dim() as usize
     }
     /// Elements of one block ([`Geometry::elems_per_block`]:
-    /// `2 * layers * kv_heads * block_size * head_dim`), as a `usize` (lossless by the
-    /// invariant).
+    /// `2 * layers * kv_heads * tile_elems`), as a `usize` (lossless by the invariant).
     pub const fn elems_per_block(&self) -> usize {
         self.geometry.elems_per_block() as usize
     }

@@ -1,4 +1,6 @@
-//! Storage element types of the KV arena: `f32`, [`half::f16`] and [`half::bf16`].
+//! Storage element types of the KV arena: `f32`, [`half::f16`], [`half::bf16`], and the
+//! 8-bit codes [`Int8`] and [`Fp8E4m3`], whose values carry a scale per token and head
+//! stored beside them in the tile (see [`kvpage_core::DType::is_scaled`]).
 //!
 //! Kernels are generic over [`Element`]; they widen a tile of stored elements into an
 //! `f32` scratch buffer once and do all arithmetic in `f32`. The trait is sealed: the
@@ -6,6 +8,8 @@
 //! types whose every bit pattern is valid, so only the three types here implement it.
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use crate::quant::{fp8, Code};
 
 mod sealed {
     /// Which of the three storage types an element is, for SIMD loads that convert
@@ -18,9 +22,13 @@ mod sealed {
         F16,
         /// `half::bf16`.
         Bf16,
+        /// [`super::Int8`].
+        Int8,
+        /// [`super::Fp8E4m3`].
+        Fp8E4m3,
     }
 
-    /// Implemented only for `f32`, `f16` and `bf16`.
+    /// Implemented only for `f32`, `f16`, `bf16`, `Int8` and `Fp8E4m3`.
     ///
     /// # Safety
     /// The implementor has no padding, every bit pattern is a valid value, its
@@ -41,11 +49,21 @@ mod sealed {
     unsafe impl Pod for half::bf16 {
         const KIND: Kind = Kind::Bf16;
     }
+    // SAFETY: `Int8` is `repr(transparent)` over `i8`.
+    unsafe impl Pod for super::Int8 {
+        const KIND: Kind = Kind::Int8;
+    }
+    // SAFETY: `Fp8E4m3` is `repr(transparent)` over `u8`.
+    unsafe impl Pod for super::Fp8E4m3 {
+        const KIND: Kind = Kind::Fp8E4m3;
+    }
 }
 
 pub(crate) use sealed::{Kind, Pod};
 
-/// A storage type of the KV arena. Sealed: implemented for `f32`, `f16` and `bf16`.
+/// A storage type of the KV arena. Sealed: implemented for `f32`, `f16`, `bf16`,
+/// [`Int8`] and [`Fp8E4m3`]. For the two 8-bit codes the conversions below are those of
+/// the bare code, without its scale: the kernels apply the scales stored in the tile.
 pub trait Element: Pod + Default + PartialEq + core::fmt::Debug {
     /// The core's name for this storage type.
     const DTYPE: kvpage_core::DType;
@@ -157,6 +175,84 @@ impl Element for bf16 {
     }
 }
 
+/// The bytes of `x`. O(1). Sound for every [`Element`]: plain old data, no padding.
+pub(crate) fn bytes_of<T: Element>(x: &[T]) -> &[u8] {
+    // SAFETY: `T: Pod` has no padding and no invalid bit patterns (its contract), so
+    // its memory is `size_of_val(x)` initialised bytes; `u8` has alignment 1.
+    unsafe { core::slice::from_raw_parts(x.as_ptr().cast::<u8>(), core::mem::size_of_val(x)) }
+}
+
+/// The bytes of `x`, writable. O(1). Sound for every [`Element`]: every bit pattern is
+/// a valid value, so any bytes written leave valid elements.
+pub(crate) fn bytes_of_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
+    let len = core::mem::size_of_val(x);
+    // SAFETY: as in `bytes_of`, and every byte pattern is a valid `T`; the borrow is
+    // unique.
+    unsafe { core::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), len) }
+}
+
+/// An 8-bit integer code (−127..=127) of [`kvpage_core::DType::Int8`] storage: the value
+/// is the code times its row's scale.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Int8(pub i8);
+
+/// An FP8 E4M3 code ([`crate::quant::fp8`]) of [`kvpage_core::DType::Fp8E4m3`] storage:
+/// the value is the decoded code times its row's scale.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Fp8E4m3(pub u8);
+
+impl Element for Int8 {
+    const DTYPE: kvpage_core::DType = kvpage_core::DType::Int8;
+    /// The nearest code, saturating at ±127 (NaN: the unused code −128).
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        Self(Code::Int8.encode(x, 1.0) as i8)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f32::from(self.0)
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from(s.0);
+        }
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s);
+        }
+    }
+}
+
+impl Element for Fp8E4m3 {
+    const DTYPE: kvpage_core::DType = kvpage_core::DType::Fp8E4m3;
+    /// The nearest code, saturating at ±448; NaN stays NaN.
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        Self(fp8::encode(x))
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        fp8::decode(self.0)
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = fp8::decode(s.0);
+        }
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self(fp8::encode(s));
+        }
+    }
+}
+
 /// f16 ↔ f32 with the F16C instruction set, 8 elements per instruction.
 #[cfg(target_arch = "x86_64")]
 mod f16c {
@@ -237,6 +333,14 @@ macro_rules! for_dtype {
             }
             kvpage_core::DType::Bf16 => {
                 type $t = half::bf16;
+                $body
+            }
+            kvpage_core::DType::Int8 => {
+                type $t = $crate::dtype::Int8;
+                $body
+            }
+            kvpage_core::DType::Fp8E4m3 => {
+                type $t = $crate::dtype::Fp8E4m3;
                 $body
             }
         }

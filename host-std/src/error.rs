@@ -147,6 +147,13 @@ pub enum KernelError {
         /// One past the last token index.
         end: u32,
     },
+    /// An operation that cannot keep the per-token scales of 8-bit storage
+    /// ([`DType::is_scaled`]): writing codes as they are (write from `f32` instead) or
+    /// the contiguous baseline kernel, whose layout has no scales.
+    ScaledStorage {
+        /// The storage dtype.
+        dtype: DType,
+    },
 }
 
 impl fmt::Display for KernelError {
@@ -219,6 +226,10 @@ impl fmt::Display for KernelError {
                 )
             }
             Self::Rope(e) => write!(f, "rotary embedding: {e}"),
+            Self::ScaledStorage { dtype } => write!(
+                f,
+                "{dtype:?} storage keeps a scale per token and head: write it from f32 values"
+            ),
             Self::BadTokenRange { first, end } => {
                 write!(f, "token range {first}..{end} is reversed")
             }

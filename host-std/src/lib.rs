@@ -10,8 +10,8 @@
 //!   attention with GQA, block copies — functions over plain slices; attention runs on
 //!   a [`WorkerPool`] of threads started once (a cache owns one); re-rotation of stored
 //!   keys by a position delta ([`RopeParams`]) for a context shift.
-//! - [`quant`]: 8-bit codes with scales (int8, FP8 E4M3), reference codecs for the
-//!   quantized storage to come.
+//! - [`quant`]: the 8-bit codes (int8, FP8 E4M3) of the scaled storage dtypes, whose
+//!   tiles keep one `f32` scale per token and head after the codes.
 //! - [`persist`]: save a sequence (token ids, positions, K/V blocks) into a buffer or a
 //!   file and restore it into any free blocks of a cache of the same geometry and model.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
@@ -79,7 +79,7 @@ pub use cache::{
     CacheConfig, CacheError, CacheEvent, Capacity, Drained, EventBatch, KvCache, PromptSeq, Seq,
     StoredEvent, CACHE_NAMESPACES,
 };
-pub use dtype::Element;
+pub use dtype::{Element, Fp8E4m3, Int8};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Buffer, KernelError};
 pub use half::{bf16, f16};

@@ -10,9 +10,10 @@ use kvpage::kernels::{
     contiguous_attention, copy_blocks, paged_attention, write_kv, AttentionParams, BlockTable,
     ContiguousKv, Executor, SeqQuery, WorkerPool,
 };
+use kvpage::quant::{dequantize, quantize, Code};
 use kvpage::{
-    bf16, f16, Arena, BlockCopy, Buffer, DType, Element, Geometry, GeometryError, KernelError,
-    KvLayout,
+    bf16, f16, Arena, BlockCopy, Buffer, DType, Element, Fp8E4m3, Geometry, GeometryError, Int8,
+    KernelError, KvLayout,
 };
 use rand::seq::SliceRandom;
 
@@ -174,6 +175,24 @@ fn check<T: Element>(case: &Case) {
         );
     }
 
+    // 8-bit storage holds each (token, head) row as codes and a scale: the reference
+    // attends over exactly those values (what the codes lose is measured by the
+    // kv_quant_error benchmark, not here).
+    let code = Code::of(T::DTYPE);
+    if let Some(code) = code {
+        for (k, v) in kvs.iter_mut() {
+            for x in [k, v] {
+                let (mut codes, mut scales) = (vec![0u8; x.len()], vec![0.0f32; x.len() / hd]);
+                quantize(code, x, hd, &mut codes, &mut scales);
+                dequantize(code, &codes, &scales, hd, x);
+            }
+        }
+    }
+    let tol = if code.is_some() {
+        1e-5
+    } else {
+        tolerance::<T>()
+    };
     let mut want = Vec::new();
     let mut q0 = 0;
     for (s, (k, v)) in kvs.iter().enumerate() {
@@ -192,12 +211,13 @@ fn check<T: Element>(case: &Case) {
     }
     let err = rel_error(&out, &want);
     assert!(
-        err <= tolerance::<T>(),
+        err <= tol,
         "paged: relative error {err:e} (bs {bs}, {})",
         core::any::type_name::<T>()
     );
 
-    // The contiguous kernel on the same (rounded) values gives the same result.
+    // The contiguous kernel on the same (rounded) values gives the same result; it has
+    // no place for scales, so it refuses 8-bit storage.
     let cap = *case.lens.iter().max().unwrap();
     let mut ck = vec![T::default(); case.lens.len() * kvh * cap * hd];
     let mut cv = ck.clone();
@@ -219,6 +239,13 @@ fn check<T: Element>(case: &Case) {
         head_dim: case.head_dim,
         capacity: cap as u32,
     };
+    if code.is_some() {
+        assert_eq!(
+            contiguous_attention(kv, &seqs, &q, &mut out2, params),
+            Err(KernelError::ScaledStorage { dtype: T::DTYPE })
+        );
+        return;
+    }
     contiguous_attention(kv, &seqs, &q, &mut out2, params).unwrap();
     let err2 = rel_error(&out2, &want);
     assert!(
@@ -231,6 +258,8 @@ fn all_dtypes(case: &Case) {
     check::<f32>(case);
     check::<f16>(case);
     check::<bf16>(case);
+    check::<Int8>(case);
+    check::<Fp8E4m3>(case);
 }
 
 #[test]

@@ -65,7 +65,9 @@ pub enum kvpage_result {
     KVPAGE_ERR_BAD_LAYER = 18,
     /// Query heads are zero or not a multiple of the KV heads.
     KVPAGE_ERR_BAD_HEADS = 19,
-    /// The storage dtype of the cache is not the dtype of the call.
+    /// The storage dtype of the cache is not the dtype of the call, or the call writes
+    /// values as they are into 8-bit storage, whose per-token scales only a write from
+    /// `float` sets.
     KVPAGE_ERR_DTYPE_MISMATCH = 20,
     /// The softmax scale is not finite.
     KVPAGE_ERR_BAD_SCALE = 21,
@@ -609,6 +611,12 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
         }
         KernelError::BadLayout => (KVPAGE_ERR_BAD_CONFIG, 0, 0, 0),
         KernelError::DTypeMismatch { .. } => (KVPAGE_ERR_DTYPE_MISMATCH, 0, 0, 0),
+        KernelError::ScaledStorage { dtype } => (
+            KVPAGE_ERR_DTYPE_MISMATCH,
+            0,
+            0,
+            u64::from(super::geometry::dtype_to_c(dtype)),
+        ),
         KernelError::BadScale => (KVPAGE_ERR_BAD_SCALE, 0, 0, 0),
         KernelError::SlotOutOfRange { slot, slots } => {
             (KVPAGE_ERR_OUT_OF_RANGE, 0, slots, u64::from(slot))

@@ -6,7 +6,7 @@ use super::parallel::DisjointOut;
 use super::pool::{for_each_task, Executor};
 use super::{AttentionParams, BlockTable, SeqQuery, MAX_HEAD_DIM};
 use crate::arena::KvLayout;
-use crate::dtype::Element;
+use crate::dtype::{bytes_of, Element};
 use crate::error::{Buffer, KernelError};
 
 /// Below this many (query row × context token) products a call runs on the calling
@@ -107,7 +107,7 @@ struct PagedSource<'a, T> {
     kv_head: u32,
 }
 
-impl<T> KvSource<T> for PagedSource<'_, T> {
+impl<T: Element> KvSource<T> for PagedSource<'_, T> {
     #[inline(always)]
     fn run(&self, t0: usize) -> usize {
         let bs = self.layout.geometry().block_size() as usize;
@@ -123,6 +123,21 @@ impl<T> KvSource<T> for PagedSource<'_, T> {
             .tile_offset_in_range(block, self.layer, kv as u32, self.kv_head)
             + (t0 % bs) * hd;
         &self.arena[start..start + n * hd]
+    }
+    #[inline(always)]
+    fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
+        let bs = self.layout.geometry().block_size() as usize;
+        let block = self.blocks[t0 / bs];
+        let start = self
+            .layout
+            .tile_offset_in_range(block, self.layer, kv as u32, self.kv_head)
+            + self.layout.scales_offset()
+            + (t0 % bs) * 4;
+        // Scaled elements are one byte each: element offsets are byte offsets.
+        let bytes = &bytes_of(self.arena)[start..start + 4 * n];
+        for (o, b) in out[..n].iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
     }
 }
 

@@ -141,8 +141,26 @@ unsafe fn load8<T: Element>(p: *const T) -> __m256 {
             Kind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
                 _mm_loadu_si128(p.cast()),
             ))),
+            Kind::Int8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
+            Kind::Fp8E4m3 => fp8_8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))),
         }
     }
+}
+
+/// Decodes 8 FP8 E4M3 codes (one per 32-bit lane) to f32, as
+/// [`super::avx512::fp8_16`] does 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn fp8_8(codes: __m256i) -> __m256 {
+    let mag = _mm256_and_si256(codes, _mm256_set1_epi32(0x7F));
+    let value = _mm256_mul_ps(
+        _mm256_castsi256_ps(_mm256_slli_epi32::<20>(mag)),
+        _mm256_set1_ps(f32::from_bits((127 + 120) << 23)),
+    );
+    let nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+    let value = _mm256_blendv_ps(value, _mm256_set1_ps(f32::NAN), nan);
+    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
+    _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign))
 }
 
 /// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.

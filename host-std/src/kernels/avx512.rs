@@ -137,8 +137,30 @@ unsafe fn load16<T: Element>(p: *const T) -> __m512 {
             Kind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
                 _mm256_loadu_si256(p.cast()),
             ))),
+            Kind::Int8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))),
+            Kind::Fp8E4m3 => fp8_16(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()))),
         }
     }
+}
+
+/// Decodes 16 FP8 E4M3 codes (one per 32-bit lane) to f32: the exponent and mantissa
+/// bits shifted into an f32's place and multiplied by 2^120 (which rebiases the exponent
+/// and turns subnormal codes into exact values), then NaN for the NaN codes and the sign.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+pub(super) fn fp8_16(codes: __m512i) -> __m512 {
+    let mag = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
+    let value = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_slli_epi32::<20>(mag)),
+        _mm512_set1_ps(f32::from_bits((127 + 120) << 23)),
+    );
+    let nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
+    let value = _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN));
+    let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign))
 }
 
 /// `a + b` folded to 8 lanes (high half added to the low half).

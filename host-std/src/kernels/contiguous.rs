@@ -42,6 +42,9 @@ pub fn contiguous_attention<T: Element>(
     out: &mut [f32],
     params: AttentionParams<'_>,
 ) -> Result<(), KernelError> {
+    if T::DTYPE.is_scaled() {
+        return Err(KernelError::ScaledStorage { dtype: T::DTYPE });
+    }
     if kv.kv_heads == 0 || kv.head_dim == 0 || kv.capacity == 0 {
         return Err(KernelError::BadLayout);
     }
@@ -96,5 +99,9 @@ impl<T> KvSource<T> for ContiguousSource<'_, T> {
     fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
         let src = if kv == 0 { self.k } else { self.v };
         &src[t0 * self.head_dim..(t0 + n) * self.head_dim]
+    }
+    /// Never called: [`contiguous_attention`] refuses 8-bit storage.
+    fn scales(&self, _kv: usize, _t0: usize, n: usize, out: &mut [f32]) {
+        out[..n].fill(1.0);
     }
 }

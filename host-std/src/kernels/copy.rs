@@ -122,12 +122,25 @@ pub fn move_rows<T: Element>(
     let hd = g.head_dim() as usize;
     let tiles = 2 * g.layers() as usize * g.kv_heads() as usize;
     let (per_block, tile) = (layout.elems_per_block(), layout.tile_elems());
+    // The rows' values, and for 8-bit storage their scales (4 elements per row after
+    // the tile's values).
+    let mut parts = [(0, hd), (layout.scales_offset(), 4)];
+    let parts = if g.dtype().is_scaled() {
+        &mut parts[..]
+    } else {
+        &mut parts[..1]
+    };
     for m in moves {
-        let start = |slot: u32| (slot / bs) as usize * per_block + (slot % bs) as usize * hd;
-        let (src, dst, n) = (start(m.src_slot), start(m.dst_slot), m.count as usize * hd);
-        for t in 0..tiles {
-            let s = src + t * tile;
-            arena.copy_within(s..s + n, dst + t * tile);
+        for &mut (base, per_row) in parts.iter_mut() {
+            let start = |slot: u32| {
+                (slot / bs) as usize * per_block + base + (slot % bs) as usize * per_row
+            };
+            let (src, dst) = (start(m.src_slot), start(m.dst_slot));
+            let n = m.count as usize * per_row;
+            for t in 0..tiles {
+                let s = src + t * tile;
+                arena.copy_within(s..s + n, dst + t * tile);
+            }
         }
     }
     Ok(())

@@ -31,6 +31,9 @@ pub(crate) trait KvSource<T> {
     /// The `[n][head_dim]` keys (`kv == 0`) or values (`kv == 1`) of tokens
     /// `t0..t0 + n`, where `n <= run(t0)`.
     fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T];
+    /// For 8-bit storage: the scales of the same rows into `out[..n]` (stored value =
+    /// scale · code). Only called when `T`'s dtype is scaled.
+    fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]);
 }
 
 /// One task: rows `row0..row0 + rows` of a sequence's `queries * group` query rows
@@ -75,6 +78,8 @@ pub(crate) struct Scratch {
     /// After [`attend`]: the task's output rows, `[rows][head_dim]`.
     pub(crate) acc: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
     s: [f32; MAX_ROWS * MAX_CHUNK],
+    /// The chunk's per-token scales of K and V (8-bit storage).
+    scales: [[f32; MAX_CHUNK]; 2],
     /// One step of K or V tokens widened to f32, when a task has more rows than one
     /// pass of the arithmetic takes (see [`attend_body`]).
     wide: [f32; WIDE_STEP * super::MAX_HEAD_DIM],
@@ -89,6 +94,7 @@ impl Scratch {
             q: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
             acc: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
             s: [0.0; MAX_ROWS * MAX_CHUNK],
+            scales: [[0.0; MAX_CHUNK]; 2],
             wide: [0.0; WIDE_STEP * super::MAX_HEAD_DIM],
             m: [0.0; MAX_ROWS],
             l: [0.0; MAX_ROWS],
@@ -280,6 +286,19 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             pf_k.advance(per_step);
         }
 
+        // 8-bit storage: the scores so far are q · code; times each key's scale, q · k.
+        let scaled = T::DTYPE.is_scaled();
+        if scaled {
+            src.scales(0, t0, n, &mut sc.scales[0]);
+            src.scales(1, t0, n, &mut sc.scales[1]);
+            for j in 0..rows {
+                let s = &mut sc.s[j * MAX_CHUNK..j * MAX_CHUNK + n];
+                for (x, k) in s.iter_mut().zip(&sc.scales[0]) {
+                    *x *= k;
+                }
+            }
+        }
+
         // Online softmax: new running max, weights, rescale what was accumulated.
         for j in 0..rows {
             let vis = visible(sc.limit[j], t0, n);
@@ -297,6 +316,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
                 }
                 sc.m[j] = m_new;
+                if scaled {
+                    // The weights meet codes of V: fold each value's scale into its
+                    // weight (after the sum, which is over the weights themselves).
+                    for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
+                        *w *= v;
+                    }
+                }
             }
             s[vis..n].fill(0.0);
         }
@@ -418,6 +444,8 @@ mod tests {
     struct Flat<T> {
         k: Vec<T>,
         v: Vec<T>,
+        /// Per-token scales of K and V (8-bit storage; ones otherwise).
+        scales: [Vec<f32>; 2],
         hd: usize,
         run: usize,
     }
@@ -429,6 +457,9 @@ mod tests {
         fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
             let src = if kv == 0 { &self.k } else { &self.v };
             &src[t0 * self.hd..(t0 + n) * self.hd]
+        }
+        fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
+            out[..n].copy_from_slice(&self.scales[kv][t0..t0 + n]);
         }
     }
 
@@ -445,8 +476,26 @@ mod tests {
             .collect()
     }
 
-    fn stored<T: Element>(x: &[f32]) -> Vec<T> {
-        x.iter().map(|&v| T::from_f32(v)).collect()
+    /// `x` (`[tokens][hd]`) in storage `T`, and the per-token scales (8-bit storage:
+    /// each row's largest magnitude onto the code's; ones otherwise).
+    fn stored<T: Element>(x: &[f32], hd: usize) -> (Vec<T>, Vec<f32>) {
+        let Some(code) = crate::quant::Code::of(T::DTYPE) else {
+            return (
+                x.iter().map(|&v| T::from_f32(v)).collect(),
+                vec![1.0; x.len() / hd],
+            );
+        };
+        let mut codes = Vec::with_capacity(x.len());
+        let mut scales = Vec::new();
+        for row in x.chunks(hd) {
+            let s = code.scale_for(row.iter().fold(0.0f32, |m, v| m.max(v.abs())));
+            scales.push(s);
+            codes.extend(
+                row.iter()
+                    .map(|&v| T::from_f32(code.decode(code.encode(v, s)))),
+            );
+        }
+        (codes, scales)
     }
 
     fn check_type<T: Element, V: Simd>(simd: V) {
@@ -472,16 +521,25 @@ mod tests {
             &shapes[..]
         };
         for &(hd, ctx, queries, group, run) in shapes {
+            let ((k, ks), (v, vs)) = (
+                stored::<T>(&values(ctx * hd, 1), hd),
+                stored::<T>(&values(ctx * hd, 2), hd),
+            );
             let src: Flat<T> = Flat {
-                k: stored(&values(ctx * hd, 1)),
-                v: stored(&values(ctx * hd, 2)),
+                k,
+                v,
+                scales: [ks, vs],
                 hd,
                 run,
             };
-            let (k, v): (Vec<f64>, Vec<f64>) = (
-                src.k.iter().map(|x| f64::from(x.to_f32())).collect(),
-                src.v.iter().map(|x| f64::from(x.to_f32())).collect(),
-            );
+            // The values the storage holds: code times its row's scale.
+            let exact = |x: &[T], s: &[f32]| -> Vec<f64> {
+                x.iter()
+                    .enumerate()
+                    .map(|(i, c)| f64::from(c.to_f32()) * f64::from(s[i / hd]))
+                    .collect()
+            };
+            let (k, v) = (exact(&src.k, &src.scales[0]), exact(&src.v, &src.scales[1]));
             let q = values(queries * group * hd, 3);
             let all_rows = queries * group;
             let mut sc = Scratch::new();
@@ -534,6 +592,8 @@ mod tests {
         check_type::<f32, V>(simd);
         check_type::<half::f16, V>(simd);
         check_type::<half::bf16, V>(simd);
+        check_type::<crate::dtype::Int8, V>(simd);
+        check_type::<crate::dtype::Fp8E4m3, V>(simd);
     }
 
     #[test]

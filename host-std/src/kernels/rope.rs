@@ -20,8 +20,9 @@ use super::parallel::DisjointOut;
 use super::pool::{for_each_task, Executor};
 use super::{BlockTable, MAX_HEAD_DIM};
 use crate::arena::KvLayout;
-use crate::dtype::Element;
+use crate::dtype::{bytes_of_mut, Element};
 use crate::error::{Buffer, KernelError};
+use crate::quant::Code;
 
 /// Below this many rotated pairs (over all layers and heads) a shift runs on the
 /// calling thread only: about 30 µs of work, on the order of waking a worker.
@@ -216,20 +217,63 @@ fn rotate_checked<T: Element>(
                 let block = row[logical as usize];
                 for head in 0..heads as u32 {
                     let tile = layout.tile_offset_in_range(block, layer, 0, head);
-                    for r in 0..rows as usize {
-                        // SAFETY: this task is the only one touching the key tiles of
-                        // its layer in any block, and the other shifts run before or
-                        // after this `for_each_task` returns.
-                        let key = unsafe { out.range_mut(tile + (offset as usize + r) * hd, rd) };
-                        T::widen(key, &mut scratch[..rd]);
-                        turn.apply(&mut scratch[..rd]);
-                        T::narrow(&scratch[..rd], key);
+                    for r in offset as usize..(offset + rows) as usize {
+                        // SAFETY (both blocks): this task is the only one touching the
+                        // key tiles of its layer in any block (the scales are inside
+                        // them), and the other shifts run before or after this
+                        // `for_each_task` returns.
+                        if let Some(code) = Code::of(T::DTYPE) {
+                            let (key, scale) = unsafe {
+                                (
+                                    out.range_mut(tile + r * hd, hd),
+                                    out.range_mut(tile + layout.scales_offset() + r * 4, 4),
+                                )
+                            };
+                            let (key, scale) = (bytes_of_mut(key), bytes_of_mut(scale));
+                            rotate_codes(code, key, scale, &turn, rd, scratch);
+                        } else {
+                            let key = unsafe { out.range_mut(tile + r * hd, rd) };
+                            T::widen(key, &mut scratch[..rd]);
+                            turn.apply(&mut scratch[..rd]);
+                            T::narrow(&scratch[..rd], key);
+                        }
                     }
                 }
                 t += rows;
             }
         });
     }
+}
+
+/// Rotates the first `rd` dimensions of one key row of 8-bit storage: its `codes` and
+/// its little-endian f32 `scale`. The row keeps its scale (so the dimensions outside the
+/// rotation keep their codes exactly) unless a rotated value no longer fits it; then the
+/// whole row is requantized to the scale of its new largest magnitude. O(head_dim).
+fn rotate_codes(
+    code: Code,
+    codes: &mut [u8],
+    scale: &mut [u8],
+    turn: &Turn,
+    rd: usize,
+    scratch: &mut [f32],
+) {
+    let s = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+    let values = &mut scratch[..codes.len()];
+    for (v, &c) in values.iter_mut().zip(codes.iter()) {
+        *v = s * code.decode(c);
+    }
+    turn.apply(&mut values[..rd]);
+    let rotated_max = values[..rd].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (s, from) = if rotated_max <= s * code.max() {
+        (s, rd)
+    } else {
+        let absmax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        (code.scale_for(absmax), codes.len())
+    };
+    for (c, &v) in codes.iter_mut().zip(values.iter()).take(from) {
+        *c = code.encode(v, s);
+    }
+    scale.copy_from_slice(&s.to_le_bytes());
 }
 
 /// Checks one shift against the table and the arena.

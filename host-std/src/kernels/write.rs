@@ -2,16 +2,20 @@
 
 use super::attention::check_len;
 use crate::arena::KvLayout;
-use crate::dtype::Element;
+use crate::dtype::{bytes_of_mut, Element};
 use crate::error::{Buffer, KernelError};
+use crate::quant::Code;
 
 /// Writes the keys and values of `slots.len()` new tokens of one layer: token `i` goes
 /// to slot `slots[i]` (block `slot / block_size`, offset `slot % block_size`, as the
 /// core's slot mapping reports), rounded to the arena's storage type.
 ///
 /// `k` and `v` are `[tokens][kv_heads][head_dim]` in `f32`. A slot listed twice ends up
-/// holding the later token. O(tokens × kv_heads × head_dim), single-threaded (it moves
-/// one token's worth of data per slot, far less than attention reads).
+/// holding the later token. With 8-bit storage ([`kvpage_core::DType::is_scaled`]) each
+/// (token, head) row gets its own scale, its largest magnitude over the code's largest,
+/// stored after the tile's codes; it never changes after. O(tokens × kv_heads ×
+/// head_dim), single-threaded (it moves one token's worth of data per slot, far less
+/// than attention reads).
 ///
 /// # Errors
 /// Nothing is written on error. [`KernelError::DTypeMismatch`] if `T` is not the
@@ -26,7 +30,28 @@ pub fn write_kv<T: Element>(
     k: &[f32],
     v: &[f32],
 ) -> Result<(), KernelError> {
-    write_with(layout, arena, layer, slots, k, v, T::narrow)
+    match Code::of(T::DTYPE) {
+        None => write_with(layout, arena, layer, slots, k, v, |src, arena, row, _| {
+            T::narrow(src, &mut arena[row..row + src.len()]);
+        }),
+        Some(code) => write_with(
+            layout,
+            arena,
+            layer,
+            slots,
+            k,
+            v,
+            |src, arena, row, scale| {
+                let absmax = src.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let s = code.scale_for(absmax);
+                let bytes = bytes_of_mut(arena);
+                for (b, &x) in bytes[row..row + src.len()].iter_mut().zip(src) {
+                    *b = code.encode(x, s);
+                }
+                bytes[scale..scale + 4].copy_from_slice(&s.to_le_bytes());
+            },
+        ),
+    }
 }
 
 /// [`write_kv`] with `k` and `v` already in the storage type `T` (e.g. an f16 model
@@ -34,7 +59,8 @@ pub fn write_kv<T: Element>(
 /// head_dim), single-threaded.
 ///
 /// # Errors
-/// As [`write_kv`]; [`KernelError::DTypeMismatch`] if `T` is not the geometry's dtype.
+/// As [`write_kv`]; [`KernelError::DTypeMismatch`] if `T` is not the geometry's dtype;
+/// [`KernelError::ScaledStorage`] for 8-bit storage (codes alone carry no scale).
 pub fn write_kv_as<T: Element>(
     layout: &KvLayout,
     arena: &mut [T],
@@ -43,13 +69,19 @@ pub fn write_kv_as<T: Element>(
     k: &[T],
     v: &[T],
 ) -> Result<(), KernelError> {
-    write_with(layout, arena, layer, slots, k, v, |src, dst: &mut [T]| {
-        dst.copy_from_slice(src);
+    layout.check_element::<T>()?;
+    if T::DTYPE.is_scaled() {
+        return Err(KernelError::ScaledStorage { dtype: T::DTYPE });
+    }
+    write_with(layout, arena, layer, slots, k, v, |src, arena, row, _| {
+        arena[row..row + src.len()].copy_from_slice(src);
     })
 }
 
 /// The checks and the scatter of [`write_kv`] for inputs of type `S`, stored into the
-/// arena's `T` by `store` (one head's `head_dim` elements at a time, equal lengths).
+/// arena's `T` by `store(row, arena, at, scale_at)`: one head's `head_dim` inputs, to the
+/// elements from `at` on (and, for 8-bit storage, the row's scale to the 4 elements at
+/// `scale_at`).
 fn write_with<T: Element, S>(
     layout: &KvLayout,
     arena: &mut [T],
@@ -57,7 +89,7 @@ fn write_with<T: Element, S>(
     slots: &[u32],
     k: &[S],
     v: &[S],
-    store: impl Fn(&[S], &mut [T]),
+    store: impl Fn(&[S], &mut [T], usize, usize),
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     let g = layout.geometry();
@@ -88,8 +120,9 @@ fn write_with<T: Element, S>(
         for h in 0..heads {
             let src = i * row + h as usize * hd;
             for (kv, input) in [(0, k), (1, v)] {
-                let dst = layout.tile_offset_in_range(block, layer, kv, h) + offset * hd;
-                store(&input[src..src + hd], &mut arena[dst..dst + hd]);
+                let tile = layout.tile_offset_in_range(block, layer, kv, h);
+                let scale = tile + layout.scales_offset() + offset * 4;
+                store(&input[src..src + hd], arena, tile + offset * hd, scale);
             }
         }
     }

@@ -108,6 +108,8 @@ pub(crate) const fn dtype_code(dtype: DType) -> u32 {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Bf16 => 2,
+        DType::Int8 => 3,
+        DType::Fp8E4m3 => 4,
     }
 }
 
@@ -117,6 +119,8 @@ const fn dtype_of(code: u32) -> Option<DType> {
         0 => Some(DType::F32),
         1 => Some(DType::F16),
         2 => Some(DType::Bf16),
+        3 => Some(DType::Int8),
+        4 => Some(DType::Fp8E4m3),
         _ => None,
     }
 }

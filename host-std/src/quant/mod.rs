@@ -1,6 +1,7 @@
-//! 8-bit codes for K/V with scales: the codecs and the scale granularities, as plain
-//! reference functions (no kernel uses them yet). They back the measurement that picks
-//! the storage layout of quantized blocks (`cargo bench -p kvpage --bench kv_quant_error`).
+//! 8-bit codes for K/V with scales: the codecs of the storage dtypes
+//! [`kvpage_core::DType::Int8`] and [`kvpage_core::DType::Fp8E4m3`] (one scale per
+//! token and head), and reference functions over groups of any size, which back the
+//! measurement of the scale granularity (`cargo bench -p kvpage --bench kv_quant_error`).
 //!
 //! A value `x` is stored as a code `c` and a scale `s` shared by a group of values:
 //! `x ≈ s · decode(c)`. The scale maps the group's largest magnitude onto the code's
@@ -18,6 +19,15 @@ pub enum Code {
 }
 
 impl Code {
+    /// The code of a scaled storage dtype; `None` for the float dtypes. O(1).
+    pub const fn of(dtype: kvpage_core::DType) -> Option<Self> {
+        match dtype {
+            kvpage_core::DType::Int8 => Some(Self::Int8),
+            kvpage_core::DType::Fp8E4m3 => Some(Self::Fp8E4m3),
+            _ => None,
+        }
+    }
+
     /// The largest magnitude a code holds.
     pub const fn max(self) -> f32 {
         match self {
