@@ -70,6 +70,13 @@ typedef struct kvpage_publisher kvpage_publisher;
 // Storage dtype: bfloat16.
 #define KVPAGE_DTYPE_BF16 2
 
+// Storage dtype: symmetric 8-bit integers with one `float` scale per token and head
+// (stored in the block after the tile's codes): half the bytes of f16.
+#define KVPAGE_DTYPE_INT8 3
+
+// Storage dtype: FP8 E4M3 codes with one `float` scale per token and head.
+#define KVPAGE_DTYPE_FP8_E4M3 4
+
 // Evicted first.
 #define KVPAGE_PRIORITY_LOW 0
 
@@ -141,6 +148,9 @@ typedef struct kvpage_publisher kvpage_publisher;
 // Patch version of the header.
 #define KVPAGE_VERSION_PATCH 0
 
+// Largest finite magnitude.
+#define MAX 448.0
+
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
 // codes get new numbers). `kvpage_result_str` gives a static message for each.
@@ -194,7 +204,9 @@ enum kvpage_result
   KVPAGE_ERR_BAD_LAYER = 18,
   // Query heads are zero or not a multiple of the KV heads.
   KVPAGE_ERR_BAD_HEADS = 19,
-  // The storage dtype of the cache is not the dtype of the call.
+  // The storage dtype of the cache is not the dtype of the call, or the call writes
+  // values as they are into 8-bit storage, whose per-token scales only a write from
+  // `float` sets.
   KVPAGE_ERR_DTYPE_MISMATCH = 20,
   // The softmax scale is not finite.
   KVPAGE_ERR_BAD_SCALE = 21,
@@ -272,7 +284,8 @@ typedef uint32_t kvpage_result;
 #endif // __cplusplus
 
 // The KV geometry of a model: every dimension non-zero. Block `b` of the arena holds
-// `[layer][k|v][kv_head][token][head_dim]` elements of `dtype`, contiguous.
+// `[layer][k|v][kv_head]` tiles of `[token][head_dim]` elements of `dtype`, contiguous;
+// with an 8-bit dtype each tile is followed by its `[token]` `float` scales.
 typedef struct kvpage_geometry {
   // Transformer layers.
   uint32_t layers;
@@ -282,7 +295,8 @@ typedef struct kvpage_geometry {
   uint32_t head_dim;
   // Tokens per block (16 is the usual choice).
   uint32_t block_size;
-  // `KVPAGE_DTYPE_F32`, `KVPAGE_DTYPE_F16` or `KVPAGE_DTYPE_BF16`.
+  // `KVPAGE_DTYPE_F32`, `KVPAGE_DTYPE_F16`, `KVPAGE_DTYPE_BF16`, `KVPAGE_DTYPE_INT8` or
+  // `KVPAGE_DTYPE_FP8_E4M3`.
   uint32_t dtype;
 } kvpage_geometry;
 

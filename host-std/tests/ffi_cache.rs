@@ -29,6 +29,8 @@ fn dtype_code(dtype: DType) -> u32 {
         DType::F32 => KVPAGE_DTYPE_F32,
         DType::F16 => KVPAGE_DTYPE_F16,
         DType::Bf16 => KVPAGE_DTYPE_BF16,
+        DType::Int8 => KVPAGE_DTYPE_INT8,
+        DType::Fp8E4m3 => KVPAGE_DTYPE_FP8_E4M3,
     }
 }
 
@@ -1275,7 +1277,7 @@ fn bad_input_returns_its_code_and_changes_nothing() {
                 0,
                 6,
                 2,
-                3,
+                99,
                 kv16.as_ptr().cast(),
                 kv16.len(),
                 kv16.as_ptr().cast(),
@@ -1283,7 +1285,7 @@ fn bad_input_returns_its_code_and_changes_nothing() {
                 e,
             )
         });
-        assert_eq!(e.value, 3);
+        assert_eq!(e.value, 99);
 
         // Positions, layers, heads, scale, lengths.
         chk.fails(KVPAGE_ERR_NOT_WRITABLE, |e| {

@@ -129,7 +129,16 @@ fn persist_err(e: CacheError) -> PersistError {
 #[test]
 fn round_trip_every_dtype_and_odd_length() {
     let mut r = rng(1);
-    for &dtype in cases(&[DType::F16, DType::F32, DType::Bf16], 1) {
+    for &dtype in cases(
+        &[
+            DType::F16,
+            DType::F32,
+            DType::Bf16,
+            DType::Int8,
+            DType::Fp8E4m3,
+        ],
+        1,
+    ) {
         for &bs in cases(&[3, 1, 4, 16], 1) {
             let g = geometry(2, 2, 8, bs, dtype);
             for &len in cases(&[2 * bs + 1, 0, 1, bs - 1, bs, bs + 1, 37], 2) {
@@ -162,7 +171,16 @@ fn round_trip_every_dtype_and_odd_length() {
 #[test]
 fn restored_decode_attention_is_bit_identical() {
     let mut r = rng(2);
-    for &dtype in cases(&[DType::F16, DType::F32, DType::Bf16], 1) {
+    for &dtype in cases(
+        &[
+            DType::F16,
+            DType::F32,
+            DType::Bf16,
+            DType::Int8,
+            DType::Fp8E4m3,
+        ],
+        1,
+    ) {
         let g = geometry(3, 2, 16, 16, dtype);
         let mut a = cache(g, 32);
         let (seq, tokens) = random_seq(&mut a, 45, &mut r);
@@ -610,7 +628,16 @@ fn run(first_index: u32, first_position: u32) -> PositionRun {
 #[test]
 fn positions_with_gaps_round_trip_and_decode_bit_identically() {
     let mut r = rng(11);
-    for &dtype in cases(&[DType::F16, DType::F32, DType::Bf16], 1) {
+    for &dtype in cases(
+        &[
+            DType::F16,
+            DType::F32,
+            DType::Bf16,
+            DType::Int8,
+            DType::Fp8E4m3,
+        ],
+        1,
+    ) {
         let (mut a, seq, blob) = gapped_case(dtype, &mut r);
         assert_eq!(SeqBlob::parse(&blob).unwrap().header().position_runs, 3);
         let mut b = cache(*a.geometry(), 32);

@@ -108,7 +108,13 @@ fn source(dtype: DType, r: &mut StdRng) -> (KvCache, Vec<(u64, Vec<u32>)>) {
 
 #[test]
 fn a_loaded_prefix_cache_hits_with_identical_kv_in_every_dtype() {
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Int8,
+        DType::Fp8E4m3,
+    ] {
         let mut r = rng(7);
         let (mut a, prompts) = source(dtype, &mut r);
         let file = save(&a);

@@ -16,8 +16,8 @@ mod common;
 use common::{cases, random_vec, reference_attention, rel_error, rng, tolerance};
 use kvpage::kernels::{rotate_keys, BlockTable, KeyShift};
 use kvpage::{
-    bf16, f16, CacheConfig, CacheError, Capacity, DType, Element, Geometry, KernelError, KvCache,
-    RopeError, RopePairing, RopeParams, Seq, SeqError,
+    bf16, f16, CacheConfig, CacheError, Capacity, DType, Element, Fp8E4m3, Geometry, Int8,
+    KernelError, KvCache, RopeError, RopePairing, RopeParams, Seq, SeqError,
 };
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -51,6 +51,9 @@ fn key_tolerance<T: Element>() -> f64 {
         DType::F32 => 2e-7,
         DType::F16 => 1e-3,
         DType::Bf16 => 8e-3,
+        // The codes' own rounding (one scale per row), measured against unrounded keys.
+        DType::Int8 => 1.5e-2,
+        DType::Fp8E4m3 => 6e-2,
     }
 }
 
@@ -141,7 +144,15 @@ fn read<T: Element>(c: &KvCache, seq: Seq, layer: u32, kv: u32) -> Vec<f32> {
         for h in 0..KV_HEADS {
             let tile = layout.tile_offset(blocks[(t / BLOCK) as usize], layer, kv, h);
             let row = &arena[tile + (t % BLOCK) as usize * hd..][..hd];
-            out.extend(row.iter().map(|x| x.to_f32()));
+            // 8-bit storage: codes times the row's scale, stored after the tile's codes.
+            let scale = if T::DTYPE.is_scaled() {
+                let at = tile + layout.scales_offset() + (t % BLOCK) as usize * 4;
+                let b = &c.arena().as_bytes()[at..at + 4];
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            } else {
+                1.0
+            };
+            out.extend(row.iter().map(|x| x.to_f32() * scale));
         }
     }
     out
@@ -216,7 +227,9 @@ fn rerotation_matches_scratch<T: Element>(
         let old = &before[layer as usize];
         for (i, (g, o)) in got.iter().zip(old).enumerate() {
             let (t, d) = (i / row, i % hd);
-            if !moved(t) || d >= rd {
+            // 8-bit storage keeps a rotated row's untouched dims only while its scale
+            // still fits the rotated values; other rows are untouched either way.
+            if !moved(t) || (d >= rd && !T::DTYPE.is_scaled()) {
                 assert_eq!(g.to_bits(), o.to_bits(), "{what}: token {t} dim {d}");
             }
         }
@@ -255,6 +268,18 @@ fn rerotation_matches_scratch_bf16() {
     every_shape::<bf16>(30_000, 4_000);
     every_shape::<bf16>(30_000, -4_000);
     every_shape::<bf16>(7, -5);
+}
+
+#[test]
+fn rerotation_matches_scratch_int8() {
+    every_shape::<Int8>(0, 300);
+    every_shape::<Int8>(5000, -4000);
+}
+
+#[test]
+fn rerotation_matches_scratch_fp8() {
+    every_shape::<Fp8E4m3>(0, 300);
+    every_shape::<Fp8E4m3>(5000, -4000);
 }
 
 #[test]

@@ -13,7 +13,7 @@
 use std::path::Path;
 
 use crate::cache::{CacheError, KvCache, Seq};
-use kvpage_core::SeqError;
+use kvpage_core::{DType, SeqError};
 
 use super::error::{BlobGeometry, PersistError, Section};
 use super::file;
@@ -102,7 +102,7 @@ impl<'b> SeqBlob<'b> {
     fn check_tail_rows(&self) -> Result<(), PersistError> {
         let g = &self.header.geometry;
         let used = self.header.tokens % g.block_size;
-        let Some(esize) = self.header.dtype().map(|d| d.size_bytes() as usize) else {
+        let Some(dtype) = self.header.dtype() else {
             return Err(PersistError::Corrupt {
                 section: Section::Header,
             });
@@ -112,8 +112,7 @@ impl<'b> SeqBlob<'b> {
         }
         // Counts are checked: the K/V payload is `blocks * bytes_per_block` bytes, a
         // tile is at most a block.
-        let row = g.head_dim as usize * esize;
-        let tile = row * g.block_size as usize;
+        let (tile, parts) = tile_parts(dtype, g.head_dim as usize, g.block_size as usize);
         let bpb = g.bytes_per_block as usize;
         let tail = self
             .sections
@@ -121,10 +120,15 @@ impl<'b> SeqBlob<'b> {
             .len()
             .checked_sub(bpb)
             .and_then(|start| self.sections.kv.get(start..));
+        let bs = g.block_size as usize;
         let clean = tail.is_some_and(|block| {
-            block
-                .chunks_exact(tile)
-                .all(|t| t[used as usize * row..].iter().all(|&b| b == 0))
+            block.chunks_exact(tile).all(|t| {
+                parts.iter().all(|&(start, row)| {
+                    t[start + used as usize * row..start + bs * row]
+                        .iter()
+                        .all(|&b| b == 0)
+                })
+            })
         });
         if clean {
             Ok(())
@@ -296,8 +300,8 @@ impl KvCache {
         let esize = g.dtype().size_bytes() as usize;
         // The layout's invariant: every byte offset of the arena fits a `usize`.
         let bpb = g.bytes_per_block() as usize;
-        let row = g.head_dim() as usize * esize;
-        let tile = row * g.block_size() as usize;
+        let bs = g.block_size() as usize;
+        let (tile, parts) = tile_parts(g.dtype(), g.head_dim() as usize, bs);
         let used = (len % g.block_size()) as usize;
         let blocks = self.block_manager().blocks(seq.id()).unwrap_or(&[]);
         let arena = self.arena().as_bytes();
@@ -310,10 +314,15 @@ impl KvCache {
                 w.put_elems(block, esize)?;
                 continue;
             }
-            // Block-major: the block is its `[token][head_dim]` tiles in a row.
+            // Block-major: the block is its tiles in a row; each tile keeps its first
+            // `used` tokens' values (and scales) and zeroes the rest.
             for t in block.chunks_exact(tile) {
-                w.put_elems(&t[..used * row], esize)?;
-                w.put_zeros(tile - used * row)?;
+                for &(start, row) in &parts {
+                    // Scales are little-endian f32 already: byte by byte.
+                    let size = if start == 0 { esize } else { 1 };
+                    w.put_elems(&t[start..start + used * row], size)?;
+                    w.put_zeros((bs - used) * row)?;
+                }
             }
         }
         Ok(())
@@ -501,4 +510,16 @@ fn blob_size(header: &BlobHeader) -> Result<usize, PersistError> {
             needed: usize::MAX,
             got: 0,
         })
+}
+
+/// The bytes of one tile of a block, and its parts as `(start, bytes per token)`: the
+/// values, then for 8-bit storage the per-token f32 scales. O(1).
+fn tile_parts(dtype: DType, head_dim: usize, block_size: usize) -> (usize, Vec<(usize, usize)>) {
+    let row = head_dim * dtype.size_bytes() as usize;
+    let mut parts = vec![(0, row)];
+    if dtype.is_scaled() {
+        parts.push((block_size * row, dtype.scale_elems() as usize));
+    }
+    let tile = parts.iter().map(|&(_, r)| r * block_size).sum();
+    (tile, parts)
 }
