@@ -3,7 +3,7 @@
 //!
 //! `cargo bench -p kvpage --bench decode_bandwidth` — for each context length (512, 2048
 //! and 8192 tokens; others can be given as arguments) and each storage dtype (f32, f16,
-//! bf16): a decode of `65536 / context` sequences (so every call reads the same number of
+//! bf16, and the 8-bit int8 and fp8 e4m3 with their per-token scales): a decode of `65536 / context` sequences (so every call reads the same number of
 //! tokens: 64 MiB of K/V per byte of element size, far past the last-level cache), 32
 //! query heads over 8 KV heads, head dim 128, blocks of 16 tokens in shuffled physical
 //! order, on one thread per core. Beside each call, interleaved with it, a read probe
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::{numeric_args, stats, PagedCall};
 use kvpage::kernels::{instruction_path, WorkerPool};
-use kvpage::{bf16, f16, Element};
+use kvpage::{bf16, f16, Element, Fp8E4m3, Int8};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -277,6 +277,8 @@ fn main() {
     in_cache::<f32>(&mut rng);
     in_cache::<f16>(&mut rng);
     in_cache::<bf16>(&mut rng);
+    in_cache::<Int8>(&mut rng);
+    in_cache::<Fp8E4m3>(&mut rng);
     let peak = fma_peak();
     println!(
         "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread:",
@@ -300,5 +302,7 @@ fn main() {
         row::<f32>(context, &pool, &mut rng);
         row::<f16>(context, &pool, &mut rng);
         row::<bf16>(context, &pool, &mut rng);
+        row::<Int8>(context, &pool, &mut rng);
+        row::<Fp8E4m3>(context, &pool, &mut rng);
     }
 }

@@ -261,8 +261,10 @@ impl Arena {
         unsafe { core::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.bytes) }
     }
 
-    /// The arena's bytes, mutable (restoring a saved sequence copies whole blocks). O(1).
-    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+    /// The arena's bytes, mutable: whole blocks as a restore copies them, or the
+    /// scales of 8-bit storage. Every byte pattern is a valid element of every dtype.
+    /// O(1).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_bytes`, and `&mut self` makes the view unique.
         unsafe { core::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.bytes) }
     }

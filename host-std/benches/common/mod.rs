@@ -54,6 +54,30 @@ pub fn shuffled_arena<T: Element>(
     let layout = KvLayout::new(geometry, blocks).expect("layout");
     let mut arena = Arena::for_layout(&layout).expect("arena");
     fill(rng, arena.as_mut_slice::<T>());
+    if geometry.dtype().is_scaled() {
+        // Random codes over the whole range (a uniform value of ±1 rounds to ±1, 0 or
+        // -1), and a sane scale for every token of every tile.
+        let codes = arena.as_mut_slice::<T>();
+        let mut buf = vec![0.0f32; codes.len().min(1 << 16)];
+        for chunk in codes.chunks_mut(1 << 16) {
+            for x in buf.iter_mut() {
+                *x = rng.random_range(-127.0f32..127.0);
+            }
+            T::narrow(&buf, chunk);
+        }
+        let bytes = arena.as_bytes_mut();
+        let tiles = 2 * geometry.layers() as usize * geometry.kv_heads() as usize;
+        let bs = geometry.block_size() as usize;
+        for b in 0..blocks {
+            for t in 0..tiles {
+                let at = layout.tile_offset(b, 0, 0, 0) + t * layout.tile_elems();
+                for r in 0..bs {
+                    let s = at + layout.scales_offset() + 4 * r;
+                    bytes[s..s + 4].copy_from_slice(&(1.0f32 / 127.0).to_le_bytes());
+                }
+            }
+        }
+    }
     let mut physical: Vec<u32> = (0..blocks).collect();
     physical.shuffle(rng);
     (layout, arena, physical)
