@@ -29,7 +29,13 @@ pub const BLOCK_SIZE: u32 = 16;
 
 /// The incident's geometry: 40 layers, 32 KV heads, head dim 128, f16.
 pub fn geometry() -> Geometry {
-    match Geometry::new(40, 32, 128, BLOCK_SIZE, DType::F16) {
+    geometry_in(DType::F16)
+}
+
+/// The incident's geometry with KV stored as `dtype` (the 8-bit dtypes add their
+/// per-token scales: 132 bytes per token and head instead of f16's 256).
+pub fn geometry_in(dtype: DType) -> Geometry {
+    match Geometry::new(40, 32, 128, BLOCK_SIZE, dtype) {
         Ok(g) => g,
         Err(_) => unreachable!("a valid constant geometry"),
     }
@@ -63,6 +69,8 @@ pub struct Side {
 pub struct Incident {
     /// The requests.
     pub requests: Vec<Request>,
+    /// The geometry both sides ran with.
+    pub geometry: Geometry,
     /// Contiguous `max_seq_len` reservations, first fit.
     pub contiguous: Side,
     /// kvpage blocks.
@@ -95,12 +103,20 @@ fn side(requests: &[Request], memory: &MemoryConfig, name: &str) -> Result<Side,
     Ok(Side { out, views })
 }
 
-/// Runs both sides. O(steps × requests).
+/// Runs both sides with f16 KV. O(steps × requests).
 ///
 /// # Errors
 /// A message if a run fails (it should not).
 pub fn run_incident(seed: u64) -> Result<Incident, String> {
-    let g = geometry();
+    run_incident_in(seed, DType::F16)
+}
+
+/// Runs both sides with KV stored as `dtype`, on the same 54 GB. O(steps × requests).
+///
+/// # Errors
+/// A message if a run fails (it should not).
+pub fn run_incident_in(seed: u64, dtype: DType) -> Result<Incident, String> {
+    let g = geometry_in(dtype);
     let reqs = requests(seed);
     let c = MemoryConfig::contiguous(g, BUDGET_BYTES, REQUESTS as u32, MAX_SEQ_LEN)?;
     let contiguous = side(&reqs, &c, "contiguous")?;
@@ -116,6 +132,7 @@ pub fn run_incident(seed: u64) -> Result<Incident, String> {
     let paged = side(&reqs, &pc, "paged")?;
     Ok(Incident {
         requests: reqs,
+        geometry: g,
         contiguous,
         paged,
     })
@@ -144,7 +161,7 @@ fn waits(o: &[Outcome]) -> (f64, f64) {
 
 /// The side-by-side table and what the simulation shows.
 pub fn render(inc: &Incident) -> String {
-    let g = geometry();
+    let g = inc.geometry;
     let bpt = g.bytes_per_token() as f64;
     let sides = [&inc.contiguous, &inc.paged];
     type Row = (&'static str, Box<dyn Fn(&Side) -> String>);
@@ -227,7 +244,8 @@ pub fn render(inc: &Incident) -> String {
     let region = bpt * f64::from(MAX_SEQ_LEN);
     let _ = writeln!(
         o,
-        "incident: 13B-class model, 2 × 40 layers × 32 KV heads × 128 dims × 2 B = {} B ({:.2} MB) per token",
+        "incident: 13B-class model, 2 × 40 layers × 32 KV heads × 128 dims, {:?} KV = {} B ({:.2} MB) per token",
+        g.dtype(),
         g.bytes_per_token(),
         bpt / 1e6
     );
@@ -256,19 +274,22 @@ pub fn render(inc: &Incident) -> String {
         let _ = writeln!(o, "{label:w0$}  {:>14}  {:>14}", f(sides[0]), f(sides[1]));
     }
 
-    // What happens when 12 of the first 20 have finished.
+    // What happens when three in five of the requests admitted first (12 of 20 with
+    // f16) have finished.
     let c = &inc.contiguous;
-    let mut first20: Vec<f64> = (0..20)
+    let admitted = c.views[0].running as usize;
+    let done = (admitted * 3 / 5).max(1);
+    let mut first: Vec<f64> = (0..admitted)
         .filter_map(|i| c.out.outcomes.get(i).map(|o| o.finish_s))
         .collect();
-    first20.sort_by(f64::total_cmp);
-    if let Some(&t12) = first20.get(11) {
-        if let Some(v) = c.views.iter().find(|v| v.start_s >= t12) {
+    first.sort_by(f64::total_cmp);
+    if let Some(&t) = first.get(done - 1) {
+        if let Some(v) = c.views.iter().find(|v| v.start_s >= t) {
             let _ = writeln!(
                 o,
-                "\nstep {}: 12 of the first 20 contiguous requests have finished, freeing {} in {}-GB regions;",
+                "\nstep {}: {done} of the first {admitted} contiguous requests have finished, freeing {} in {}-GB regions;",
                 v.step,
-                gb(12.0 * region),
+                gb(done as f64 * region),
                 format_args!("{:.2}", region / 1e9)
             );
             let _ = writeln!(

@@ -194,6 +194,25 @@ pub fn kv_budget_bytes(
     (left > 0.0).then_some(left)
 }
 
+/// The KV dtype named on a command line (`--kv-dtype`): f16, bf16, f32, int8 or fp8
+/// (E4M3), with a few aliases. O(1).
+///
+/// # Errors
+/// A message naming the flag and the accepted names.
+pub fn kv_dtype(s: &str) -> Result<kvpage_core::DType, String> {
+    use kvpage_core::DType;
+    match s.to_ascii_lowercase().as_str() {
+        "f16" | "fp16" | "half" => Ok(DType::F16),
+        "bf16" => Ok(DType::Bf16),
+        "f32" | "fp32" => Ok(DType::F32),
+        "int8" | "i8" => Ok(DType::Int8),
+        "fp8" | "fp8-e4m3" | "e4m3" => Ok(DType::Fp8E4m3),
+        _ => Err(format!(
+            "--kv-dtype {s:?}: expected f16, bf16, f32, int8 or fp8"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

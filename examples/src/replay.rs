@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvpage_core::{DType, Geometry, NamespaceQuota};
+use kvpage_core::{Geometry, NamespaceQuota};
 
 use crate::fleet::{self, FleetSummary, RouterKind};
 use crate::memory::MemoryConfig;
@@ -116,7 +116,8 @@ pub struct Args {
     /// Override: parameters, in billions
     #[arg(long, value_name = "B")]
     pub params_b: Option<f64>,
-    /// KV cache element type: f16, bf16 or f32
+    /// KV cache element type: f16, bf16, f32, or 8-bit int8 / fp8 (E4M3), each with an
+    /// f32 scale per token and head (about half the bytes of f16)
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
     /// Device preset (a100-80gb, h100-80gb, h200-141gb; or a100, h100, h200)
@@ -338,15 +339,6 @@ fn parse_rate(s: &str) -> Result<f64, String> {
     }
 }
 
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "f16" | "fp16" | "half" => Ok(DType::F16),
-        "bf16" => Ok(DType::Bf16),
-        "f32" | "fp32" => Ok(DType::F32),
-        _ => Err(format!("--kv-dtype {s:?}: expected f16, bf16 or f32")),
-    }
-}
-
 fn positive(flag: &str, v: f64) -> Result<f64, String> {
     if v > 0.0 && v.is_finite() {
         Ok(v)
@@ -393,7 +385,7 @@ pub fn setup(a: &Args) -> Result<Setup, String> {
             model.heads, model.kv_heads
         ));
     }
-    let dtype = parse_dtype(&a.kv_dtype)?;
+    let dtype = presets::kv_dtype(&a.kv_dtype)?;
     let geometry = Geometry::new(
         model.layers,
         model.kv_heads,
@@ -1139,7 +1131,7 @@ mod tests {
         assert!(err(&["--rate", "0"]).starts_with("--rate"));
         assert!(err(&["--policies", "paged,lru"]).starts_with("--policies: unknown policy \"lru\""));
         assert!(err(&["--policies", "contiguous-swap"]).starts_with("--policies"));
-        assert!(err(&["--kv-dtype", "fp8"]).starts_with("--kv-dtype"));
+        assert!(err(&["--kv-dtype", "fp4"]).starts_with("--kv-dtype"));
         assert!(err(&["--model", "70b"]).contains("raise --gpus or set --kv-budget-gb"));
         assert!(err(&["--kv-budget-gb", "1"]).starts_with("--max-seq-len 4096"));
         assert!(err(&["--block-size", "0"]).contains("--block-size"));

@@ -13,11 +13,22 @@ struct Args {
     /// Seed for prompt and output lengths
     #[arg(long, default_value_t = 2024)]
     seed: u64,
+    /// KV cache element type: f16, bf16, f32, int8 or fp8 (the 8-bit ones with a scale
+    /// per token and head): the same 54 GB hold more tokens
+    #[arg(long, default_value = "f16")]
+    kv_dtype: String,
 }
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    match kvpage_examples::incident::run_incident(args.seed) {
+    let dtype = match kvpage_examples::presets::kv_dtype(&args.kv_dtype) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match kvpage_examples::incident::run_incident_in(args.seed, dtype) {
         Ok(inc) => {
             print!("{}", kvpage_examples::incident::render(&inc));
             std::process::ExitCode::SUCCESS
