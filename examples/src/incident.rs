@@ -277,7 +277,7 @@ pub fn render(inc: &Incident) -> String {
     // What happens when three in five of the requests admitted first (12 of 20 with
     // f16) have finished.
     let c = &inc.contiguous;
-    let admitted = c.views[0].running as usize;
+    let admitted = c.views[0].running;
     let done = (admitted * 3 / 5).max(1);
     let mut first: Vec<f64> = (0..admitted)
         .filter_map(|i| c.out.outcomes.get(i).map(|o| o.finish_s))
