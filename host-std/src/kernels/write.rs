@@ -2,7 +2,7 @@
 
 use super::attention::check_len;
 use crate::arena::KvLayout;
-use crate::dtype::{bytes_of_mut, Element};
+use crate::dtype::{bytes_of, bytes_of_mut, Element};
 use crate::error::{Buffer, KernelError};
 use crate::quant::Code;
 
@@ -127,4 +127,140 @@ fn write_with<T: Element, S>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! 8-bit storage through the kernels that touch its scales (write, attention, row
+    //! moves, key rotation), small enough for Miri, which checks the byte views.
+    use super::*;
+    use crate::dtype::{Fp8E4m3, Int8};
+    use crate::kernels::{
+        move_rows, paged_attention, rotate_keys, AttentionParams, BlockTable, KeyShift,
+        RopePairing, RopeParams, SeqQuery,
+    };
+    use kvpage_core::{Geometry, RowMove};
+
+    fn scale_of(arena: &[u8], layout: &KvLayout, block: u32, kv: u32, head: u32, t: usize) -> f32 {
+        let at = layout.tile_offset(block, 0, kv, head) + layout.scales_offset() + 4 * t;
+        f32::from_le_bytes([arena[at], arena[at + 1], arena[at + 2], arena[at + 3]])
+    }
+
+    fn scaled_storage<T: Element>() {
+        let code = Code::of(T::DTYPE).unwrap();
+        let g = Geometry::new(1, 2, 4, 2, T::DTYPE).unwrap();
+        let layout = KvLayout::new(g, 3).unwrap();
+        let mut arena = vec![T::default(); layout.arena_elems()];
+        // Two tokens into slots 2 and 3 (block 1), one row per head.
+        let k = [
+            1.0, -2.0, 0.5, 4.0, 3.0, 0.0, -1.0, 1.0, 0.25, 0.5, 8.0, -1.0, 2.0, 2.0, 2.0, 2.0,
+        ];
+        let v: Vec<f32> = k.iter().map(|x| x * -0.5).collect();
+        write_kv(&layout, &mut arena, 0, &[2, 3], &k, &v).unwrap();
+        let bytes = bytes_of(&arena).to_vec();
+        // Token 1 of block 1, head 0 is [0.25, 0.5, 8.0, -1.0]: its scale maps 8 onto
+        // the code's largest.
+        let s = scale_of(&bytes, &layout, 1, 0, 0, 1);
+        assert_eq!(s, 8.0 / code.max());
+        let row = layout.tile_offset(1, 0, 0, 0) + 4;
+        assert_eq!(code.decode(bytes[row + 2]) * s, 8.0);
+        let raw = arena[..8].to_vec();
+        assert_eq!(
+            write_kv_as(&layout, &mut arena, 0, &[0], &raw, &raw),
+            Err(KernelError::ScaledStorage { dtype: T::DTYPE })
+        );
+
+        // Attention of one query head per KV head over the two tokens equals the same
+        // computation over the stored values (codes times scales).
+        let q = [0.5, 0.25, -1.0, 0.125, -0.5, 1.0, 0.0, 2.0];
+        let table = [1u32];
+        let bt = BlockTable {
+            table: &table,
+            stride: 1,
+        };
+        let params = AttentionParams {
+            q_heads: 2,
+            scale: 0.5,
+            pool: None,
+        };
+        let mut out = [f32::NAN; 8];
+        paged_attention(
+            &layout,
+            &arena,
+            0,
+            bt,
+            &[SeqQuery::decode(0, 2)],
+            &q,
+            &mut out,
+            params,
+        )
+        .unwrap();
+        for h in 0..2 {
+            let stored = |kv: u32, t: usize| -> Vec<f32> {
+                let tile = layout.tile_offset(1, 0, kv, h as u32);
+                let s = scale_of(&bytes, &layout, 1, kv, h as u32, t);
+                (0..4)
+                    .map(|d| code.decode(bytes[tile + 4 * t + d]) * s)
+                    .collect()
+            };
+            let score = |t: usize| -> f32 {
+                0.5 * stored(0, t)
+                    .iter()
+                    .zip(&q[4 * h..4 * h + 4])
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>()
+            };
+            let (s0, s1) = (score(0), score(1));
+            let m = s0.max(s1);
+            let (w0, w1) = ((s0 - m).exp(), (s1 - m).exp());
+            let (v0, v1) = (stored(1, 0), stored(1, 1));
+            for d in 0..4 {
+                let want = (w0 * v0[d] + w1 * v1[d]) / (w0 + w1);
+                assert!((out[4 * h + d] - want).abs() < 1e-5, "head {h} dim {d}");
+            }
+        }
+
+        // Moving a row moves its scale; rotating keys keeps a scale that still fits.
+        let mv = RowMove {
+            src_slot: 3,
+            dst_slot: 0,
+            count: 1,
+        };
+        move_rows(&layout, &mut arena, &[mv]).unwrap();
+        let moved = bytes_of(&arena).to_vec();
+        assert_eq!(
+            scale_of(&moved, &layout, 0, 1, 1, 0),
+            scale_of(&bytes, &layout, 1, 1, 1, 1)
+        );
+        let rope = RopeParams {
+            base: 10_000.0,
+            rotary_dims: 4,
+            pairing: RopePairing::Interleaved,
+        };
+        let shift = KeyShift {
+            row: 0,
+            first: 0,
+            end: 2,
+            delta: 3,
+        };
+        rotate_keys(&layout, &mut arena, bt, &[shift], rope, None).unwrap();
+        let after = bytes_of(&arena);
+        for t in 0..2 {
+            let s = scale_of(after, &layout, 1, 0, 0, t);
+            assert!(
+                s >= scale_of(&bytes, &layout, 1, 0, 0, t),
+                "a scale never shrinks"
+            );
+        }
+    }
+
+    #[test]
+    fn int8_storage_keeps_codes_and_scales() {
+        scaled_storage::<Int8>();
+    }
+
+    #[test]
+    fn fp8_storage_keeps_codes_and_scales() {
+        scaled_storage::<Fp8E4m3>();
+    }
 }
