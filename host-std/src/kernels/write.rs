@@ -2,7 +2,7 @@
 
 use super::attention::check_len;
 use crate::arena::KvLayout;
-use crate::dtype::{bytes_of, bytes_of_mut, Element};
+use crate::dtype::{bytes_of_mut, Element};
 use crate::error::{Buffer, KernelError};
 use crate::quant::Code;
 
@@ -134,7 +134,7 @@ mod tests {
     //! 8-bit storage through the kernels that touch its scales (write, attention, row
     //! moves, key rotation), small enough for Miri, which checks the byte views.
     use super::*;
-    use crate::dtype::{Fp8E4m3, Int8};
+    use crate::dtype::{bytes_of, Fp8E4m3, Int8};
     use crate::kernels::{
         move_rows, paged_attention, rotate_keys, AttentionParams, BlockTable, KeyShift,
         RopePairing, RopeParams, SeqQuery,
