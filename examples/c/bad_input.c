@@ -307,6 +307,22 @@ static void cache_calls(void) {
   EXPECT_TRUE(workload(fresh, want) == 0);
   EXPECT_TRUE(memcmp(got, want, sizeof got) == 0);
   EXPECT(KVPAGE_OK, kvpage_cache_free(fresh, &err));
+
+  /* 8-bit storage: floats are quantized with a scale per token and head; codes given
+     as they are carry no scale, so a raw write is refused and changes nothing. */
+  {
+    kvpage_cache_params p8 = cache_params(8);
+    kvpage_cache *c8 = NULL;
+    kvpage_seq s8;
+    p8.geometry.dtype = KVPAGE_DTYPE_INT8;
+    EXPECT(KVPAGE_OK, kvpage_cache_new(&p8, &c8, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_create(c8, 0, &s8, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_append(c8, s8, 5, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c8, s8, 0, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_decode(c8, 0, &s8, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
+    EXPECT(KVPAGE_ERR_DTYPE_MISMATCH, kvpage_cache_write_kv_raw(c8, s8, 0, 0, 5, KVPAGE_DTYPE_INT8, raw, 5 * ROW, raw, 5 * ROW, &err));
+    EXPECT(KVPAGE_OK, kvpage_cache_free(c8, &err));
+  }
   EXPECT(KVPAGE_OK, kvpage_cache_free(other, &err));
   EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
   section("cache calls", before);
