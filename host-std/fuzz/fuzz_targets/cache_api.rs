@@ -133,10 +133,12 @@ enum Op {
 }
 
 fn geometry(s: &Setup) -> Result<Geometry, kvpage::GeometryError> {
-    let dtype = match s.dtype % 3 {
+    let dtype = match s.dtype % 5 {
         0 => DType::F32,
         1 => DType::F16,
-        _ => DType::Bf16,
+        2 => DType::Bf16,
+        3 => DType::Int8,
+        _ => DType::Fp8E4m3,
     };
     // Head dims past the kernels' maximum (256) are refused by `new`.
     let head_dim = match s.head_dim {
