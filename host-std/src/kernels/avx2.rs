@@ -8,7 +8,7 @@
 
 use core::arch::x86_64::*;
 
-use super::bf16_lanes::{self, avx2 as lanes};
+use super::lanes::{self, bf16_avx2 as bf16};
 use super::math::{self, Simd};
 use crate::dtype::{Element, Kind};
 
@@ -46,16 +46,16 @@ impl Simd for Avx2 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::scores4(q, k, hd, n, s, s_stride) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }
         } else {
             unsafe { scores4(q, k, hd, n, s, s_stride) }
         }
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::scores1(q, k, hd, n, s) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::scores1(q, k, hd, n, s) }
         } else {
             unsafe { scores1(q, k, hd, n, s) }
         }
@@ -70,8 +70,8 @@ impl Simd for Avx2 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
             unsafe { accumulate2(acc, p0, p1, v, hd, n) }
         }
@@ -85,30 +85,30 @@ impl Simd for Avx2 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 4>(acc, p, v, hd, n) }
         } else {
             math::accumulate4_by_pairs(self, acc, p, v, hd, n);
         }
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 1>(acc, [p], v, hd, n) }
         } else {
             unsafe { accumulate1(acc, p, v, hd, n) }
         }
     }
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            bf16_lanes::to_split_order(rows, lanes::GROUP);
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            lanes::to_split_order(rows, bf16::GROUP, 2);
         }
     }
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            bf16_lanes::from_split_order(rows, lanes::GROUP);
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            lanes::from_split_order(rows, bf16::GROUP, 2);
         }
     }
     #[inline(always)]

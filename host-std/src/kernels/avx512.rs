@@ -2,12 +2,12 @@
 //! loops that do all the multiply-adds, on 16-lane registers; `max`, `exp` and `scale`
 //! (a small share of the work) come from [`super::avx2`]. Scores take 4 query rows × 4
 //! tokens (16 accumulators), accumulation 4 rows × 64 lanes. bf16 storage with a head
-//! dim that is a multiple of 32 goes to [`super::bf16_lanes`], which widens in lanes.
+//! dim that is a multiple of 32 goes to [`super::lanes`], which widens in lanes.
 
 use core::arch::x86_64::*;
 
 use super::avx2::{hsum4, Avx2};
-use super::bf16_lanes::{self, avx512 as lanes};
+use super::lanes::{self, bf16_avx512 as bf16, byte_avx512 as bytes};
 use super::math::Simd;
 use crate::dtype::{Element, Kind};
 
@@ -41,16 +41,20 @@ impl Simd for Avx512 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::scores4(q, k, hd, n, s, s_stride) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }
+        } else if lanes::applies_bytes::<T>(hd) {
+            unsafe { bytes::scores4(q, k, hd, n, s, s_stride) }
         } else {
             unsafe { scores4(q, k, hd, n, s, s_stride) }
         }
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::scores1(q, k, hd, n, s) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::scores1(q, k, hd, n, s) }
+        } else if lanes::applies_bytes::<T>(hd) {
+            unsafe { bytes::scores1(q, k, hd, n, s) }
         } else {
             unsafe { scores1(q, k, hd, n, s) }
         }
@@ -65,8 +69,10 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+        } else if lanes::applies_bytes::<T>(hd) {
+            unsafe { bytes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
             unsafe { accumulate2(acc, p0, p1, v, hd, n) }
         }
@@ -80,30 +86,38 @@ impl Simd for Avx512 {
         hd: usize,
         n: usize,
     ) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 4>(acc, p, v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 4>(acc, p, v, hd, n) }
+        } else if lanes::applies_bytes::<T>(hd) {
+            unsafe { bytes::accumulate::<T, 4>(acc, p, v, hd, n) }
         } else {
             unsafe { accumulate4(acc, p, v, hd, n) }
         }
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            unsafe { lanes::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            unsafe { bf16::accumulate::<T, 1>(acc, [p], v, hd, n) }
+        } else if lanes::applies_bytes::<T>(hd) {
+            unsafe { bytes::accumulate::<T, 1>(acc, [p], v, hd, n) }
         } else {
             unsafe { accumulate1(acc, p, v, hd, n) }
         }
     }
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            bf16_lanes::to_split_order(rows, lanes::GROUP);
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            lanes::to_split_order(rows, bf16::GROUP, 2);
+        } else if lanes::applies_bytes::<T>(hd) {
+            lanes::to_split_order(rows, bytes::GROUP, bytes::PARTS);
         }
     }
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if bf16_lanes::applies::<T>(hd, lanes::GROUP) {
-            bf16_lanes::from_split_order(rows, lanes::GROUP);
+        if lanes::applies::<T>(hd, bf16::GROUP) {
+            lanes::from_split_order(rows, bf16::GROUP, 2);
+        } else if lanes::applies_bytes::<T>(hd) {
+            lanes::from_split_order(rows, bytes::GROUP, bytes::PARTS);
         }
     }
     #[inline(always)]
@@ -151,7 +165,7 @@ unsafe fn load16<T: Element>(p: *const T) -> __m512 {
 /// The CPU has AVX-512F.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-pub(super) fn fp8_16(codes: __m512i) -> __m512 {
+pub(in crate::kernels) fn fp8_16(codes: __m512i) -> __m512 {
     let mag = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
     let value = _mm512_mul_ps(
         _mm512_castsi512_ps(_mm512_slli_epi32::<20>(mag)),

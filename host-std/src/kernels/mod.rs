@@ -23,10 +23,10 @@ mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-#[cfg(target_arch = "x86_64")]
-mod bf16_lanes;
 mod contiguous;
 mod copy;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod math;
 mod online;
 mod parallel;

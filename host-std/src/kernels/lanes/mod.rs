@@ -1,0 +1,98 @@
+//! Arithmetic for 16-bit and 8-bit storage that never moves data across lanes: bf16 on
+//! AVX-512F ([`bf16_avx512`], 16 lanes) and AVX2 + FMA ([`bf16_avx2`], 8 lanes), the
+//! 8-bit codes on AVX-512F ([`byte_avx512`]).
+//!
+//! One vector-wide load holds 2 bf16 (or 4 codes) in each 32-bit lane; each of them
+//! widens with shifts and masks inside its lane, where the general paths' `vpmovzxwd` /
+//! `vpmovsxbd` cross lanes; on the development CPU (AMD EPYC, AVX-512 executed as two
+//! 256-bit halves) that widening was half the time of the scores.
+//!
+//! The price is the order of the dimensions: within each group of `parts × lanes`
+//! dimensions, the f32 rows the arithmetic reads and writes (scaled queries, output
+//! accumulators) hold the dimensions `parts · i + 0` first, then `parts · i + 1`, and so
+//! on ([`to_split_order`]; [`from_split_order`] undoes it). The dot products do not
+//! care, being sums; the accumulators are put back in order once per task. Used when
+//! the head dimension is a multiple of the group; other head dims take the general path.
+
+pub(super) mod bf16_avx2;
+pub(super) mod bf16_avx512;
+pub(super) mod byte_avx512;
+
+use crate::dtype::{Element, Kind};
+
+/// Whether storage `T` with head dimension `hd` takes the path whose groups are `group`
+/// dimensions wide. O(1).
+#[inline(always)]
+pub(super) fn applies<T: Element>(hd: usize, group: usize) -> bool {
+    T::KIND == Kind::Bf16 && hd.is_multiple_of(group) && hd > 0
+}
+
+/// Whether 8-bit storage `T` with head dimension `hd` takes [`byte_avx512`]. O(1).
+#[inline(always)]
+pub(super) fn applies_bytes<T: Element>(hd: usize) -> bool {
+    matches!(T::KIND, Kind::Int8 | Kind::Fp8E4m3) && hd.is_multiple_of(byte_avx512::GROUP) && hd > 0
+}
+
+/// Reorders each group of `group` in `rows` (a multiple of `group` long; `group` a
+/// multiple of `parts`, at most 64) so that dimension `parts · i + j` goes to
+/// `j · group / parts + i`. O(rows.len()).
+pub(super) fn to_split_order(rows: &mut [f32], group: usize, parts: usize) {
+    let lanes = group / parts;
+    for g in rows.chunks_exact_mut(group) {
+        let mut src = [0.0f32; 64];
+        src[..group].copy_from_slice(g);
+        for i in 0..lanes {
+            for j in 0..parts {
+                g[j * lanes + i] = src[parts * i + j];
+            }
+        }
+    }
+}
+
+/// Inverse of [`to_split_order`]. O(rows.len()).
+pub(super) fn from_split_order(rows: &mut [f32], group: usize, parts: usize) {
+    let lanes = group / parts;
+    for g in rows.chunks_exact_mut(group) {
+        let mut src = [0.0f32; 64];
+        src[..group].copy_from_slice(g);
+        for i in 0..lanes {
+            for j in 0..parts {
+                g[parts * i + j] = src[j * lanes + i];
+            }
+        }
+    }
+}
+
+/// Bytes of `T`'s storage as a pointer to bytes (the stored bit patterns).
+#[inline(always)]
+fn bytes<T: Element>(x: &[T]) -> *const u8 {
+    x.as_ptr().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_order_round_trips() {
+        for group in [16, 32] {
+            let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
+            let mut y = x.clone();
+            to_split_order(&mut y, group, 2);
+            assert_eq!(&y[..4], &[0.0, 2.0, 4.0, 6.0]);
+            assert_eq!(&y[group / 2..group / 2 + 2], &[1.0, 3.0]);
+            assert_eq!(&y[group..group + 2], &[group as f32, group as f32 + 2.0]);
+            from_split_order(&mut y, group, 2);
+            assert_eq!(x, y);
+        }
+        let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
+        let mut y = x.clone();
+        to_split_order(&mut y, 64, 4);
+        assert_eq!(&y[..3], &[0.0, 4.0, 8.0]);
+        assert_eq!(&y[16..18], &[1.0, 5.0]);
+        assert_eq!(&y[48..50], &[3.0, 7.0]);
+        assert_eq!(&y[64..66], &[64.0, 68.0]);
+        from_split_order(&mut y, 64, 4);
+        assert_eq!(x, y);
+    }
+}
