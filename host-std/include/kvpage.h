@@ -1020,7 +1020,8 @@ kvpage_result kvpage_cache_write_kv(kvpage_cache *cache,
 //
 // # Errors
 // As `kvpage_cache_write_kv`; `KVPAGE_ERR_INVALID_ARGUMENT` for an unknown dtype
-// (`value` = the code), `KVPAGE_ERR_DTYPE_MISMATCH` when `dtype` is not the cache's.
+// (`value` = the code), `KVPAGE_ERR_DTYPE_MISMATCH` when `dtype` is not the cache's or
+// is an 8-bit dtype (its codes carry no scale: write such a cache from `float`).
 //
 // # Safety
 // `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /

@@ -643,7 +643,8 @@ impl KvCache {
     ///
     /// # Errors
     /// As [`KvCache::write_kv`], and [`KernelError::DTypeMismatch`] if `T` is not the
-    /// geometry's dtype. Nothing is written on error.
+    /// geometry's dtype, [`KernelError::ScaledStorage`] for 8-bit storage (codes carry
+    /// no scale: write those caches from f32). Nothing is written on error.
     pub fn write_kv_as<T: Element>(
         &mut self,
         seq: Seq,

@@ -665,7 +665,8 @@ pub unsafe extern "C" fn kvpage_cache_write_kv(
 ///
 /// # Errors
 /// As `kvpage_cache_write_kv`; `KVPAGE_ERR_INVALID_ARGUMENT` for an unknown dtype
-/// (`value` = the code), `KVPAGE_ERR_DTYPE_MISMATCH` when `dtype` is not the cache's.
+/// (`value` = the code), `KVPAGE_ERR_DTYPE_MISMATCH` when `dtype` is not the cache's or
+/// is an 8-bit dtype (its codes carry no scale: write such a cache from `float`).
 ///
 /// # Safety
 /// `cache` is null or a live cache; `k` and `v` are null or readable for `k_len` /
