@@ -37,7 +37,8 @@ impl Reference {
         Ok(Self { weights })
     }
 
-    /// Runs `prompts` (a batch: all of one length) and then `max_new` tokens each, the
+    /// Runs `prompts` (a batch: all of one length, at least one token; a batch of several
+    /// reads them one position per forward pass) and then `max_new` tokens each, the
     /// token of step `i` of sequence `b` chosen by `choose(b, i, logits)`; stops early
     /// when every sequence chose `eos`. O(batch × (prompt + max_new) × (weights +
     /// context)).
@@ -59,8 +60,23 @@ impl Reference {
             };
             prompts.len()
         ];
-        let mut input = Tensor::new(prompts.to_vec(), &Device::Cpu)?;
+        // candle's forward refuses a batch of several prompt tokens per sequence (the
+        // last position of a [batch, tokens] hidden state is not contiguous for its
+        // output product), so a batch reads its prompts one position per pass.
+        let len = prompts.first().map_or(0, Vec::len);
+        let chunk = if prompts.len() > 1 { 1 } else { len.max(1) };
         let mut pos = 0;
+        while pos + chunk < len {
+            let part: Vec<Vec<u32>> = prompts
+                .iter()
+                .map(|p| p[pos..pos + chunk].to_vec())
+                .collect();
+            self.weights
+                .forward(&Tensor::new(part, &Device::Cpu)?, pos)?;
+            pos += chunk;
+        }
+        let last: Vec<Vec<u32>> = prompts.iter().map(|p| p[pos..].to_vec()).collect();
+        let mut input = Tensor::new(last, &Device::Cpu)?;
         for step in 0..max_new {
             let logits = self.weights.forward(&input, pos)?.to_vec2::<f32>()?;
             pos += input.dim(1)?;

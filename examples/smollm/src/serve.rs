@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvpage::{
-    CacheConfig, Capacity, DType, Engine, EngineConfig, Preemption, RequestId, Sampled,
-    SchedulerConfig,
+    CacheConfig, Capacity, DType, Engine, EngineConfig, EngineError, Preemption, RequestId,
+    Sampled, SchedulerConfig,
 };
 
 use crate::model::{Attention, Model};
@@ -209,7 +209,14 @@ pub fn serve(
             arrived += 1;
         }
         let t0 = Instant::now();
-        let step = engine.step()?;
+        engine.step()?;
+        // The step's blocks are all allocated now; a finished request frees its own at
+        // the commit.
+        let used = engine.cache().stats().used_blocks;
+        // (A successful step is pending until its commit.)
+        let step = engine
+            .pending_step()
+            .ok_or(kvpage::CacheError::from(EngineError::NoStepInProgress))?;
         let tokens = step.input_tokens().to_vec();
         let mut positions = Vec::with_capacity(tokens.len());
         let mut emitting = Vec::new();
@@ -241,6 +248,7 @@ pub fn serve(
         } else {
             model.forward(&tokens, &positions, &mut attention, &rows)?
         };
+        report.peak_blocks = report.peak_blocks.max(used);
         let mut sampled = Vec::with_capacity(emitting.len());
         let mut fork_from = Vec::new();
         for ((request, _), l) in emitting.iter().zip(logits) {
@@ -282,7 +290,6 @@ pub fn serve(
             report.decode_tokens += tokens.len() as u64;
             report.decode_time += elapsed;
         }
-        report.peak_blocks = report.peak_blocks.max(engine.cache().stats().used_blocks);
         for id in finished {
             live.remove(&id);
         }

@@ -2,9 +2,10 @@
 //! activations, see [`Matmul::Quantized`]) against candle's own quantized Llama on the
 //! same file. The rounding makes the logits depend on the last bits of the attention
 //! sums, so no two implementations (nor candle with itself, a prompt run whole versus
-//! token by token) agree for ever: this test states the agreement instead of identity —
-//! the first token of every prompt and the first step's logits within
-//! [`MAX_FIRST_STEP_REL`] — and prints the share of tokens generated alike and candle's
+//! token by token) agree for ever: this test states the agreement instead of identity.
+//! Up to the first token that differs (a near tie flipped by the rounding), every step's
+//! logits agree within [`MAX_REL`] of the largest logit (a wrong rotation, position or
+//! mask is far outside it); it prints the share of tokens generated alike and candle's
 //! own spread for scale. `tests/exact.rs` checks identity with dequantized weights.
 
 mod common;
@@ -15,9 +16,9 @@ use kvpage_smollm::reference::Reference;
 use kvpage_smollm::sample::{Sampler, Sampling};
 use kvpage_smollm::serve::serve;
 
-/// Largest difference of a first-step logit, relative to the largest logit (candle
-/// against itself, whole prompt versus token by token: about 4e-2).
-const MAX_FIRST_STEP_REL: f32 = 0.1;
+/// Largest difference of a logit, relative to the largest logit of the step (measured up
+/// to 7e-2; candle against itself, whole prompt versus token by token: 4e-2).
+const MAX_REL: f32 = 0.15;
 
 #[test]
 fn quantized_generations_agree_with_candle() {

@@ -113,7 +113,7 @@ fn run(args: &Args) -> Result<(), Error> {
             max_seq_len: args.max_seq_len,
             token_budget: (batch * len) as u32 + batch as u32,
             dtype: DType::F32,
-            threads: 0,
+            threads: 1,
             eos: None,
             keep_logits: false,
         };

@@ -73,8 +73,10 @@ struct Args {
     /// Tokens computed per engine step at most.
     #[arg(long, default_value_t = 512)]
     token_budget: u32,
-    /// Threads of kvpage's attention kernels (0: one per core).
-    #[arg(long, default_value_t = 0)]
+    /// Threads of kvpage's attention kernels (0: one per core). candle's products use
+    /// every core already; at this model's size attention is a small share of a step,
+    /// and more kernel threads only compete with candle's for the cores.
+    #[arg(long, default_value_t = 1)]
     threads: usize,
 }
 
