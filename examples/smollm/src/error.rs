@@ -16,6 +16,15 @@ pub enum Error {
     Metadata(String),
     /// The model file could not be opened.
     Io(std::io::Error),
+    /// The cache holds longer sequences than the model's rotary tables cover.
+    TooLong {
+        /// The cache's `max_seq_len`.
+        max_seq_len: u32,
+        /// Positions the model was loaded for.
+        positions: usize,
+    },
+    /// No model file at this path (the message says how to fetch it).
+    MissingModel(std::path::PathBuf),
 }
 
 impl fmt::Display for Error {
@@ -26,6 +35,14 @@ impl fmt::Display for Error {
             Self::Tokenizer(e) => write!(f, "tokenizer: {e}"),
             Self::Metadata(e) => write!(f, "model metadata: {e}"),
             Self::Io(e) => write!(f, "model file: {e}"),
+            Self::TooLong {
+                max_seq_len,
+                positions,
+            } => write!(
+                f,
+                "sequences of {max_seq_len} tokens, rotary tables for {positions} positions"
+            ),
+            Self::MissingModel(path) => f.write_str(&crate::model_file::missing_help(path)),
         }
     }
 }

@@ -149,7 +149,8 @@ struct Live {
 /// O(steps × (batch rows × weights + attention)).
 ///
 /// # Errors
-/// The engine's (e.g. a prompt longer than `max_seq_len`), candle's.
+/// [`Error::TooLong`] for a `max_seq_len` beyond the model's rotary tables; the
+/// engine's (e.g. a prompt longer than `max_seq_len`), candle's.
 pub fn serve(
     model: &Model,
     config: ServeConfig,
@@ -157,6 +158,12 @@ pub fn serve(
     sampler: &mut Sampler,
 ) -> Result<Report, Error> {
     let hp = *model.hparams();
+    if config.max_seq_len as usize > model.max_positions() {
+        return Err(Error::TooLong {
+            max_seq_len: config.max_seq_len,
+            positions: model.max_positions(),
+        });
+    }
     let geometry = hp.geometry(config.block_size, config.dtype)?;
     let mut engine = Engine::new(EngineConfig {
         cache: CacheConfig {

@@ -14,7 +14,7 @@ use clap::Parser;
 use kvpage::DType;
 use kvpage_smollm::chat::{Template, DEFAULT_SYSTEM};
 use kvpage_smollm::model::{Matmul, Model};
-use kvpage_smollm::model_file::{default_path, missing_help};
+use kvpage_smollm::model_file::default_path;
 use kvpage_smollm::reference::Reference;
 use kvpage_smollm::sample::{Sampler, Sampling};
 use kvpage_smollm::serve::{serve, Request, ServeConfig};
@@ -73,7 +73,7 @@ fn matmul(dequantize: bool) -> Matmul {
 fn run(args: &Args) -> Result<(), Error> {
     let path = args.model.clone().unwrap_or_else(default_path);
     if !path.is_file() {
-        return Err(Error::Metadata(missing_help(&path)));
+        return Err(Error::MissingModel(path));
     }
     let (model, content) = Model::load(&path, args.max_seq_len as usize, matmul(args.dequantize))?;
     let tokenizer = Tokenizer::from_gguf(&content)?;
@@ -87,7 +87,7 @@ fn run(args: &Args) -> Result<(), Error> {
         "decode tok/s",
         "KV held MiB",
         "contiguous MiB",
-        "identical"
+        "alike %"
     );
     for &batch in &args.batches {
         let batch = batch.clamp(1, QUESTIONS.len());

@@ -14,7 +14,7 @@ use clap::Parser;
 use kvpage::DType;
 use kvpage_smollm::chat::{Template, DEFAULT_SYSTEM};
 use kvpage_smollm::model::{Matmul, Model};
-use kvpage_smollm::model_file::{default_path, missing_help};
+use kvpage_smollm::model_file::default_path;
 use kvpage_smollm::sample::{Sampler, Sampling};
 use kvpage_smollm::serve::{serve, Report, Request, ServeConfig};
 use kvpage_smollm::tokenizer::Tokenizer;
@@ -120,7 +120,7 @@ fn matmul(dequantize: bool) -> Matmul {
 fn run(args: &Args) -> Result<(), Error> {
     let path = args.model.clone().unwrap_or_else(default_path);
     if !path.is_file() {
-        return Err(Error::Metadata(missing_help(&path)));
+        return Err(Error::MissingModel(path));
     }
     let (model, content) = Model::load(&path, args.max_seq_len as usize, matmul(args.dequantize))?;
     let tokenizer = Tokenizer::from_gguf(&content)?;
