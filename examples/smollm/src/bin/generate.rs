@@ -70,9 +70,9 @@ struct Args {
     /// Tokens one sequence may hold.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: u32,
-    /// Storage type of the KV cache: f32, f16 or bf16 (half the bytes; attention still
-    /// accumulates in f32).
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    /// Storage type of the KV cache: f32, f16 or bf16 (half the bytes), int8 or fp8 (a
+    /// quarter, plus a scale per token and head); attention accumulates in f32.
+    #[arg(long, default_value = "f32", value_parser = kvpage_examples::presets::kv_dtype)]
     kv_dtype: DType,
     /// Tokens computed per engine step at most.
     #[arg(long, default_value_t = 512)]
@@ -82,15 +82,6 @@ struct Args {
     /// and more kernel threads only compete with candle's for the cores.
     #[arg(long, default_value_t = 1)]
     threads: usize,
-}
-
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    match s {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::Bf16),
-        _ => Err(format!("{s}: not f32, f16 or bf16")),
-    }
 }
 
 fn prompts(args: &Args) -> Result<Vec<String>, Error> {
