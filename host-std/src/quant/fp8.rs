@@ -127,6 +127,10 @@ mod tests {
 
     /// Against a brute-force nearest code (ties to the even code) on many values.
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "200k values against a search of 256 codes: pure arithmetic, no unsafe code, minutes under Miri"
+    )]
     fn encode_is_nearest_ties_to_even() {
         let finite: Vec<(u8, f64)> = (0..=255u8)
             .filter(|&c| !decode(c).is_nan())
