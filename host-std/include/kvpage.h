@@ -148,9 +148,6 @@ typedef struct kvpage_publisher kvpage_publisher;
 // Patch version of the header.
 #define KVPAGE_VERSION_PATCH 0
 
-// Largest finite magnitude.
-#define MAX 448.0
-
 // What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 // failure that changed nothing, and its number never changes between versions (new
 // codes get new numbers). `kvpage_result_str` gives a static message for each.

@@ -262,8 +262,9 @@ impl Arena {
     }
 
     /// The arena's bytes, mutable: whole blocks as a restore copies them, or the
-    /// scales of 8-bit storage. Every byte pattern is a valid element of every dtype.
-    /// O(1).
+    /// scales of 8-bit storage. Every byte pattern is a valid element of every dtype, so
+    /// no write here is unsound; but bytes written past a cache's back change what it
+    /// serves (values, and with 8-bit storage their scales), never its tables. O(1).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_bytes`, and `&mut self` makes the view unique.
         unsafe { core::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.bytes) }

@@ -3,8 +3,10 @@
 //! 3 mantissa bits; no infinities; `S.1111.111` is NaN; the largest finite magnitude is
 //! 448 and the smallest subnormal 2^-9.
 
-/// Largest finite magnitude.
-pub const MAX: f32 = 448.0;
+/// Largest finite magnitude (`S.1111.110`); larger inputs saturate to it in [`encode`].
+/// Crate-private: cbindgen would export a public constant as a bare `MAX` macro into
+/// `kvpage.h`; callers read it as [`super::Code::max`].
+pub(crate) const MAX: f32 = 448.0;
 
 /// The code of NaN (sign clear).
 const NAN: u8 = 0x7F;

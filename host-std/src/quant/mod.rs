@@ -19,7 +19,8 @@ pub enum Code {
 }
 
 impl Code {
-    /// The code of a scaled storage dtype; `None` for the float dtypes. O(1).
+    /// The code of a scaled storage dtype; `None` for the float dtypes (no error case).
+    /// O(1).
     pub const fn of(dtype: kvpage_core::DType) -> Option<Self> {
         match dtype {
             kvpage_core::DType::Int8 => Some(Self::Int8),
@@ -28,7 +29,7 @@ impl Code {
         }
     }
 
-    /// The largest magnitude a code holds.
+    /// The largest magnitude a code holds: 127 for int8, 448 for FP8 E4M3. O(1).
     pub const fn max(self) -> f32 {
         match self {
             Self::Int8 => 127.0,
@@ -92,6 +93,10 @@ pub fn quantize(code: Code, x: &[f32], group: usize, codes: &mut [u8], scales: &
 }
 
 /// Inverse of [`quantize`]: `out[i] = scales[i / group] · decode(codes[i])`. O(out.len()).
+///
+/// # Panics
+/// If `codes` is shorter than `out`, `scales` than its number of groups, or `group` is
+/// zero (a caller's sizing error in this reference code, not data).
 pub fn dequantize(code: Code, codes: &[u8], scales: &[f32], group: usize, out: &mut [f32]) {
     for (i, o) in out.iter_mut().enumerate() {
         *o = scales[i / group] * code.decode(codes[i]);
