@@ -49,6 +49,7 @@
 
 #![no_std]
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod config;
 pub mod engine;

@@ -487,13 +487,11 @@ mod tests {
         };
         let mut codes = Vec::with_capacity(x.len());
         let mut scales = Vec::new();
+        let mut row_codes = vec![0u8; hd];
         for row in x.chunks(hd) {
-            let s = code.scale_for(row.iter().fold(0.0f32, |m, v| m.max(v.abs())));
+            let s = code.quantize_row(row, &mut row_codes);
             scales.push(s);
-            codes.extend(
-                row.iter()
-                    .map(|&v| T::from_f32(code.decode(code.encode(v, s)))),
-            );
+            codes.extend(row_codes.iter().map(|&c| T::from_f32(code.decode(c))));
         }
         (codes, scales)
     }

@@ -264,15 +264,14 @@ fn rotate_codes(
     }
     turn.apply(&mut values[..rd]);
     let rotated_max = values[..rd].iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let (s, from) = if rotated_max <= s * code.max() {
-        (s, rd)
+    let s = if rotated_max <= s * code.max() {
+        for (c, &v) in codes.iter_mut().zip(values.iter()).take(rd) {
+            *c = code.encode(v, s);
+        }
+        s
     } else {
-        let absmax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        (code.scale_for(absmax), codes.len())
+        code.quantize_row(values, codes)
     };
-    for (c, &v) in codes.iter_mut().zip(values.iter()).take(from) {
-        *c = code.encode(v, s);
-    }
     scale.copy_from_slice(&s.to_le_bytes());
 }
 

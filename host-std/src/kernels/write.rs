@@ -42,12 +42,8 @@ pub fn write_kv<T: Element>(
             k,
             v,
             |src, arena, row, scale| {
-                let absmax = src.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                let s = code.scale_for(absmax);
                 let bytes = bytes_of_mut(arena);
-                for (b, &x) in bytes[row..row + src.len()].iter_mut().zip(src) {
-                    *b = code.encode(x, s);
-                }
+                let s = code.quantize_row(src, &mut bytes[row..row + src.len()]);
                 bytes[scale..scale + 4].copy_from_slice(&s.to_le_bytes());
             },
         ),

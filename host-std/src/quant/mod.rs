@@ -75,6 +75,23 @@ impl Code {
     }
 }
 
+impl Code {
+    /// Quantizes one group `src` into `codes` (same length) with the scale of its
+    /// largest magnitude ([`Code::scale_for`]), and returns that scale: the one rule by
+    /// which the kernels write a row and the references quantize a group. O(src.len()).
+    ///
+    /// # Panics
+    /// If `codes` is shorter than `src` (a caller's sizing error, never data).
+    pub fn quantize_row(self, src: &[f32], codes: &mut [u8]) -> f32 {
+        let absmax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let s = self.scale_for(absmax);
+        for (c, &v) in codes[..src.len()].iter_mut().zip(src) {
+            *c = self.encode(v, s);
+        }
+        s
+    }
+}
+
 /// Quantizes `x` in groups of `group` consecutive values (the last may be shorter),
 /// each group with its own scale: `codes[i]` and `scales[i / group]`. O(x.len()).
 ///
@@ -83,12 +100,7 @@ impl Code {
 /// is zero (a caller's sizing error in this reference code, not data).
 pub fn quantize(code: Code, x: &[f32], group: usize, codes: &mut [u8], scales: &mut [f32]) {
     for (g, chunk) in x.chunks(group).enumerate() {
-        let absmax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let s = code.scale_for(absmax);
-        scales[g] = s;
-        for (c, &v) in codes[g * group..].iter_mut().zip(chunk) {
-            *c = code.encode(v, s);
-        }
+        scales[g] = code.quantize_row(chunk, &mut codes[g * group..]);
     }
 }
 
