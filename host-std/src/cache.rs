@@ -79,6 +79,13 @@ pub struct CacheConfig {
     /// Threads the attention kernels use (the calling thread included); 0 = one per
     /// available core. [`KvCache::new`] starts `threads - 1` workers once (see
     /// [`WorkerPool::new`]); they are parked between calls and joined on drop.
+    ///
+    /// A program that runs its own thread pool on the same cores (a model's matrix
+    /// products, a game's job system) should not stack a second one on top: set 1 (the
+    /// calling thread only), or call [`kernels::paged_attention`] over
+    /// [`KvCache::arena`] and the block table with its own pool as the
+    /// [`Executor`](crate::kernels::Executor). Two pools contending for two cores made
+    /// SmolLM2's decode 4× slower (`examples/smollm` defaults to 1 for that reason).
     pub threads: usize,
     /// Entries of the KV event ring ([`KvCache::drain_events`]), for KV-aware routers;
     /// 0 = no events. Each takes about `40 + 4 × block_size` bytes (see
