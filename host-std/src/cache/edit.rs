@@ -117,7 +117,7 @@ impl KvCache {
     /// rotary_dims).
     ///
     /// # Errors
-    /// [`KernelError::Rope`](crate::KernelError::Rope) for parameters that do not fit
+    /// [`crate::KernelError::Rope`] for parameters that do not fit
     /// the head dim; otherwise as [`KvCache::context_shift`]. Nothing changes on error.
     pub fn context_shift_rotated(
         &mut self,

@@ -4,7 +4,7 @@
 //! and saving the whole prefix cache at shutdown to load it at the next start-up
 //! ([`KvCache::save_prefix_cache`], [`KvCache::load_prefix_cache`]).
 //!
-//! - [`format`]: the versioned byte format (header, framed sections, CRC-32s), encoded
+//! - [`format`](mod@format): the versioned byte format (header, framed sections, CRC-32s), encoded
 //!   field by field, little-endian.
 //! - `seq`: the [`KvCache`] methods, [`SeqBlob`] to look into a blob without a cache.
 //! - `request`: [`crate::Engine::save_request`], a request's sequence with the engine's

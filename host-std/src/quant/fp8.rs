@@ -55,7 +55,7 @@ pub fn decode(code: u8) -> f32 {
     DECODED[code as usize]
 }
 
-/// The code nearest to `x` (ties to the even mantissa); magnitudes past [`MAX`]
+/// The code nearest to `x` (ties to the even mantissa); magnitudes past 448 (`Code::max`)
 /// saturate to ±448 (so a scale chosen a little small clips instead of failing); NaN
 /// gives NaN. O(1).
 pub fn encode(x: f32) -> u8 {
