@@ -1,9 +1,14 @@
 //! CUDA backend for kvpage.
 //!
-//! Not built yet: this crate only re-exports the core so that the workspace layout of the
-//! design document is in place. The device arena, the kernels and the `cuda` feature come
-//! with their own issue.
+//! - [`driver`]: the driver entry points kvpage calls, declared here with plain integer
+//!   results and loaded at run time (feature `cuda`), so every error is typed and a
+//!   program built with the feature starts on a machine without a driver. Its result
+//!   codes and errors are plain Rust, available without the feature.
+//! - [`fatbin`]: the kernels compiled by `nvcc` at build time, when it was found.
+//!
+//! Without the `cuda` feature the crate needs no CUDA install and no driver.
 
-#![no_std]
+pub mod driver;
+pub mod fatbin;
 
 pub use kvpage_core as core;
