@@ -1,0 +1,276 @@
+// Paged attention (decode and chunked prefill) through block tables, and the reduce of
+// context partitions. Launch contract: params.h. The CPU reference is host-std's
+// `kernels::paged_attention` (SeqQuery semantics: a sequence's `queries` new tokens are
+// the last of its `context_len`; query token i sees tokens 0 ..= context_len - queries + i).
+//
+// One CTA = (sequence, KV head, tile of KVP_ATT_ROWS query rows, context partition),
+// KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
+// KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
+//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row, dot
+//      with every row's query (queries in shared memory), shuffle-reduced in the group;
+//   2. softmax: one warp per row: new max, exp, sum, rescale factor;
+//   3. values: TV threads per token, one 16-byte load of the V row each, accumulated
+//      into per-thread registers [rows][elements of the vector] for every row.
+// At the end the token groups' partial outputs are summed in shared memory (the query
+// buffer, no longer needed) and written: normalised to `out` when the launch has one
+// partition, unnormalised with (max, sum) to the scratch otherwise.
+// Consecutive threads load consecutive 16-byte vectors of a contiguous
+// [token][head_dim] tile, so a warp's loads coalesce; K/V bytes are read once per tile
+// of rows (all query heads of a GQA group of up to KVP_ATT_ROWS heads share them).
+#pragma once
+#include "dtype.cuh"
+#include "layout.cuh"
+#include "write.cuh"
+
+namespace kvp {
+
+template <class S, int HD> struct AttShape {
+    static constexpr int EPV = 16 / S::bytes;          // elements per 16-byte vector
+    static constexpr int VECS = HD / EPV;              // vectors per token row
+    static constexpr int TPT = VECS < 32 ? VECS : 32;  // score threads per token
+    static constexpr int QK_VECS = VECS / TPT;         // vectors per score thread
+    static constexpr int QK_GROUPS = KVP_ATT_THREADS / TPT;
+    static constexpr int TV = VECS;                    // value threads per token
+    static constexpr int V_GROUPS = KVP_ATT_THREADS / TV;
+    static_assert(VECS * EPV == HD, "head dim is a whole number of vectors");
+    static_assert(QK_VECS * TPT == VECS, "score threads split the row evenly");
+    static_assert(TV <= KVP_ATT_THREADS && KVP_ATT_THREADS % TV == 0, "value groups");
+};
+
+// The K or V row of absolute token `t` of the sequence whose block-table row is `bt`.
+template <int HD>
+__device__ __forceinline__ const uint4 *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
+                                               uint64_t tile, uint32_t bytes, uint32_t t) {
+    const uint32_t bs = p.geo.block_size;
+    const uint32_t block = __ldg(bt + t / bs);
+    const uint64_t elem = block_offset(p.geo, block) + tile + (uint64_t)(t % bs) * HD;
+    return reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.arena) + elem * bytes);
+}
+
+template <class S, int HD> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
+    using A = AttShape<S, HD>;
+    constexpr int R = KVP_ATT_ROWS;
+    constexpr int C = KVP_ATT_CHUNK;
+    __shared__ float4 q4[R * HD / 4]; // queries [R][HD]; after the loop: the output sums
+    __shared__ float s_s[R * C];      // scores, then probabilities, of the chunk
+    __shared__ float m_s[R], l_s[R], a_s[R];
+    __shared__ uint32_t lim_s[R];
+    float *q_s = reinterpret_cast<float *>(q4);
+
+    const KvpGeometry &g = p.geo;
+    const uint32_t kvh = blockIdx.x % g.kv_heads;
+    const uint32_t tile = blockIdx.x / g.kv_heads;
+    const uint32_t part = blockIdx.y;
+    const KvpSeqDesc sq = p.seqs[blockIdx.z];
+    const uint32_t group = p.q_heads / g.kv_heads;
+    const uint32_t all_rows = sq.queries * group;
+    const uint32_t row0 = tile * R;
+    const uint32_t p0 = part * p.partition_tokens;
+    // CTA-uniform exits, before any barrier.
+    if (row0 >= all_rows || p0 >= sq.context_len) return;
+    const uint32_t rows = all_rows - row0 < (uint32_t)R ? all_rows - row0 : (uint32_t)R;
+    const uint32_t first_visible = sq.context_len - sq.queries; // tokens before the queries
+    const uint32_t last_limit = first_visible + (row0 + rows - 1) / group + 1;
+    uint32_t end = p0 + p.partition_tokens;
+    end = end < sq.context_len ? end : sq.context_len;
+    end = end < last_limit ? end : last_limit;
+    const uint32_t tid = threadIdx.x;
+
+    for (uint32_t i = tid; i < (uint32_t)(R * HD); i += KVP_ATT_THREADS) {
+        const uint32_t j = i / HD, d = i % HD;
+        float x = 0.0f;
+        if (j < rows) {
+            const uint32_t r = row0 + j;
+            const uint64_t at = query_offset(sq.q_start + r / group, kvh * group + r % group, p.q_heads, HD);
+            x = __ldg(p.q + at + d);
+        }
+        q_s[i] = x;
+    }
+    if (tid < (uint32_t)R) {
+        lim_s[tid] = tid < rows ? first_visible + (row0 + tid) / group + 1 : 0u;
+        m_s[tid] = -INFINITY;
+        l_s[tid] = 0.0f;
+    }
+    __syncthreads();
+
+    const uint32_t *bt = p.block_table + (uint64_t)sq.row * p.table_stride;
+    const uint64_t k_tile = tile_offset(g, p.layer, 0, kvh);
+    const uint64_t v_tile = tile_offset(g, p.layer, 1, kvh);
+    const uint32_t lane = tid % 32u, warp = tid / 32u;
+    const uint32_t qg = tid / A::TPT, qj = tid % A::TPT;
+    const uint32_t vg = tid / A::TV, vv = tid % A::TV;
+    float acc[R][A::EPV];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < A::EPV; ++e) acc[r][e] = 0.0f;
+
+    for (uint32_t c0 = p0; c0 < end; c0 += C) {
+        const uint32_t n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
+        // 1. Scores. The loop bound is CTA-uniform, so every lane reaches the shuffles.
+        for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS) {
+            const uint32_t t = t0 + qg;
+            float dot[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+            if (t < n) {
+                const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
+                uint4 raw[A::QK_VECS];
+#pragma unroll
+                for (int v = 0; v < A::QK_VECS; ++v) raw[v] = __ldg(krow + qj + v * A::TPT);
+#pragma unroll
+                for (int v = 0; v < A::QK_VECS; ++v) {
+                    float x[A::EPV];
+                    S::unpack(raw[v], x);
+                    const uint32_t d0 = (qj + v * A::TPT) * A::EPV;
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int e = 0; e < A::EPV; ++e) dot[r] += q_s[r * HD + d0 + e] * x[e];
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
+                    dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
+            if (t < n && qj == 0) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
+            }
+        }
+        __syncthreads();
+        // 2. Online softmax, one warp per row.
+        for (uint32_t r = warp; r < (uint32_t)R; r += KVP_ATT_THREADS / 32) {
+            float mx = -INFINITY;
+            for (uint32_t t = lane; t < n; t += 32u) mx = fmaxf(mx, s_s[r * C + t]);
+            mx = warp_max(mx);
+            const float m_old = m_s[r];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (uint32_t t = lane; t < n; t += 32u) {
+                const float e = m_new == -INFINITY ? 0.0f : expf(s_s[r * C + t] - m_new);
+                s_s[r * C + t] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = m_new == -INFINITY ? 1.0f : expf(m_old - m_new);
+                a_s[r] = alpha;
+                l_s[r] = l_s[r] * alpha + sum;
+                m_s[r] = m_new;
+            }
+        }
+        __syncthreads();
+        // 3. Values.
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float alpha = a_s[r];
+#pragma unroll
+            for (int e = 0; e < A::EPV; ++e) acc[r][e] *= alpha;
+        }
+        for (uint32_t t = vg; t < n; t += A::V_GROUPS) {
+            const uint4 raw = __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv);
+            float x[A::EPV];
+            S::unpack(raw, x);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float pr = s_s[r * C + t];
+#pragma unroll
+                for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+            }
+        }
+        __syncthreads();
+    }
+
+    // Sum the token groups' partial outputs into q_s (free since the last barrier).
+    for (uint32_t i = tid; i < (uint32_t)(R * HD); i += KVP_ATT_THREADS) q_s[i] = 0.0f;
+    if (A::TV < 32) {
+        // Groups inside a warp first: lanes vv, vv + TV, ... hold the same elements.
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int e = 0; e < A::EPV; ++e)
+#pragma unroll
+                for (int mask = A::TV; mask < 32; mask <<= 1)
+                    acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
+    }
+    __syncthreads();
+    const bool leader = A::TV >= 32 || lane < (uint32_t)A::TV;
+    for (uint32_t w = 0; w < KVP_ATT_THREADS / 32; ++w) {
+        if (warp == w && leader) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int e = 0; e < A::EPV; ++e) q_s[r * HD + vv * A::EPV + e] += acc[r][e];
+        }
+        __syncthreads();
+    }
+
+    const uint64_t stat_len = scratch_stat_len(p.scratch_rows, p.q_heads, p.num_partitions);
+    for (uint32_t i = tid; i < rows * HD; i += KVP_ATT_THREADS) {
+        const uint32_t j = i / HD, d = i % HD;
+        const uint32_t r = row0 + j;
+        const uint32_t q_row = sq.q_start + r / group, q_head = kvh * group + r % group;
+        if (p.num_partitions == 1) {
+            p.out[query_offset(q_row, q_head, p.q_heads, HD) + d] = q_s[i] / l_s[j];
+        } else {
+            const uint64_t st = scratch_stat(q_row, q_head, part, p.q_heads, p.num_partitions);
+            p.scratch[2 * stat_len + st * HD + d] = q_s[i];
+            if (d == 0) {
+                p.scratch[st] = m_s[j];
+                p.scratch[stat_len + st] = l_s[j];
+            }
+        }
+    }
+}
+
+// Combines the partitions of one (query token, query head): out = sum_p e^(m_p - M) acc_p
+// / sum_p e^(m_p - M) l_p over the partitions holding tokens the row sees.
+__device__ __forceinline__ void reduce_row(const KvpAttentionParams &p) {
+    const KvpSeqDesc sq = p.seqs[blockIdx.x];
+    const uint32_t qi = blockIdx.y, q_head = blockIdx.z;
+    if (qi >= sq.queries) return;
+    const uint32_t limit = sq.context_len - sq.queries + qi + 1;
+    const uint32_t parts = (limit + p.partition_tokens - 1) / p.partition_tokens;
+    const uint32_t q_row = sq.q_start + qi;
+    const uint32_t hd = p.geo.head_dim;
+    const uint64_t stat_len = scratch_stat_len(p.scratch_rows, p.q_heads, p.num_partitions);
+    const uint64_t st0 = scratch_stat(q_row, q_head, 0, p.q_heads, p.num_partitions);
+    const float *m = p.scratch + st0;
+    const float *l = p.scratch + stat_len + st0;
+    const float *acc = p.scratch + 2 * stat_len + st0 * hd;
+    float mx = -INFINITY;
+    for (uint32_t i = 0; i < parts; ++i) mx = fmaxf(mx, m[i]);
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < parts; ++i) sum += expf(m[i] - mx) * l[i];
+    const float inv = 1.0f / sum;
+    float *o = p.out + query_offset(q_row, q_head, p.q_heads, hd);
+    for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
+        float x = 0.0f;
+        for (uint32_t i = 0; i < parts; ++i) x += expf(m[i] - mx) * acc[(uint64_t)i * hd + d];
+        o[d] = x * inv;
+    }
+}
+
+} // namespace kvp
+
+extern "C" __global__ void __launch_bounds__(KVP_REDUCE_THREADS) kvp_attention_reduce(const KvpAttentionParams p) {
+    kvp::reduce_row(p);
+}
+
+#define KVP_ATTENTION_KERNEL(name, S, HD)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS) name(const KvpAttentionParams p) {        \
+        kvp::attention_cta<kvp::S, HD>(p);                                                                 \
+    }
+
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64, F32, 64)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128, F32, 128)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256, F32, 256)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64, F16, 64)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128, F16, 128)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256, F16, 256)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64, Bf16, 64)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128, Bf16, 128)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256, Bf16, 256)
