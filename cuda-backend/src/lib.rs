@@ -10,5 +10,6 @@
 
 pub mod driver;
 pub mod fatbin;
+pub mod sizing;
 
 pub use kvpage_core as core;
