@@ -11,5 +11,6 @@
 pub mod driver;
 pub mod fatbin;
 pub mod sizing;
+pub mod upload;
 
 pub use kvpage_core as core;

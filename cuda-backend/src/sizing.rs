@@ -169,8 +169,7 @@ impl MetadataLayout {
             step_tokens,
             copy_pairs,
         } = limits;
-        if [rows, row_blocks, batch_seqs, step_tokens, copy_pairs].contains(&0)
-            || batch_seqs > rows
+        if [rows, row_blocks, batch_seqs, step_tokens, copy_pairs].contains(&0) || batch_seqs > rows
         {
             return Err(SizingError::BadLimits);
         }
@@ -265,7 +264,10 @@ mod tests {
             Ok(1 << 24)
         );
         let g = Geometry::new(1, 1, 1, 1, DType::F32).unwrap();
-        assert_eq!(arena_blocks(&g, ArenaSize::Blocks(u32::MAX), 0, 0), Ok(1 << 30));
+        assert_eq!(
+            arena_blocks(&g, ArenaSize::Blocks(u32::MAX), 0, 0),
+            Ok(1 << 30)
+        );
     }
 
     #[test]
@@ -303,8 +305,14 @@ mod tests {
         assert!(MetadataLayout::new(ok).is_ok());
         for bad in [
             StepLimits { rows: 0, ..ok },
-            StepLimits { step_tokens: 0, ..ok },
-            StepLimits { batch_seqs: 5, ..ok },
+            StepLimits {
+                step_tokens: 0,
+                ..ok
+            },
+            StepLimits {
+                batch_seqs: 5,
+                ..ok
+            },
             StepLimits {
                 rows: u32::MAX,
                 row_blocks: u32::MAX,
@@ -312,7 +320,11 @@ mod tests {
                 ..ok
             },
         ] {
-            assert_eq!(MetadataLayout::new(bad), Err(SizingError::BadLimits), "{bad:?}");
+            assert_eq!(
+                MetadataLayout::new(bad),
+                Err(SizingError::BadLimits),
+                "{bad:?}"
+            );
         }
     }
 }
