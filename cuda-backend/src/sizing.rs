@@ -282,7 +282,7 @@ mod tests {
         let m = MetadataLayout::new(limits).unwrap();
         let all = [m.seqs, m.slots, m.pairs, m.block_table];
         for s in all {
-            assert_eq!(s.offset % SECTION_ALIGN, 0);
+            assert!(s.offset.is_multiple_of(SECTION_ALIGN));
         }
         for w in all.windows(2) {
             assert!(w[0].end() <= w[1].offset);
@@ -290,7 +290,7 @@ mod tests {
         assert_eq!(m.seqs.bytes, 256 * 16);
         assert_eq!(m.slots.bytes, 8192 * 4);
         assert_eq!(m.block_table.bytes, 256 * 2048 * 4);
-        assert!(m.bytes >= m.block_table.end() && m.bytes % SECTION_ALIGN == 0);
+        assert!(m.bytes >= m.block_table.end() && m.bytes.is_multiple_of(SECTION_ALIGN));
     }
 
     #[test]
