@@ -1,0 +1,19 @@
+//! Device resources over [`crate::driver::Driver`] (feature `cuda`): a context on a
+//! chosen device, owned device and pinned host allocations, streams (owned, or a
+//! caller's borrowed), events, and the kernels' module.
+//!
+//! Every resource holds an `Arc` of its [`Context`] and makes it current before its
+//! driver calls, so it can be used and dropped from any thread, and the context (the
+//! device's primary context, retained once per [`Context`]) outlives everything made in
+//! it. Drops never panic: a failing free (only possible after a sticky device error,
+//! when the context is lost anyway) is ignored.
+
+mod context;
+mod memory;
+mod module;
+mod stream;
+
+pub use context::{Context, DeviceInfo};
+pub use memory::{DeviceMemory, PinnedMemory};
+pub use module::{DeviceCopy, Function, Module};
+pub use stream::{Event, Stream, StreamRef};
