@@ -15,6 +15,7 @@ pub mod device;
 pub mod driver;
 pub mod fatbin;
 pub mod sizing;
+pub mod swap;
 pub mod upload;
 
 pub use kvpage_core as core;

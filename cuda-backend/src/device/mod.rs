@@ -11,9 +11,13 @@
 mod context;
 mod memory;
 mod module;
+mod step;
 mod stream;
+mod tier;
 
 pub use context::{Context, DeviceInfo};
 pub use memory::{DeviceMemory, PinnedMemory};
 pub use module::{DeviceCopy, Function, Module};
+pub use step::{StepBuffers, StepError, MAX_UPLOAD_COPIES, MERGE_GAP_BYTES};
 pub use stream::{Event, Stream, StreamRef};
+pub use tier::{Direction, HostTier, SwapError};
