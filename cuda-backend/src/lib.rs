@@ -1,9 +1,13 @@
-//! CUDA backend for kvpage.
+//! CUDA backend for kvpage: the kernels (`kernels/*.cu`, CUDA C++), their ABI
+//! ([`params`]) and launch planning ([`launch`]).
 //!
-//! Not built yet: this crate only re-exports the core so that the workspace layout of the
-//! design document is in place. The device arena, the kernels and the `cuda` feature come
-//! with their own issue.
-
-#![no_std]
+//! The kernel source compiles with `nvcc` for the GPU and, with the `emulation` feature,
+//! as host C++ against an emulation of the CUDA execution model ([`emulation`]), so the
+//! same kernels are checked against the CPU backend on machines without a GPU.
 
 pub use kvpage_core as core;
+
+#[cfg(feature = "emulation")]
+pub mod emulation;
+pub mod launch;
+pub mod params;
