@@ -1,8 +1,7 @@
-//! Build script of kvpage-cuda.
-//!
-//! `build_fatbin()` (feature `cuda`): compiles `kernels/*.cu` with `nvcc` into one
-//! fatbin embedded by `src/fatbin.rs`. The emulation build of the same sources
-//! (feature `emulation`) lives in its own function beside it.
+//! Build script of kvpage-cuda. Two independent parts, one function each:
+//! `build_emulation` (the kernels as host C++ for the emulated tests, feature
+//! `emulation`) and `build_fatbin` (feature `cuda`: the kernels compiled by `nvcc` into
+//! one fatbin embedded by `src/fatbin.rs`).
 
 use std::env;
 use std::fmt::Write as _;
@@ -11,6 +10,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(kvpage_fatbin)");
+    build_emulation();
     build_fatbin();
 }
 
@@ -152,4 +152,36 @@ fn build_fatbin() {
         );
     }
     println!("cargo:rustc-cfg=kvpage_fatbin");
+}
+
+/// With the `emulation` feature: compiles `kernels/host/*.cpp` (the kernel source
+/// included as host C++ against `kernels/emulation.hpp`, plus the emulation's own
+/// self-test) into the static library `kvpage_emu`, C++17, `-O2` in every profile (the
+/// emulator runs each CUDA thread as a fiber: unoptimised it would be several times
+/// slower), warnings as errors.
+fn build_emulation() {
+    println!("cargo:rerun-if-changed=kernels");
+    #[cfg(feature = "emulation")]
+    {
+        let mut sources: Vec<std::path::PathBuf> = std::fs::read_dir("kernels/host")
+            .expect("cuda-backend/kernels/host exists")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "cpp"))
+            .collect();
+        sources.sort();
+        let mut build = cc::Build::new();
+        build
+            .cpp(true)
+            .std("c++17")
+            .opt_level(2)
+            .warnings(true)
+            .extra_warnings(true)
+            .warnings_into_errors(true)
+            .include("kernels");
+        for s in &sources {
+            println!("cargo:rerun-if-changed={}", s.display());
+            build.file(s);
+        }
+        build.compile("kvpage_emu");
+    }
 }

@@ -20,7 +20,7 @@
 #pragma once
 #include "dtype.cuh"
 #include "layout.cuh"
-#include "write.cuh"
+#include "warp.cuh"
 
 namespace kvp {
 
@@ -100,9 +100,9 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
     const uint32_t qg = tid / A::TPT, qj = tid % A::TPT;
     const uint32_t vg = tid / A::TV, vv = tid % A::TV;
     float acc[R][A::EPV];
-#pragma unroll
+KVP_UNROLL
     for (int r = 0; r < R; ++r)
-#pragma unroll
+KVP_UNROLL
         for (int e = 0; e < A::EPV; ++e) acc[r][e] = 0.0f;
 
     for (uint32_t c0 = p0; c0 < end; c0 += C) {
@@ -111,31 +111,31 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
         for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS) {
             const uint32_t t = t0 + qg;
             float dot[R];
-#pragma unroll
+KVP_UNROLL
             for (int r = 0; r < R; ++r) dot[r] = 0.0f;
             if (t < n) {
                 const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
                 uint4 raw[A::QK_VECS];
-#pragma unroll
+KVP_UNROLL
                 for (int v = 0; v < A::QK_VECS; ++v) raw[v] = __ldg(krow + qj + v * A::TPT);
-#pragma unroll
+KVP_UNROLL
                 for (int v = 0; v < A::QK_VECS; ++v) {
                     float x[A::EPV];
                     S::unpack(raw[v], x);
                     const uint32_t d0 = (qj + v * A::TPT) * A::EPV;
-#pragma unroll
+KVP_UNROLL
                     for (int r = 0; r < R; ++r)
-#pragma unroll
+KVP_UNROLL
                         for (int e = 0; e < A::EPV; ++e) dot[r] += q_s[r * HD + d0 + e] * x[e];
                 }
             }
-#pragma unroll
+KVP_UNROLL
             for (int r = 0; r < R; ++r)
-#pragma unroll
+KVP_UNROLL
                 for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
                     dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
             if (t < n && qj == 0) {
-#pragma unroll
+KVP_UNROLL
                 for (int r = 0; r < R; ++r)
                     s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
             }
@@ -164,20 +164,20 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
         }
         __syncthreads();
         // 3. Values.
-#pragma unroll
+KVP_UNROLL
         for (int r = 0; r < R; ++r) {
             const float alpha = a_s[r];
-#pragma unroll
+KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e) acc[r][e] *= alpha;
         }
         for (uint32_t t = vg; t < n; t += A::V_GROUPS) {
             const uint4 raw = __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv);
             float x[A::EPV];
             S::unpack(raw, x);
-#pragma unroll
+KVP_UNROLL
             for (int r = 0; r < R; ++r) {
                 const float pr = s_s[r * C + t];
-#pragma unroll
+KVP_UNROLL
                 for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
             }
         }
@@ -188,11 +188,11 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
     for (uint32_t i = tid; i < (uint32_t)(R * HD); i += KVP_ATT_THREADS) q_s[i] = 0.0f;
     if (A::TV < 32) {
         // Groups inside a warp first: lanes vv, vv + TV, ... hold the same elements.
-#pragma unroll
+KVP_UNROLL
         for (int r = 0; r < R; ++r)
-#pragma unroll
+KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e)
-#pragma unroll
+KVP_UNROLL
                 for (int mask = A::TV; mask < 32; mask <<= 1)
                     acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
     }
@@ -200,9 +200,9 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
     const bool leader = A::TV >= 32 || lane < (uint32_t)A::TV;
     for (uint32_t w = 0; w < KVP_ATT_THREADS / 32; ++w) {
         if (warp == w && leader) {
-#pragma unroll
+KVP_UNROLL
             for (int r = 0; r < R; ++r)
-#pragma unroll
+KVP_UNROLL
                 for (int e = 0; e < A::EPV; ++e) q_s[r * HD + vv * A::EPV + e] += acc[r][e];
         }
         __syncthreads();

@@ -1,7 +1,7 @@
 // kvp_copy_blocks: every (src, dst) block copy of a step in one launch (copy-on-write).
 // Launch contract: params.h.
 #pragma once
-#include "params.h"
+#include "layout.cuh"
 
 namespace kvp {
 
@@ -22,12 +22,12 @@ __device__ __forceinline__ void copy_pair(const KvpCopyParams &p) {
         for (uint64_t base = (uint64_t)blockIdx.y * threads * KVP_COPY_UNROLL + threadIdx.x; base < v;
              base += stride) {
             uint4 r[KVP_COPY_UNROLL];
-#pragma unroll
+KVP_UNROLL
             for (int u = 0; u < KVP_COPY_UNROLL; ++u) {
                 const uint64_t i = base + (uint64_t)u * threads;
                 if (i < v) r[u] = __ldg(s16 + i);
             }
-#pragma unroll
+KVP_UNROLL
             for (int u = 0; u < KVP_COPY_UNROLL; ++u) {
                 const uint64_t i = base + (uint64_t)u * threads;
                 if (i < v) d16[i] = r[u];

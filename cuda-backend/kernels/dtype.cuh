@@ -6,7 +6,7 @@
 // integer / IEEE arithmetic on both sides, bit-exact with host-std's `quant` module
 // (`Code::scale_for`, `Code::encode`, `fp8::encode`).
 #pragma once
-#include "params.h"
+#include "layout.cuh"
 
 namespace kvp {
 
@@ -149,7 +149,7 @@ struct F16 {
     static constexpr int bytes = 2;
     static __device__ __forceinline__ void unpack(const uint4 &r, float *x) {
         const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
+KVP_UNROLL
         for (int i = 0; i < 4; ++i) {
             x[2 * i] = f16_to_f32((uint16_t)(w[i] & 0xFFFFu));
             x[2 * i + 1] = f16_to_f32((uint16_t)(w[i] >> 16));
@@ -161,7 +161,7 @@ struct Bf16 {
     static constexpr int bytes = 2;
     static __device__ __forceinline__ void unpack(const uint4 &r, float *x) {
         const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
+KVP_UNROLL
         for (int i = 0; i < 4; ++i) {
             x[2 * i] = __uint_as_float(w[i] << 16);
             x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);

@@ -3,22 +3,9 @@
 #pragma once
 #include "dtype.cuh"
 #include "layout.cuh"
+#include "warp.cuh"
 
 namespace kvp {
-
-// Largest of `v` over the warp (all 32 lanes call it).
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
-    return v;
-}
-
-// Sum of `v` over the warp (all 32 lanes call it).
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
-    return v;
-}
 
 __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
     const uint32_t lane = threadIdx.x % 32u;
