@@ -9,6 +9,7 @@
 //! when the context is lost anyway) is ignored.
 
 mod context;
+mod kernels;
 mod memory;
 mod module;
 mod step;
@@ -16,6 +17,7 @@ mod stream;
 mod tier;
 
 pub use context::{Context, DeviceInfo};
+pub use kernels::{Kernels, KernelsError};
 pub use memory::{DeviceMemory, PinnedMemory};
 pub use module::{DeviceCopy, Function, Module};
 pub use step::{StepBuffers, StepError, MAX_UPLOAD_COPIES, MERGE_GAP_BYTES};

@@ -74,7 +74,19 @@ impl Module {
     }
 }
 
+impl Module {
+    /// A function of this module from its raw handle (one [`Module::function`] gave).
+    pub(crate) fn function_from_raw(&self, raw: CuFunction) -> Function<'_> {
+        Function { module: self, raw }
+    }
+}
+
 impl Function<'_> {
+    /// The raw handle. O(1).
+    pub fn raw(&self) -> CuFunction {
+        self.raw
+    }
+
     /// Queues the kernel on `stream` with grid `grid`, CTAs of `block` threads,
     /// `shared_bytes` of dynamic shared memory and its one parameter struct `params`,
     /// passed by value (the driver copies it at the launch).
