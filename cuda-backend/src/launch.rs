@@ -888,7 +888,12 @@ mod tests {
         );
     }
 
-    fn call<'a>(g: Geometry, table: &'a [u32], seqs: &'a [KvpSeqDesc], q_heads: u32) -> AttentionCall<'a> {
+    fn call<'a>(
+        g: Geometry,
+        table: &'a [u32],
+        seqs: &'a [KvpSeqDesc],
+        q_heads: u32,
+    ) -> AttentionCall<'a> {
         let total: u64 = seqs.iter().map(|s| u64::from(s.queries)).sum();
         let n = (total * u64::from(q_heads) * u64::from(g.head_dim())) as usize;
         AttentionCall {
@@ -913,10 +918,16 @@ mod tests {
         pack_seqs([(0, 128, 1), (3, 100, 1)], &mut seqs).unwrap();
         assert_eq!(seqs[1].q_start, 1);
         // One GPU of 132 SMs, 2 seqs x 4 KV heads: partitions of the minimum length.
-        let plan = plan_attention(&call(g, &table, &seqs, 32), Partitioning::Auto { sm_count: 132 })
-            .unwrap()
-            .unwrap();
-        assert_eq!(plan.num_partitions, 1, "128 tokens fit one 256-token partition");
+        let plan = plan_attention(
+            &call(g, &table, &seqs, 32),
+            Partitioning::Auto { sm_count: 132 },
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            plan.num_partitions, 1,
+            "128 tokens fit one 256-token partition"
+        );
         assert_eq!(plan.attention.grid, [4, 1, 2]);
         assert!(plan.reduce.is_none());
         let plan = plan_attention(&call(g, &table, &seqs, 32), Partitioning::Tokens(32))
@@ -964,17 +975,61 @@ mod tests {
             plan_attention(&c, auto).unwrap_err()
         };
         assert_eq!(bad(&|c| c.scale = f32::NAN), LaunchError::BadScale);
-        assert!(matches!(bad(&|c| c.q_heads = 6), LaunchError::HeadsNotDivisible { .. }));
-        assert!(matches!(bad(&|c| c.num_blocks = 2), LaunchError::BlockOutOfRange { block: 2, .. }));
-        assert!(matches!(bad(&|c| c.stride = 2), LaunchError::ContextTooLong { .. }));
-        assert!(matches!(bad(&|c| c.out_len -= 1), LaunchError::BufferLength { buffer: Buffer::Output, .. }));
-        let wrong = [KvpSeqDesc { row: 0, context_len: 2, queries: 3, q_start: 0 }];
-        assert!(matches!(bad(&|c| c.seqs = &wrong), LaunchError::QueriesExceedContext { .. }));
-        let wrong = [KvpSeqDesc { row: 0, context_len: 20, queries: 3, q_start: 1 }];
-        assert!(matches!(bad(&|c| c.seqs = &wrong), LaunchError::BadQueryStart { .. }));
-        let wrong = [KvpSeqDesc { row: 2, context_len: 20, queries: 3, q_start: 0 }];
-        assert!(matches!(bad(&|c| c.seqs = &wrong), LaunchError::RowOutOfRange { row: 2, rows: 2 }));
-        let empty = [KvpSeqDesc { row: 0, context_len: 5, queries: 0, q_start: 0 }];
+        assert!(matches!(
+            bad(&|c| c.q_heads = 6),
+            LaunchError::HeadsNotDivisible { .. }
+        ));
+        assert!(matches!(
+            bad(&|c| c.num_blocks = 2),
+            LaunchError::BlockOutOfRange { block: 2, .. }
+        ));
+        assert!(matches!(
+            bad(&|c| c.stride = 2),
+            LaunchError::ContextTooLong { .. }
+        ));
+        assert!(matches!(
+            bad(&|c| c.out_len -= 1),
+            LaunchError::BufferLength {
+                buffer: Buffer::Output,
+                ..
+            }
+        ));
+        let wrong = [KvpSeqDesc {
+            row: 0,
+            context_len: 2,
+            queries: 3,
+            q_start: 0,
+        }];
+        assert!(matches!(
+            bad(&|c| c.seqs = &wrong),
+            LaunchError::QueriesExceedContext { .. }
+        ));
+        let wrong = [KvpSeqDesc {
+            row: 0,
+            context_len: 20,
+            queries: 3,
+            q_start: 1,
+        }];
+        assert!(matches!(
+            bad(&|c| c.seqs = &wrong),
+            LaunchError::BadQueryStart { .. }
+        ));
+        let wrong = [KvpSeqDesc {
+            row: 2,
+            context_len: 20,
+            queries: 3,
+            q_start: 0,
+        }];
+        assert!(matches!(
+            bad(&|c| c.seqs = &wrong),
+            LaunchError::RowOutOfRange { row: 2, rows: 2 }
+        ));
+        let empty = [KvpSeqDesc {
+            row: 0,
+            context_len: 5,
+            queries: 0,
+            q_start: 0,
+        }];
         let mut c = ok;
         c.seqs = &empty;
         c.q_len = 0;

@@ -97,6 +97,14 @@ impl Kernels {
             .unwrap_or(0);
         let f = self.module.function_from_raw(self.functions[i]);
         // SAFETY: the caller's contract.
-        unsafe { f.launch(stream, config.grid, config.block, config.shared_bytes, params) }
+        unsafe {
+            f.launch(
+                stream,
+                config.grid,
+                config.block,
+                config.shared_bytes,
+                params,
+            )
+        }
     }
 }

@@ -8,6 +8,7 @@
 //! it. Drops never panic: a failing free (only possible after a sticky device error,
 //! when the context is lost anyway) is ignored.
 
+mod cache;
 mod context;
 mod kernels;
 mod memory;
@@ -16,6 +17,7 @@ mod step;
 mod stream;
 mod tier;
 
+pub use cache::{DeviceCache, DeviceCacheConfig, DeviceCacheError};
 pub use context::{Context, DeviceInfo};
 pub use kernels::{Kernels, KernelsError};
 pub use memory::{DeviceMemory, PinnedMemory};

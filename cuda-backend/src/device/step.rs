@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::{Context, DeviceMemory, Event, PinnedMemory, StreamRef};
 use crate::driver::{CuDevicePtr, DriverError};
+use crate::params::KvpSeqDesc;
 use crate::sizing::{MetadataLayout, Section, SizingError, StepLimits};
 use crate::upload::{stage_block_table, RowChange, RowUse, StageError, UploadPlan};
 
@@ -155,18 +156,18 @@ impl StepBuffers {
         Ok(())
     }
 
-    /// Stages `seqs` (`(row, context_len, queries, q_start)` descriptors, `KvpSeqDesc`)
-    /// for upload. O(seqs).
+    /// Stages the sequence descriptors of an attention launch for upload. O(seqs).
     ///
     /// # Errors
     /// [`StepError::TooLarge`] beyond the batch limit; nothing staged.
-    pub fn stage_seqs(&mut self, seqs: &[[u32; 4]]) -> Result<(), StepError> {
+    pub fn stage_seqs(&mut self, seqs: &[KvpSeqDesc]) -> Result<(), StepError> {
         let s = self.layout.seqs;
         self.check("seqs", seqs.len(), self.limits.batch_seqs)?;
         let bytes = seqs.len() * 16;
         put_u32s(
             &mut self.staging.as_mut_slice()[s.offset..s.offset + bytes],
-            seqs.iter().flatten().copied(),
+            seqs.iter()
+                .flat_map(|d| [d.row, d.context_len, d.queries, d.q_start]),
         );
         self.plan.add(s.offset, bytes);
         Ok(())
