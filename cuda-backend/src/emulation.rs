@@ -151,7 +151,7 @@ fn check_arena(geometry: &Geometry, num_blocks: u32, arena: &[u8]) -> Result<(),
         }
         .into());
     }
-    if arena.as_ptr() as usize % 16 != 0 {
+    if !(arena.as_ptr() as usize).is_multiple_of(16) {
         return Err(EmuError::Misaligned);
     }
     Ok(())
@@ -248,13 +248,12 @@ pub fn attention(
         }
     }
     let Some(plan) = plan else { return Ok(None) };
-    let scratch_len = usize::try_from(plan.scratch_floats).map_err(|_| {
-        LaunchError::BufferLength {
+    let scratch_len =
+        usize::try_from(plan.scratch_floats).map_err(|_| LaunchError::BufferLength {
             buffer: Buffer::Scratch,
             expected: plan.scratch_floats,
             actual: 0,
-        }
-    })?;
+        })?;
     // NaN: an element the attention kernel should have written and did not poisons the
     // reduce's output.
     let mut scratch = vec![f32::NAN; scratch_len];
@@ -291,7 +290,14 @@ pub mod index {
         unsafe { kvpage_emu_block_offset(g, block) }
     }
     /// `kvp::row_offset`. O(1).
-    pub fn row_offset(g: &KvpGeometry, block: u32, layer: u32, kv: u32, head: u32, row: u32) -> u64 {
+    pub fn row_offset(
+        g: &KvpGeometry,
+        block: u32,
+        layer: u32,
+        kv: u32,
+        head: u32,
+        row: u32,
+    ) -> u64 {
         // SAFETY: reads the struct only.
         unsafe { kvpage_emu_row_offset(g, block, layer, kv, head, row) }
     }
