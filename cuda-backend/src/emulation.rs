@@ -151,7 +151,7 @@ fn check_arena(geometry: &Geometry, num_blocks: u32, arena: &[u8]) -> Result<(),
         }
         .into());
     }
-    if arena.as_ptr() as usize % 16 != 0 {
+    if !(arena.as_ptr() as usize).is_multiple_of(16) {
         return Err(EmuError::Misaligned);
     }
     Ok(())

@@ -528,8 +528,7 @@ pub fn pack_seqs(
     out: &mut [KvpSeqDesc],
 ) -> Result<u32, LaunchError> {
     let mut total: u64 = 0;
-    let mut n = 0usize;
-    for (row, context_len, queries) in seqs {
+    for (n, (row, context_len, queries)) in seqs.into_iter().enumerate() {
         let Some(slot) = out.get_mut(n) else {
             return Err(LaunchError::BufferLength {
                 buffer: Buffer::Seqs,
@@ -545,7 +544,6 @@ pub fn pack_seqs(
             q_start,
         };
         total += u64::from(queries);
-        n += 1;
     }
     check_dim("queries", total, u32::MAX)
 }
@@ -864,8 +862,8 @@ mod tests {
         let g = geo(DType::F32, 128, 16);
         let c = |src, dst| BlockCopy { src, dst };
         let cfg = plan_copy(&g, 8, &[c(0, 1), c(0, 2)]).unwrap().unwrap();
-        // 2 layers * 2 * 4 heads * 16 * 128 * 4 B = 256 KiB: 16 KiB per CTA.
-        assert_eq!(cfg.grid, [2, 16, 1]);
+        // 2 layers * 2 * 4 heads * 16 * 128 * 4 B = 128 KiB: 16 KiB per CTA.
+        assert_eq!(cfg.grid, [2, 8, 1]);
         assert_eq!(plan_copy(&g, 8, &[]), Ok(None));
         assert_eq!(
             plan_copy(&g, 8, &[c(3, 3)]),
@@ -950,12 +948,13 @@ mod tests {
         // 1 sequence x 32k tokens, 8 CTAs: 132 SMs want ~1056 CTAs -> 132 partitions of
         // 256 tokens (the minimum) at most; 32768 / 132 rounds to 256.
         assert_eq!(auto_partition(32_768, 16, 8, 132), 256);
-        // Many sequences already fill the GPU: one partition of the whole context.
-        assert_eq!(auto_partition(4096, 16, 64 * 8, 132), 4096);
+        // 64 sequences x 8 KV heads = 512 CTAs want 1056: 3 partitions.
+        assert_eq!(auto_partition(4096, 16, 64 * 8, 132), 1376);
+        // Enough sequences to fill the GPU: one partition of the whole context.
         assert_eq!(auto_partition(4096, 16, 4096, 132), 4096);
         // Never past the grid limit, always a multiple of the block size.
         let p = auto_partition(u32::MAX, 32, 1, 132);
-        assert!(p % 32 == 0 && u64::from(u32::MAX).div_ceil(u64::from(p)) <= 65_535);
+        assert!(p.is_multiple_of(32) && u64::from(u32::MAX).div_ceil(u64::from(p)) <= 65_535);
     }
 
     #[test]
@@ -969,71 +968,67 @@ mod tests {
         let plan = plan_attention(&ok, auto).unwrap().unwrap();
         // 3 queries x group 2 = 6 rows: one tile.
         assert_eq!(plan.row_tiles, 1);
-        let bad = |f: &dyn Fn(&mut AttentionCall<'_>)| {
-            let mut c = ok;
-            f(&mut c);
-            plan_attention(&c, auto).unwrap_err()
-        };
-        assert_eq!(bad(&|c| c.scale = f32::NAN), LaunchError::BadScale);
+        let bad = |c: AttentionCall<'_>| plan_attention(&c, auto).unwrap_err();
+        assert_eq!(
+            bad(AttentionCall {
+                scale: f32::NAN,
+                ..ok
+            }),
+            LaunchError::BadScale
+        );
         assert!(matches!(
-            bad(&|c| c.q_heads = 6),
+            bad(AttentionCall { q_heads: 6, ..ok }),
             LaunchError::HeadsNotDivisible { .. }
         ));
         assert!(matches!(
-            bad(&|c| c.num_blocks = 2),
+            bad(AttentionCall {
+                num_blocks: 2,
+                ..ok
+            }),
             LaunchError::BlockOutOfRange { block: 2, .. }
         ));
         assert!(matches!(
-            bad(&|c| c.stride = 2),
+            bad(AttentionCall { stride: 2, ..ok }),
             LaunchError::ContextTooLong { .. }
         ));
         assert!(matches!(
-            bad(&|c| c.out_len -= 1),
+            bad(AttentionCall {
+                out_len: ok.out_len - 1,
+                ..ok
+            }),
             LaunchError::BufferLength {
                 buffer: Buffer::Output,
                 ..
             }
         ));
-        let wrong = [KvpSeqDesc {
-            row: 0,
-            context_len: 2,
-            queries: 3,
-            q_start: 0,
-        }];
+        let desc = |row, context_len, queries, q_start| KvpSeqDesc {
+            row,
+            context_len,
+            queries,
+            q_start,
+        };
+        let wrong = [desc(0, 2, 3, 0)];
         assert!(matches!(
-            bad(&|c| c.seqs = &wrong),
+            bad(AttentionCall { seqs: &wrong, ..ok }),
             LaunchError::QueriesExceedContext { .. }
         ));
-        let wrong = [KvpSeqDesc {
-            row: 0,
-            context_len: 20,
-            queries: 3,
-            q_start: 1,
-        }];
+        let wrong = [desc(0, 20, 3, 1)];
         assert!(matches!(
-            bad(&|c| c.seqs = &wrong),
+            bad(AttentionCall { seqs: &wrong, ..ok }),
             LaunchError::BadQueryStart { .. }
         ));
-        let wrong = [KvpSeqDesc {
-            row: 2,
-            context_len: 20,
-            queries: 3,
-            q_start: 0,
-        }];
-        assert!(matches!(
-            bad(&|c| c.seqs = &wrong),
+        let wrong = [desc(2, 20, 3, 0)];
+        assert_eq!(
+            bad(AttentionCall { seqs: &wrong, ..ok }),
             LaunchError::RowOutOfRange { row: 2, rows: 2 }
-        ));
-        let empty = [KvpSeqDesc {
-            row: 0,
-            context_len: 5,
-            queries: 0,
-            q_start: 0,
-        }];
-        let mut c = ok;
-        c.seqs = &empty;
-        c.q_len = 0;
-        c.out_len = 0;
+        );
+        let empty = [desc(0, 5, 0, 0)];
+        let c = AttentionCall {
+            seqs: &empty,
+            q_len: 0,
+            out_len: 0,
+            ..ok
+        };
         assert_eq!(plan_attention(&c, auto), Ok(None));
     }
 }

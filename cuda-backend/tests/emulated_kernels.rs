@@ -319,9 +319,10 @@ fn check_attention(c: &Case) {
     let mut got = vec![f32::NAN; n];
     emu::set_seed(c.seed);
     let plan = emu::attention(&call, c.partitioning, arena.as_bytes(), &q, &mut got).unwrap();
-    if let Partitioning::Tokens(p) = c.partitioning {
-        let plan = plan.unwrap();
-        assert_eq!(plan.partition_tokens, p);
+    match (c.partitioning, plan) {
+        (Partitioning::Tokens(p), Some(plan)) => assert_eq!(plan.partition_tokens, p),
+        (_, None) => assert_eq!(n, 0, "no plan only without query rows"),
+        _ => {}
     }
     let hd = c.head_dim as usize;
     for (r, (a, b)) in got.chunks(hd).zip(want.chunks(hd)).enumerate() {
