@@ -651,7 +651,7 @@ impl<'a> DeviceCache<'a> {
         let g = self.geometry;
         let stride = self.manager.config().max_blocks_per_seq;
         let descs = &self.descs[..n];
-        let mut call = AttentionCall {
+        let call = AttentionCall {
             geometry: g,
             num_blocks: self.num_blocks,
             layer,
@@ -671,7 +671,6 @@ impl<'a> DeviceCache<'a> {
             // Many queries: one partition per context, no scratch.
             let max_ctx = descs.iter().map(|d| d.context_len).max().unwrap_or(1);
             let whole = max_ctx.div_ceil(g.block_size()).max(1) * g.block_size();
-            call.seqs = descs;
             plan = plan_attention(&call, Partitioning::Tokens(whole))?
                 .ok_or(DeviceCacheError::BadConfig)?;
         }

@@ -181,17 +181,17 @@ impl Driver {
     pub fn get() -> Result<&'static Driver, DriverError> {
         DRIVER
             .get_or_init(|| {
-                let mut last = String::new();
+                let mut reasons = Vec::new();
                 for name in LIBRARY_NAMES {
                     match Self::load_from(name) {
                         Ok(d) => return Ok(d),
-                        Err(DriverError::NotInstalled { reason, .. }) => last = reason,
+                        Err(DriverError::NotInstalled { reason, .. }) => reasons.push(reason),
                         Err(e) => return Err(e),
                     }
                 }
                 Err(DriverError::NotInstalled {
                     library: LIBRARY_LABEL,
-                    reason: last,
+                    reason: reasons.join("; "),
                 })
             })
             .as_ref()
