@@ -17,20 +17,29 @@
 //! shareable (`[pending, len)`).
 //!
 //! Operations that take host slices (`write_kv`, `decode`, `prefill`) are synchronous:
-//! they copy through the pinned I/O buffer, launch on the cache's stream and wait.
+//! they copy through the pinned I/O buffer, launch on the cache's stream and wait. Their
+//! `*_on` variants take device buffers and a stream of the caller's and return once the
+//! work is queued, so a caller overlaps steps with its own work (the model's layers) on
+//! its stream. Every launch of a cache is ordered after the previous one's, whatever
+//! stream each ran on: the step metadata upload of a launch waits (on the device) for the
+//! end of the previous launch's work ([`StepBuffers`]).
 
 use core::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use kvpage_core::{BlockCopy, BlockManager, Config, Geometry, InitError, SeqError, SeqId, Stats};
+use kvpage_core::{
+    BlockCopy, BlockManager, Config, Geometry, InitError, Priority, PromptStart, SeqError, SeqId,
+    Stats,
+};
 
 use super::{
     Context, DeviceMemory, Kernels, KernelsError, PinnedMemory, StepBuffers, StepError, Stream,
+    StreamRef,
 };
-use crate::driver::DriverError;
+use crate::driver::{CuDevicePtr, DriverError};
 use crate::launch::{
-    plan_attention, plan_copy, plan_write, AttentionBuffers, AttentionCall, LaunchError,
-    Partitioning, MIN_PARTITION_TOKENS,
+    plan_attention, plan_copy, plan_write, AttentionBuffers, AttentionCall, AttentionPlan,
+    LaunchError, Partitioning, MIN_PARTITION_TOKENS,
 };
 use crate::params::{KvpCopyParams, KvpGeometry, KvpSeqDesc, KvpWriteParams};
 use crate::sizing::{arena_blocks, ArenaSize, SizingError, StepLimits};
@@ -38,6 +47,15 @@ use crate::upload::RowUse;
 
 /// Instance tags of device caches: a range apart from the CPU caches' small counters.
 static NEXT_INSTANCE: AtomicU32 = AtomicU32::new(0x4000_0000);
+
+/// `len` f32 in device memory at `ptr`: a caller's buffer for the `*_on` operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSlice {
+    /// Device address of the first element.
+    pub ptr: CuDevicePtr,
+    /// Elements (f32).
+    pub len: usize,
+}
 
 /// What a [`DeviceCache`] is built from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -377,6 +395,36 @@ impl<'a> DeviceCache<'a> {
         Ok(id)
     }
 
+    /// Creates a sequence holding `prompt`, reusing the longest verified run of cached
+    /// whole blocks of `namespace`; returns it and the number of reused leading tokens
+    /// (write K/V for positions `reused..` only). O(prompt).
+    ///
+    /// # Errors
+    /// The core's ([`SeqError::NoFreeSequence`], [`SeqError::TooLong`],
+    /// [`SeqError::OutOfBlocks`]); nothing changes on error. A driver error of the
+    /// copy-on-write (none is reported for a new sequence).
+    pub fn create_with_prompt(
+        &mut self,
+        namespace: u64,
+        prompt: &[u32],
+    ) -> Result<(SeqId, u32), DeviceCacheError> {
+        let PromptStart {
+            seq,
+            reused_tokens,
+            appended,
+        } = self.manager.create_with_prompt_at(
+            namespace,
+            Priority::Normal,
+            prompt,
+            &mut self.slots,
+        )?;
+        self.pending[seq.index() as usize] = reused_tokens;
+        if let Some(c) = appended.copy {
+            self.copy_blocks(&[c])?;
+        }
+        Ok((seq, reused_tokens))
+    }
+
     /// Appends `n` tokens whose ids are unknown, executing the copy-on-write the core
     /// reports on the device. O(n + one block copy launch).
     ///
@@ -500,9 +548,90 @@ impl<'a> DeviceCache<'a> {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), DeviceCacheError> {
+        let tokens = self.writable_slots(seq, first, k.len())?;
+        plan_write(
+            &self.geometry,
+            self.num_blocks,
+            layer,
+            &self.slots[..tokens],
+            k.len(),
+            v.len(),
+        )?;
+        let bytes = k.len() * 4;
+        let pinned = self.io.pinned.as_mut_slice();
+        for (dst, x) in pinned[..bytes].chunks_exact_mut(4).zip(k) {
+            dst.copy_from_slice(&x.to_le_bytes());
+        }
+        for (dst, x) in pinned[bytes..2 * bytes].chunks_exact_mut(4).zip(v) {
+            dst.copy_from_slice(&x.to_le_bytes());
+        }
+        let stream = self.stream.as_ref();
+        // SAFETY: 2 × bytes fit the pinned and device K/V buffers (tokens <= step_tokens,
+        // and the planner checked k and v against tokens); both live until the
+        // synchronize below, which also keeps the pinned buffer unwritten until then.
+        unsafe { stream.copy_to_device(self.io.kv.ptr(), &self.io.pinned, 0, 2 * bytes) }?;
+        let (kd, vd) = (self.io.kv.ptr(), self.io.kv.ptr() + bytes as u64);
+        let (geo, num_blocks) = (self.geometry, self.num_blocks);
+        Self::launch_write(
+            &mut self.steps,
+            &self.kernels,
+            stream,
+            (&geo, num_blocks, self.arena.ptr()),
+            &self.slots[..tokens],
+            layer,
+            [kd, vd],
+            [k.len(), v.len()],
+        )?;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// [`DeviceCache::write_kv`] from device memory, queued on the caller's `stream`:
+    /// `k` and `v` are f32 `[tokens][kv_heads][head_dim]`. Returns once queued.
+    /// O(tokens) host work.
+    ///
+    /// # Errors
+    /// As [`DeviceCache::write_kv`]; nothing is queued on error.
+    ///
+    /// # Safety
+    /// `stream` belongs to this cache's context; `k` and `v` are device memory of that
+    /// context, written before on `stream` (or complete),
+    /// and neither freed nor written until the work queued on `stream` completes.
+    pub unsafe fn write_kv_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        seq: SeqId,
+        layer: u32,
+        first: u32,
+        k: DeviceSlice,
+        v: DeviceSlice,
+    ) -> Result<(), DeviceCacheError> {
+        let tokens = self.writable_slots(seq, first, k.len)?;
+        let (geo, num_blocks) = (self.geometry, self.num_blocks);
+        Self::launch_write(
+            &mut self.steps,
+            &self.kernels,
+            stream,
+            (&geo, num_blocks, self.arena.ptr()),
+            &self.slots[..tokens],
+            layer,
+            [k.ptr, v.ptr],
+            [k.len, v.len],
+        )
+    }
+
+    /// Checks that the tokens of `elems` K elements starting at position `first` lie
+    /// in the pending range of `seq` and the step limit, and stores their slots in
+    /// `self.slots[..tokens]`; returns `tokens`. O(tokens).
+    fn writable_slots(
+        &mut self,
+        seq: SeqId,
+        first: u32,
+        elems: usize,
+    ) -> Result<usize, DeviceCacheError> {
         let g = self.geometry;
         let row = g.kv_heads() as usize * g.head_dim() as usize;
-        let tokens = k.len() / row;
+        let tokens = elems / row;
         if tokens > self.step_tokens as usize {
             return Err(DeviceCacheError::TooLarge {
                 what: "tokens",
@@ -527,39 +656,41 @@ impl<'a> DeviceCache<'a> {
             let pos = first + i as u32;
             *s = blocks[(pos / bs) as usize] * bs + pos % bs;
         }
-        let slots = &self.slots[..tokens];
-        let Some(cfg) = plan_write(&g, self.num_blocks, layer, slots, k.len(), v.len())? else {
+        Ok(tokens)
+    }
+
+    /// Plans `kvp_write_kv`, uploads the slots and queues the launch on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_write(
+        steps: &mut StepBuffers,
+        kernels: &Kernels,
+        stream: StreamRef<'_>,
+        (g, num_blocks, arena): (&Geometry, u32, CuDevicePtr),
+        slots: &[u32],
+        layer: u32,
+        [k, v]: [CuDevicePtr; 2],
+        [k_len, v_len]: [usize; 2],
+    ) -> Result<(), DeviceCacheError> {
+        let Some(cfg) = plan_write(g, num_blocks, layer, slots, k_len, v_len)? else {
             return Ok(());
         };
-        let bytes = k.len() * 4;
-        let pinned = self.io.pinned.as_mut_slice();
-        for (dst, x) in pinned[..bytes].chunks_exact_mut(4).zip(k) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        for (dst, x) in pinned[bytes..2 * bytes].chunks_exact_mut(4).zip(v) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        let stream = self.stream.as_ref();
-        self.steps.begin()?;
-        self.steps.stage_slots(slots)?;
-        self.steps.upload(stream)?;
-        // SAFETY: 2 × bytes <= the pinned and device K/V buffers (tokens <=
-        // step_tokens); both live until the synchronize below.
-        unsafe { stream.copy_to_device(self.io.kv.ptr(), &self.io.pinned, 0, 2 * bytes) }?;
+        steps.begin()?;
+        steps.stage_slots(slots)?;
+        steps.upload(stream)?;
         let params = KvpWriteParams {
-            geo: KvpGeometry::new(&g, self.num_blocks),
-            arena: self.arena.ptr(),
-            k: self.io.kv.ptr(),
-            v: self.io.kv.ptr() + bytes as u64,
-            slots: self.steps.device_ptr(self.steps.layout().slots),
+            geo: KvpGeometry::new(g, num_blocks),
+            arena,
+            k,
+            v,
+            slots: steps.device_ptr(steps.layout().slots),
             tokens: cfg.grid[0],
             layer,
         };
-        // SAFETY: the planner checked the shapes, the layer and every slot; the inputs
-        // were queued before on the same stream; we wait below.
-        unsafe { self.kernels.launch(stream, &cfg, &params) }?;
-        self.steps.end(stream)?;
-        stream.synchronize()?;
+        // SAFETY: the planner checked the shapes, the layer and every slot; the slots
+        // were uploaded before on the same stream; the inputs are the callers' (see
+        // their contracts); the arena lives as long as the cache, whose drop waits.
+        unsafe { kernels.launch(stream, &cfg, &params) }?;
+        steps.end(stream)?;
         Ok(())
     }
 
@@ -606,6 +737,61 @@ impl<'a> DeviceCache<'a> {
         out: &mut [f32],
         scale: f32,
     ) -> Result<(), DeviceCacheError> {
+        self.describe(seqs)?;
+        self.attention(layer, seqs.len(), q, out, scale)
+    }
+
+    fn check_batch(&self, n: usize) -> Result<(), DeviceCacheError> {
+        if n > self.descs.len() {
+            return Err(DeviceCacheError::TooLarge {
+                what: "sequences",
+                got: n,
+                max: self.descs.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`DeviceCache::prefill`] (decode: `n = 1` each) on device buffers, queued on
+    /// the caller's `stream`: `q` and `out` are f32 `[Σ n][q_heads][head_dim]`. Returns once queued. O(seqs + blocks of their
+    /// contexts) host work.
+    ///
+    /// # Errors
+    /// As [`DeviceCache::prefill`]; nothing is queued on error.
+    ///
+    /// # Safety
+    /// `stream` belongs to this cache's context; `q` and `out` are device memory of
+    /// that context (`q` written before on `stream` or complete),
+    /// not freed, and `out` neither read nor written by other work, until the work
+    /// queued on `stream` completes.
+    pub unsafe fn prefill_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        layer: u32,
+        seqs: &[(SeqId, u32)],
+        q: DeviceSlice,
+        out: DeviceSlice,
+        scale: f32,
+    ) -> Result<(), DeviceCacheError> {
+        self.describe(seqs)?;
+        if q.len != out.len {
+            return Err(LaunchError::BufferLength {
+                buffer: crate::launch::Buffer::Output,
+                expected: q.len as u64,
+                actual: out.len as u64,
+            }
+            .into());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_attention(stream, layer, seqs.len(), [q.ptr, out.ptr], q.len, scale) }
+    }
+
+    /// Fills `self.descs[..seqs.len()]`. O(seqs).
+    ///
+    /// # Errors
+    /// Handle errors; [`DeviceCacheError::TooLarge`] for too many sequences or query
+    /// tokens.
+    fn describe(&mut self, seqs: &[(SeqId, u32)]) -> Result<(), DeviceCacheError> {
         self.check_batch(seqs.len())?;
         let mut start = 0u64;
         for (i, &(s, n)) in seqs.iter().enumerate() {
@@ -625,21 +811,11 @@ impl<'a> DeviceCache<'a> {
                 max: self.step_tokens as usize,
             });
         }
-        self.attention(layer, seqs.len(), q, out, scale)
-    }
-
-    fn check_batch(&self, n: usize) -> Result<(), DeviceCacheError> {
-        if n > self.descs.len() {
-            return Err(DeviceCacheError::TooLarge {
-                what: "sequences",
-                got: n,
-                max: self.descs.len(),
-            });
-        }
         Ok(())
     }
 
-    /// Plans, uploads and runs attention over `self.descs[..n]`.
+    /// Runs attention over `self.descs[..n]` from host `q` into host `out`, on the
+    /// cache's stream, and waits.
     fn attention(
         &mut self,
         layer: u32,
@@ -648,74 +824,32 @@ impl<'a> DeviceCache<'a> {
         out: &mut [f32],
         scale: f32,
     ) -> Result<(), DeviceCacheError> {
-        let g = self.geometry;
-        let stride = self.manager.config().max_blocks_per_seq;
-        let descs = &self.descs[..n];
-        let call = AttentionCall {
-            geometry: g,
-            num_blocks: self.num_blocks,
-            layer,
-            q_heads: self.q_heads,
-            scale,
-            table: self.manager.block_table(),
-            stride,
-            seqs: descs,
-            q_len: q.len(),
-            out_len: out.len(),
-        };
-        let sm_count = self.ctx.info().sm_count.max(1);
-        let Some(mut plan) = plan_attention(&call, Partitioning::Auto { sm_count })? else {
-            return Ok(());
-        };
-        if plan.scratch_floats > self.scratch_floats {
-            // Many queries: one partition per context, no scratch.
-            let max_ctx = descs.iter().map(|d| d.context_len).max().unwrap_or(1);
-            let whole = max_ctx.div_ceil(g.block_size()).max(1) * g.block_size();
-            plan = plan_attention(&call, Partitioning::Tokens(whole))?
-                .ok_or(DeviceCacheError::BadConfig)?;
+        if q.len() != out.len() {
+            return Err(LaunchError::BufferLength {
+                buffer: crate::launch::Buffer::Output,
+                expected: q.len() as u64,
+                actual: out.len() as u64,
+            }
+            .into());
         }
-        for (r, d) in self.rows.iter_mut().zip(descs) {
-            *r = RowUse {
-                row: d.row,
-                blocks: d.context_len.div_ceil(g.block_size()),
-            };
-        }
+        // Plan first: a refused call queues nothing and copies nothing.
+        self.plan(layer, n, q.len(), scale)?;
         let q_bytes = q.len() * 4;
         let pinned = self.io.pinned.as_mut_slice();
         for (dst, x) in pinned[..q_bytes].chunks_exact_mut(4).zip(q) {
             dst.copy_from_slice(&x.to_le_bytes());
         }
-        let stream = self.stream.as_ref();
-        self.steps.begin()?;
-        self.steps.stage_seqs(descs)?;
-        self.steps.stage_block_table(
-            self.manager.block_table(),
-            stride as usize,
-            &self.rows[..n],
-        )?;
-        self.steps.upload(stream)?;
-        // SAFETY: q_bytes <= the q buffer (the planner checked q against the queries,
-        // bounded by step_tokens); buffers live until the synchronize below.
+        // A view of the cache's stream that does not borrow `self` (the stream lives
+        // as long as `self`, past this call).
+        let ctx = Arc::clone(&self.ctx);
+        // SAFETY: the cache's own live stream, of its context.
+        let stream = unsafe { StreamRef::from_raw(&ctx, self.stream.as_ref().raw()) };
+        // SAFETY: the planner checked q against the queries (<= step_tokens), so
+        // q_bytes fit both buffers; both live until the synchronize below.
         unsafe { stream.copy_to_device(self.io.q.ptr(), &self.io.pinned, 0, q_bytes) }?;
-        let layout = *self.steps.layout();
-        let params = plan.params(AttentionBuffers {
-            arena: self.arena.ptr(),
-            q: self.io.q.ptr(),
-            out: self.io.out.ptr(),
-            block_table: self.steps.device_ptr(layout.block_table),
-            seqs: self.steps.device_ptr(layout.seqs),
-            scratch: self.io.scratch.ptr(),
-        });
-        // SAFETY: the planner validated the call against the same table and
-        // descriptors that were uploaded before on this stream; the scratch holds
-        // `plan.scratch_floats` (checked above); we wait below.
-        unsafe {
-            self.kernels.launch(stream, &plan.attention, &params)?;
-            if let Some(reduce) = &plan.reduce {
-                self.kernels.launch(stream, reduce, &params)?;
-            }
-        }
-        self.steps.end(stream)?;
+        let bufs = [self.io.q.ptr(), self.io.out.ptr()];
+        // SAFETY: the cache's own buffers on its own stream, waited for below.
+        unsafe { self.launch_attention(stream, layer, n, bufs, q.len(), scale) }?;
         // SAFETY: the output range lies in the pinned buffer (after q); waited below.
         unsafe { stream.copy_to_host(&mut self.io.pinned, q_bytes, self.io.out.ptr(), q_bytes) }?;
         stream.synchronize()?;
@@ -726,6 +860,95 @@ impl<'a> DeviceCache<'a> {
         {
             *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
+        Ok(())
+    }
+
+    /// Plans attention over `self.descs[..n]`: automatic partitions, or one partition
+    /// per context when the scratch is too small for the automatic plan (many query
+    /// rows). O(seqs + blocks of their contexts).
+    fn plan(
+        &self,
+        layer: u32,
+        n: usize,
+        q_len: usize,
+        scale: f32,
+    ) -> Result<Option<AttentionPlan>, DeviceCacheError> {
+        let g = self.geometry;
+        let descs = &self.descs[..n];
+        let call = AttentionCall {
+            geometry: g,
+            num_blocks: self.num_blocks,
+            layer,
+            q_heads: self.q_heads,
+            scale,
+            table: self.manager.block_table(),
+            stride: self.manager.config().max_blocks_per_seq,
+            seqs: descs,
+            q_len,
+            out_len: q_len,
+        };
+        let sm_count = self.ctx.info().sm_count.max(1);
+        let Some(plan) = plan_attention(&call, Partitioning::Auto { sm_count })? else {
+            return Ok(None);
+        };
+        if plan.scratch_floats <= self.scratch_floats {
+            return Ok(Some(plan));
+        }
+        let max_ctx = descs.iter().map(|d| d.context_len).max().unwrap_or(1);
+        let whole = max_ctx.div_ceil(g.block_size()).max(1) * g.block_size();
+        Ok(plan_attention(&call, Partitioning::Tokens(whole))?)
+    }
+
+    /// Plans attention over `self.descs[..n]`, uploads the descriptors and the changed
+    /// block-table entries, and queues the launches on `stream`.
+    ///
+    /// # Safety
+    /// As [`DeviceCache::prefill_on`] for `q` and `out` (`q_len` f32 each).
+    unsafe fn launch_attention(
+        &mut self,
+        stream: StreamRef<'_>,
+        layer: u32,
+        n: usize,
+        [q, out]: [CuDevicePtr; 2],
+        q_len: usize,
+        scale: f32,
+    ) -> Result<(), DeviceCacheError> {
+        let Some(plan) = self.plan(layer, n, q_len, scale)? else {
+            return Ok(());
+        };
+        let bs = self.geometry.block_size();
+        for (r, d) in self.rows.iter_mut().zip(&self.descs[..n]) {
+            *r = RowUse {
+                row: d.row,
+                blocks: d.context_len.div_ceil(bs),
+            };
+        }
+        let stride = self.manager.config().max_blocks_per_seq as usize;
+        self.steps.begin()?;
+        self.steps.stage_seqs(&self.descs[..n])?;
+        self.steps
+            .stage_block_table(self.manager.block_table(), stride, &self.rows[..n])?;
+        self.steps.upload(stream)?;
+        let layout = *self.steps.layout();
+        let params = plan.params(AttentionBuffers {
+            arena: self.arena.ptr(),
+            q,
+            out,
+            block_table: self.steps.device_ptr(layout.block_table),
+            seqs: self.steps.device_ptr(layout.seqs),
+            scratch: self.io.scratch.ptr(),
+        });
+        // SAFETY: the planner validated the call against the table and descriptors
+        // just uploaded on this stream; the scratch holds `plan.scratch_floats`
+        // (`plan` checks); q and out are the caller's contract; the next launch of
+        // the cache waits for `end` before reusing the metadata and the scratch.
+        unsafe {
+            self.kernels.launch(stream, &plan.attention, &params)?;
+            if let Some(reduce) = &plan.reduce {
+                self.kernels.launch(stream, reduce, &params)?;
+            }
+        }
+        self.steps.end(stream)?;
         Ok(())
     }
 }

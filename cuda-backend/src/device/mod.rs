@@ -17,7 +17,7 @@ mod step;
 mod stream;
 mod tier;
 
-pub use cache::{DeviceCache, DeviceCacheConfig, DeviceCacheError};
+pub use cache::{DeviceCache, DeviceCacheConfig, DeviceCacheError, DeviceSlice};
 pub use context::{Context, DeviceInfo};
 pub use kernels::{Kernels, KernelsError};
 pub use memory::{DeviceMemory, PinnedMemory};
