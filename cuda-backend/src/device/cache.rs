@@ -110,6 +110,11 @@ pub enum DeviceCacheError {
         /// Length of the sequence.
         len: u32,
     },
+    /// The cache's host bookkeeping buffers could not be allocated.
+    HostAlloc {
+        /// Bytes requested (saturated).
+        bytes: usize,
+    },
     /// More tokens, sequences or elements in one call than the cache was sized for.
     TooLarge {
         /// What (`"tokens"`, `"sequences"`, `"q_heads"`).
@@ -142,6 +147,9 @@ impl core::fmt::Display for DeviceCacheError {
                 "positions {first}..{} are outside the writable range {pending}..{len}",
                 u64::from(*first) + u64::from(*tokens)
             ),
+            Self::HostAlloc { bytes } => {
+                write!(f, "could not allocate {bytes} bytes of cache bookkeeping")
+            }
             Self::TooLarge { what, got, max } => {
                 write!(f, "{got} {what} in one call, at most {max}")
             }
@@ -222,6 +230,18 @@ impl core::fmt::Debug for DeviceCache<'_> {
     }
 }
 
+/// `n` copies of `value`, or [`DeviceCacheError::HostAlloc`] when the allocator refuses
+/// (instead of aborting). O(n).
+fn filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>, DeviceCacheError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| DeviceCacheError::HostAlloc {
+            bytes: n.saturating_mul(core::mem::size_of::<T>()),
+        })?;
+    v.resize(n, value);
+    Ok(v)
+}
+
 /// `a × b × c × 4` bytes as a `usize`, or `BadConfig`.
 fn f32_bytes(a: u64, b: u64, c: u64) -> Result<usize, DeviceCacheError> {
     a.checked_mul(b)
@@ -261,7 +281,7 @@ impl<'a> DeviceCache<'a> {
     /// [`DeviceCacheError::Launch`] for an unsupported dtype or head dim,
     /// [`DeviceCacheError::Driver`] (no driver, no such device, out of memory),
     /// [`DeviceCacheError::Sizing`], [`DeviceCacheError::Init`] (e.g. storage too
-    /// small for the arena's block count).
+    /// small for the arena's block count), [`DeviceCacheError::HostAlloc`].
     pub fn new(
         config: DeviceCacheConfig,
         storage: &'a mut [u64],
@@ -334,10 +354,10 @@ impl<'a> DeviceCache<'a> {
             kernels,
             stream,
             ctx,
-            pending: vec![0; max_seqs],
-            slots: vec![0; core.max_tokens_per_seq() as usize],
-            descs: vec![KvpSeqDesc::default(); max_seqs],
-            rows: vec![RowUse { row: 0, blocks: 0 }; max_seqs],
+            pending: filled(max_seqs, 0)?,
+            slots: filled(core.max_tokens_per_seq() as usize, 0)?,
+            descs: filled(max_seqs, KvpSeqDesc::default())?,
+            rows: filled(max_seqs, RowUse { row: 0, blocks: 0 })?,
             scratch_floats,
         })
     }
