@@ -304,6 +304,19 @@ mod tests {
     }
 
     #[test]
+    fn too_small_a_change_buffer_stages_nothing() {
+        let table = vec![1u32, 2, 3, 4];
+        let mut staged = vec![0u32; 4];
+        let mut changed = [RowChange::default(); 1];
+        let mut plan = UploadPlan::new(4, 0);
+        let rows = [RowUse { row: 0, blocks: 2 }, RowUse { row: 1, blocks: 2 }];
+        let r = stage_block_table(&mut staged, &table, 2, &rows, 0, &mut changed, &mut plan);
+        assert_eq!(r, Err(StageError::TooManyRows));
+        assert_eq!(staged, [0; 4]);
+        assert!(plan.ranges().is_empty());
+    }
+
+    #[test]
     fn a_decode_step_uploads_only_the_new_entries() {
         // 4 rows of 8; rows 1 and 3 got a new block in column 2.
         let stride = 8;
@@ -377,7 +390,7 @@ mod tests {
                 device[offset + 4 * i..offset + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
             }
             let mut staged = old.clone();
-            let mut changed = vec![RowChange::default(); rows];
+            let mut changed = vec![RowChange::default(); batch.len()];
             let mut plan = UploadPlan::new(max_ranges, gap);
             let n = stage_block_table(&mut staged, &table, stride, &batch, offset, &mut changed, &mut plan)
                 .expect("rows are in range");
