@@ -3,11 +3,12 @@
 // `kernels::paged_attention` (SeqQuery semantics: a sequence's `queries` new tokens are
 // the last of its `context_len`; query token i sees tokens 0 ..= context_len - queries + i).
 //
-// One CTA = (sequence, KV head, tile of KVP_ATT_ROWS query rows, context partition),
+// One CTA = (sequence, KV head, tile of R (4 or 8) query rows, context partition),
 // KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
-//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row, dot
-//      with every row's query (queries in shared memory), shuffle-reduced in the group;
+//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row (for
+//      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
+//      its slice of the queries in registers), shuffle-reduced in the group;
 //   2. softmax: one warp per row: new max, exp, sum, rescale factor;
 //   3. values: TV threads per token, one 16-byte load of the V row each, accumulated
 //      into per-thread registers [rows][elements of the vector] for every row.
@@ -16,7 +17,7 @@
 // partition, unnormalised with (max, sum) to the scratch otherwise.
 // Consecutive threads load consecutive 16-byte vectors of a contiguous
 // [token][head_dim] tile, so a warp's loads coalesce; K/V bytes are read once per tile
-// of rows (all query heads of a GQA group of up to KVP_ATT_ROWS heads share them).
+// of rows (all query heads of a GQA group of up to 8 heads share them).
 #pragma once
 #include "dtype.cuh"
 #include "layout.cuh"
@@ -47,10 +48,10 @@ __device__ __forceinline__ const uint4 *kv_row(const KvpAttentionParams &p, cons
     return reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.arena) + elem * bytes);
 }
 
-template <class S, int HD> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
+template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
     using A = AttShape<S, HD>;
-    constexpr int R = KVP_ATT_ROWS;
     constexpr int C = KVP_ATT_CHUNK;
+    constexpr int U = KVP_ATT_UNROLL;
     __shared__ float4 q4[R * HD / 4]; // queries [R][HD]; after the loop: the output sums
     __shared__ float s_s[R * C];      // scores, then probabilities, of the chunk
     __shared__ float m_s[R], l_s[R], a_s[R];
@@ -104,40 +105,58 @@ KVP_UNROLL
     for (int r = 0; r < R; ++r)
 KVP_UNROLL
         for (int e = 0; e < A::EPV; ++e) acc[r][e] = 0.0f;
+    // The score threads' slices of every row's query: the same dims for every token.
+    float qr[R][A::QK_VECS * A::EPV];
+KVP_UNROLL
+    for (int r = 0; r < R; ++r)
+KVP_UNROLL
+        for (int v = 0; v < A::QK_VECS; ++v)
+KVP_UNROLL
+            for (int e = 0; e < A::EPV; ++e) qr[r][v * A::EPV + e] = q_s[r * HD + (qj + v * A::TPT) * A::EPV + e];
 
     for (uint32_t c0 = p0; c0 < end; c0 += C) {
         const uint32_t n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
-        // 1. Scores. The loop bound is CTA-uniform, so every lane reaches the shuffles.
-        for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS) {
-            const uint32_t t = t0 + qg;
-            float dot[R];
+        // 1. Scores, U tokens per thread group and pass (their loads in flight
+        // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
+        for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {
+            uint4 raw[U][A::QK_VECS];
 KVP_UNROLL
-            for (int r = 0; r < R; ++r) dot[r] = 0.0f;
-            if (t < n) {
-                const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
-                uint4 raw[A::QK_VECS];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + qg + u * A::QK_GROUPS;
+                if (t < n) {
+                    const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
 KVP_UNROLL
-                for (int v = 0; v < A::QK_VECS; ++v) raw[v] = __ldg(krow + qj + v * A::TPT);
+                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = __ldg(krow + qj + v * A::TPT);
+                } else {
 KVP_UNROLL
-                for (int v = 0; v < A::QK_VECS; ++v) {
-                    float x[A::EPV];
-                    S::unpack(raw[v], x);
-                    const uint32_t d0 = (qj + v * A::TPT) * A::EPV;
-KVP_UNROLL
-                    for (int r = 0; r < R; ++r)
-KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) dot[r] += q_s[r * HD + d0 + e] * x[e];
+                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
 KVP_UNROLL
-            for (int r = 0; r < R; ++r)
+            for (int u = 0; u < U; ++u) {
+                float dot[R];
 KVP_UNROLL
-                for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
-                    dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
-            if (t < n && qj == 0) {
+                for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+KVP_UNROLL
+                for (int v = 0; v < A::QK_VECS; ++v) {
+                    float x[A::EPV];
+                    S::unpack(raw[u][v], x);
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r)
+KVP_UNROLL
+                        for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
+                }
 KVP_UNROLL
                 for (int r = 0; r < R; ++r)
-                    s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
+KVP_UNROLL
+                    for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
+                        dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
+                const uint32_t t = t0 + qg + u * A::QK_GROUPS;
+                if (t < n && qj == 0) {
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r)
+                        s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
+                }
             }
         }
         __syncthreads();
@@ -170,15 +189,26 @@ KVP_UNROLL
 KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e) acc[r][e] *= alpha;
         }
-        for (uint32_t t = vg; t < n; t += A::V_GROUPS) {
-            const uint4 raw = __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv);
-            float x[A::EPV];
-            S::unpack(raw, x);
+        for (uint32_t t0 = vg; t0 < n; t0 += A::V_GROUPS * U) {
+            uint4 raw[U];
 KVP_UNROLL
-            for (int r = 0; r < R; ++r) {
-                const float pr = s_s[r * C + t];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + u * A::V_GROUPS;
+                raw[u] = t < n ? __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv) : make_uint4(0u, 0u, 0u, 0u);
+            }
 KVP_UNROLL
-                for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + u * A::V_GROUPS;
+                if (t < n) {
+                    float x[A::EPV];
+                    S::unpack(raw[u], x);
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const float pr = s_s[r * C + t];
+KVP_UNROLL
+                        for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                    }
+                }
             }
         }
         __syncthreads();
@@ -260,17 +290,26 @@ extern "C" __global__ void __launch_bounds__(KVP_REDUCE_THREADS) kvp_attention_r
     kvp::reduce_row(p);
 }
 
-#define KVP_ATTENTION_KERNEL(name, S, HD)                                                                  \
-    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS) name(const KvpAttentionParams p) {        \
-        kvp::attention_cta<kvp::S, HD>(p);                                                                 \
+#define KVP_ATTENTION_KERNEL(name, S, HD, R)                                                               \
+    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, 1) name(const KvpAttentionParams p) {     \
+        kvp::attention_cta<kvp::S, HD, R>(p);                                                              \
     }
 
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64, F32, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128, F32, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256, F32, 256)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64, F16, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128, F16, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256, F16, 256)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64, Bf16, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128, Bf16, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256, Bf16, 256)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64_r4, F32, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64_r8, F32, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128_r4, F32, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128_r8, F32, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256_r4, F32, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256_r8, F32, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64_r4, F16, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64_r8, F16, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128_r4, F16, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128_r8, F16, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256_r4, F16, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256_r8, F16, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64_r4, Bf16, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64_r8, Bf16, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r4, Bf16, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r8, Bf16, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r4, Bf16, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r8, Bf16, 256, 8)

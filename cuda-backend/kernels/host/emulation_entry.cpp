@@ -25,15 +25,24 @@ int kvpage_emu_launch(uint32_t id, uint32_t gx, uint32_t gy, uint32_t gz, uint32
     case KVP_KERNEL_WRITE_KV: return run(kvp_write_kv, grid, block, shared_bytes, params);
     case KVP_KERNEL_COPY_BLOCKS: return run(kvp_copy_blocks, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_REDUCE: return run(kvp_attention_reduce, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD64: return run(kvp_attention_f32_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD128: return run(kvp_attention_f32_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD256: return run(kvp_attention_f32_hd256, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD64: return run(kvp_attention_f16_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD128: return run(kvp_attention_f16_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD256: return run(kvp_attention_f16_hd256, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD64: return run(kvp_attention_bf16_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD128: return run(kvp_attention_bf16_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD256: return run(kvp_attention_bf16_hd256, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD64_R4: return run(kvp_attention_f32_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD64_R8: return run(kvp_attention_f32_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD128_R4: return run(kvp_attention_f32_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD128_R8: return run(kvp_attention_f32_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD256_R4: return run(kvp_attention_f32_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD256_R8: return run(kvp_attention_f32_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD64_R4: return run(kvp_attention_f16_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD64_R8: return run(kvp_attention_f16_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD128_R4: return run(kvp_attention_f16_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD128_R8: return run(kvp_attention_f16_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD256_R4: return run(kvp_attention_f16_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD256_R8: return run(kvp_attention_f16_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD64_R4: return run(kvp_attention_bf16_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD64_R8: return run(kvp_attention_bf16_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD128_R4: return run(kvp_attention_bf16_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD128_R8: return run(kvp_attention_bf16_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD256_R4: return run(kvp_attention_bf16_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD256_R8: return run(kvp_attention_bf16_hd256_r8, grid, block, shared_bytes, params);
     default: return -1;
     }
 }
