@@ -344,8 +344,9 @@ fn check_attention(c: &Case) {
     }
 }
 
-/// (kv_heads, q_heads): MHA, GQA 4, MQA.
-const GROUPS: [(u32, u32); 3] = [(2, 2), (2, 8), (1, 4)];
+/// (kv_heads, q_heads): MHA and GQA 4 (4-row kernels), MQA with 8 query heads (8-row
+/// kernels).
+const GROUPS: [(u32, u32); 3] = [(2, 2), (2, 8), (1, 8)];
 
 #[test]
 fn decode_matches_cpu_across_dtypes_dims_blocks_groups() {
@@ -376,6 +377,22 @@ fn decode_matches_cpu_across_dtypes_dims_blocks_groups() {
             }
         }
     }
+}
+
+#[test]
+fn decode_4k_context_auto_partitions() {
+    // 4096 tokens on a 132-SM GPU: 16 partitions of 256 tokens, and the reduce.
+    check_attention(&Case {
+        dtype: DType::F16,
+        head_dim: 128,
+        block_size: 16,
+        kv_heads: 1,
+        q_heads: 4,
+        seqs: vec![(4096, 1), (4001, 1)],
+        shared_blocks: 100,
+        partitioning: Partitioning::Auto { sm_count: 132 },
+        seed: 2500,
+    });
 }
 
 #[test]
