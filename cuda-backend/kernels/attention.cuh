@@ -66,14 +66,16 @@ template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(
     const uint32_t group = p.q_heads / g.kv_heads;
     const uint32_t all_rows = sq.queries * group;
     const uint32_t row0 = tile * R;
-    const uint32_t p0 = part * p.partition_tokens;
-    // CTA-uniform exits, before any barrier.
-    if (row0 >= all_rows || p0 >= sq.context_len) return;
+    // CTA-uniform exits, before any barrier. Partition starts in 64 bits: the last
+    // partition of a context near 2^32 tokens may start past it.
+    const uint64_t p0_wide = (uint64_t)part * p.partition_tokens;
+    if (row0 >= all_rows || p0_wide >= sq.context_len) return;
+    const uint32_t p0 = (uint32_t)p0_wide;
     const uint32_t rows = all_rows - row0 < (uint32_t)R ? all_rows - row0 : (uint32_t)R;
     const uint32_t first_visible = sq.context_len - sq.queries; // tokens before the queries
     const uint32_t last_limit = first_visible + (row0 + rows - 1) / group + 1;
-    uint32_t end = p0 + p.partition_tokens;
-    end = end < sq.context_len ? end : sq.context_len;
+    const uint64_t part_end = p0_wide + p.partition_tokens;
+    uint32_t end = part_end < sq.context_len ? (uint32_t)part_end : sq.context_len;
     end = end < last_limit ? end : last_limit;
     const uint32_t tid = threadIdx.x;
 
@@ -114,8 +116,9 @@ KVP_UNROLL
 KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e) qr[r][v * A::EPV + e] = q_s[r * HD + (qj + v * A::TPT) * A::EPV + e];
 
-    for (uint32_t c0 = p0; c0 < end; c0 += C) {
-        const uint32_t n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
+    // c0 + n <= end: no wrap-around, whatever the context length.
+    for (uint32_t c0 = p0, n = 0; c0 < end; c0 += n) {
+        n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
         // 1. Scores, U tokens per thread group and pass (their loads in flight
         // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
         for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {

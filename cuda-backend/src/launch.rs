@@ -712,6 +712,12 @@ pub fn plan_attention(
                 blocks: call.num_blocks,
             });
         }
+        // Rows of a sequence (query tokens x group) are u32 in the kernels.
+        check_dim(
+            "query rows of a sequence",
+            u64::from(s.queries) * u64::from(group),
+            u32::MAX,
+        )?;
         total += u64::from(s.queries);
         if s.queries > 0 {
             max_ctx = max_ctx.max(s.context_len);
