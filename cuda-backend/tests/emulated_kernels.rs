@@ -458,8 +458,27 @@ fn prefill_matches_cpu() {
     }
 }
 
+#[test]
+fn long_prefill_chunk_with_partitions() {
+    // 70 new tokens over 230 cached ones, GQA 4: 70 tiles of the 4-row kernel, split in partitions of 64 tokens (the reduce per row sees
+    // only the partitions its causal limit reaches).
+    for (seed, dtype) in [DType::F16, DType::Bf16].into_iter().enumerate() {
+        check_attention(&Case {
+            dtype,
+            head_dim: 128,
+            block_size: 16,
+            kv_heads: 2,
+            q_heads: 8,
+            seqs: vec![(300, 70), (65, 64)],
+            shared_blocks: 3,
+            partitioning: Partitioning::Tokens(64),
+            seed: 4000 + seed as u64,
+        });
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Small random shapes: any mix of decode and prefill rows, any partitioning.
     #[test]
@@ -468,7 +487,7 @@ proptest! {
         hd in prop::sample::select(vec![64u32, 128, 256]),
         bs in prop::sample::select(vec![8u32, 16, 32]),
         group in prop::sample::select(vec![(1u32, 1u32), (2, 4), (1, 8), (4, 2)]),
-        seqs in prop::collection::vec((1u32..80, 0u32..6), 1..4),
+        seqs in prop::collection::vec((1u32..200, 0u32..12), 1..5),
         blocks_per_part in 1u32..4,
         auto in any::<bool>(),
         seed in any::<u64>(),
