@@ -26,7 +26,7 @@
 namespace kvp {
 
 template <class S, int HD> struct AttShape {
-    static constexpr int EPV = 16 / S::bytes;          // elements per 16-byte vector
+    static constexpr int EPV = (int)sizeof(typename S::Vec) / S::bytes; // elements per vector
     static constexpr int VECS = HD / EPV;              // vectors per token row
     static constexpr int TPT = VECS < 32 ? VECS : 32;  // score threads per token
     static constexpr int QK_VECS = VECS / TPT;         // vectors per score thread
@@ -38,14 +38,40 @@ template <class S, int HD> struct AttShape {
     static_assert(TV <= KVP_ATT_THREADS && KVP_ATT_THREADS % TV == 0, "value groups");
 };
 
-// The K or V row of absolute token `t` of the sequence whose block-table row is `bt`.
-template <int HD>
-__device__ __forceinline__ const uint4 *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
-                                               uint64_t tile, uint32_t bytes, uint32_t t) {
+// Arena byte offset of the tile of absolute token `t` of the sequence whose block-table
+// row is `bt` (`tile`: the tile's element offset inside a block), and the token's row in
+// it.
+__device__ __forceinline__ uint64_t token_tile(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
+                                               uint32_t t, uint32_t &row) {
     const uint32_t bs = p.geo.block_size;
     const uint32_t block = __ldg(bt + t / bs);
-    const uint64_t elem = block_offset(p.geo, block) + tile + (uint64_t)(t % bs) * HD;
-    return reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.arena) + elem * bytes);
+    row = t % bs;
+    return block_offset(p.geo, block) + tile;
+}
+
+// The K or V row of absolute token `t`, as vectors.
+template <class S, int HD>
+__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
+                                                         uint64_t tile, uint32_t t) {
+    uint32_t row = 0;
+    const uint64_t base = token_tile(p, bt, tile, t, row);
+    const uint64_t elem = base + (uint64_t)row * HD;
+    return reinterpret_cast<const typename S::Vec *>(static_cast<const uint8_t *>(p.arena) + elem * S::bytes);
+}
+
+// The scale of token `t`'s row of a tile (8-bit storage: one byte per element, the
+// block_size f32 scales after the block_size * HD codes); 1 for the float dtypes.
+template <class S, int HD>
+__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
+                                          uint32_t t) {
+    if constexpr (S::scaled) {
+        uint32_t row = 0;
+        const uint64_t base = token_tile(p, bt, tile, t, row);
+        const uint64_t at = base + (uint64_t)p.geo.block_size * HD + 4ull * row;
+        return __ldg(reinterpret_cast<const float *>(static_cast<const uint8_t *>(p.arena) + at));
+    } else {
+        return 1.0f;
+    }
 }
 
 template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
@@ -122,17 +148,17 @@ KVP_UNROLL
         // 1. Scores, U tokens per thread group and pass (their loads in flight
         // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
         for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {
-            uint4 raw[U][A::QK_VECS];
+            typename S::Vec raw[U][A::QK_VECS];
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n) {
-                    const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
+                    const typename S::Vec *krow = kv_row<S, HD>(p, bt, k_tile, c0 + t);
 KVP_UNROLL
                     for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = __ldg(krow + qj + v * A::TPT);
                 } else {
 KVP_UNROLL
-                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
+                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = typename S::Vec{};
                 }
             }
 KVP_UNROLL
@@ -156,9 +182,9 @@ KVP_UNROLL
                         dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n && qj == 0) {
+                    const float ks = p.scale * kv_scale<S, HD>(p, bt, k_tile, c0 + t);
 KVP_UNROLL
-                    for (int r = 0; r < R; ++r)
-                        s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
+                    for (int r = 0; r < R; ++r) s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * ks : -INFINITY;
                 }
             }
         }
@@ -193,11 +219,13 @@ KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e) acc[r][e] *= alpha;
         }
         for (uint32_t t0 = vg; t0 < n; t0 += A::V_GROUPS * U) {
-            uint4 raw[U];
+            typename S::Vec raw[U];
+            float vs[U];
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + u * A::V_GROUPS;
-                raw[u] = t < n ? __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv) : make_uint4(0u, 0u, 0u, 0u);
+                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, bt, v_tile, c0 + t) + vv) : typename S::Vec{};
+                vs[u] = t < n ? kv_scale<S, HD>(p, bt, v_tile, c0 + t) : 0.0f;
             }
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
@@ -207,7 +235,7 @@ KVP_UNROLL
                     S::unpack(raw[u], x);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r) {
-                        const float pr = s_s[r * C + t];
+                        const float pr = s_s[r * C + t] * vs[u];
 KVP_UNROLL
                         for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
                     }
@@ -316,3 +344,15 @@ KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r4, Bf16, 128, 4)
 KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r8, Bf16, 128, 8)
 KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r4, Bf16, 256, 4)
 KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r8, Bf16, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd64_r4, I8, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd64_r8, I8, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd128_r4, I8, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd128_r8, I8, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd256_r4, I8, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd256_r8, I8, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd64_r4, Fp8, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd64_r8, Fp8, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd128_r4, Fp8, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd128_r8, Fp8, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd256_r4, Fp8, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd256_r8, Fp8, 256, 8)

@@ -24,7 +24,8 @@
  *   is a multiple of 16. All pairs run concurrently: sources != destinations, and no
  *   destination appears twice or as a source (checked by the planner).
  *
- * kvp_attention_<dtype>_hd<64|128|256>_r<4|8>(KvpAttentionParams)   dtype f32|f16|bf16
+ * kvp_attention_<dtype>_hd<64|128|256>_r<4|8>(KvpAttentionParams)
+ *   dtype f32 | f16 | bf16 | int8 | fp8 (8-bit: block_size even, so rows are 8-aligned)
  *   grid  (kv_heads * row_tiles, num_partitions, num_seqs), num_partitions and num_seqs
  *   <= 65535; block (KVP_ATT_THREADS, 1, 1); static shared memory only (see
  *   attention.cuh: rows * (head_dim + chunk) floats, <= 10.3 KiB).
@@ -99,7 +100,19 @@ enum {
     KVP_KERNEL_ATTENTION_BF16_HD128_R4 = 30,
     KVP_KERNEL_ATTENTION_BF16_HD128_R8 = 31,
     KVP_KERNEL_ATTENTION_BF16_HD256_R4 = 32,
-    KVP_KERNEL_ATTENTION_BF16_HD256_R8 = 33
+    KVP_KERNEL_ATTENTION_BF16_HD256_R8 = 33,
+    KVP_KERNEL_ATTENTION_INT8_HD64_R4 = 34,
+    KVP_KERNEL_ATTENTION_INT8_HD64_R8 = 35,
+    KVP_KERNEL_ATTENTION_INT8_HD128_R4 = 36,
+    KVP_KERNEL_ATTENTION_INT8_HD128_R8 = 37,
+    KVP_KERNEL_ATTENTION_INT8_HD256_R4 = 38,
+    KVP_KERNEL_ATTENTION_INT8_HD256_R8 = 39,
+    KVP_KERNEL_ATTENTION_FP8_HD64_R4 = 40,
+    KVP_KERNEL_ATTENTION_FP8_HD64_R8 = 41,
+    KVP_KERNEL_ATTENTION_FP8_HD128_R4 = 42,
+    KVP_KERNEL_ATTENTION_FP8_HD128_R8 = 43,
+    KVP_KERNEL_ATTENTION_FP8_HD256_R4 = 44,
+    KVP_KERNEL_ATTENTION_FP8_HD256_R8 = 45
 };
 
 /* The geometry (kvpage_core::Geometry) plus the arena's block count. 40 bytes. */

@@ -38,7 +38,7 @@ pub const MAX_GRID_YZ: u32 = 65_535;
 pub const MAX_GRID_X: u32 = i32::MAX as u32;
 
 /// Symbols of the attention kernels, in id order (`KVP_KERNEL_ATTENTION_*`).
-const ATTENTION_NAMES: [&str; 18] = [
+const ATTENTION_NAMES: [&str; 30] = [
     "kvp_attention_f32_hd64_r4",
     "kvp_attention_f32_hd64_r8",
     "kvp_attention_f32_hd128_r4",
@@ -57,10 +57,22 @@ const ATTENTION_NAMES: [&str; 18] = [
     "kvp_attention_bf16_hd128_r8",
     "kvp_attention_bf16_hd256_r4",
     "kvp_attention_bf16_hd256_r8",
+    "kvp_attention_int8_hd64_r4",
+    "kvp_attention_int8_hd64_r8",
+    "kvp_attention_int8_hd128_r4",
+    "kvp_attention_int8_hd128_r8",
+    "kvp_attention_int8_hd256_r4",
+    "kvp_attention_int8_hd256_r8",
+    "kvp_attention_fp8_hd64_r4",
+    "kvp_attention_fp8_hd64_r8",
+    "kvp_attention_fp8_hd128_r4",
+    "kvp_attention_fp8_hd128_r8",
+    "kvp_attention_fp8_hd256_r4",
+    "kvp_attention_fp8_hd256_r8",
 ];
 
-/// One instance of the attention kernel: storage dtype (f32, f16, bf16), head dim (64,
-/// 128, 256) and query rows per CTA (4 or 8), as an index `0..18` into the instances
+/// One instance of the attention kernel: storage dtype (any), head dim (64, 128, 256)
+/// and query rows per CTA (4 or 8), as an index `0..30` into the instances
 /// (`6 * dtype + 2 * head-dim index + rows index`). Only [`Kernel::attention`] makes
 /// one, so it always names a compiled kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -93,7 +105,7 @@ pub enum Kernel {
 
 impl Kernel {
     /// Number of kernels in the module.
-    pub const COUNT: usize = 21;
+    pub const COUNT: usize = 33;
 
     /// Kernel `i` of `0..COUNT` (write, copy, reduce, then the attention instances), for
     /// loading every kernel of the module; `None` past the end. O(1).
@@ -102,7 +114,7 @@ impl Kernel {
             0 => Some(Self::WriteKv),
             1 => Some(Self::CopyBlocks),
             2 => Some(Self::AttentionReduce),
-            3..=20 => Some(Self::Attention(AttentionKernel((i - 3) as u8))),
+            3..=32 => Some(Self::Attention(AttentionKernel((i - 3) as u8))),
             _ => None,
         }
     }
@@ -112,7 +124,6 @@ impl Kernel {
     /// O(1).
     ///
     /// # Errors
-    /// [`LaunchError::UnsupportedDType`] for the 8-bit dtypes,
     /// [`LaunchError::UnsupportedHeadDim`] for a head dim other than 64, 128, 256.
     pub const fn attention(dtype: DType, head_dim: u32, group: u32) -> Result<Self, LaunchError> {
         let hd = match head_dim {
@@ -121,13 +132,8 @@ impl Kernel {
             256 => 2,
             _ => return Err(LaunchError::UnsupportedHeadDim { head_dim }),
         };
-        let dt = match dtype {
-            DType::F32 => 0,
-            DType::F16 => 1,
-            DType::Bf16 => 2,
-            DType::Int8 | DType::Fp8E4m3 => return Err(LaunchError::UnsupportedDType { dtype }),
-        };
         let rows = if group <= 4 { 0 } else { 1 };
+        let dt = crate::params::dtype_code(dtype) as u8;
         Ok(Self::Attention(AttentionKernel(6 * dt + 2 * hd + rows)))
     }
 
@@ -240,10 +246,11 @@ pub enum LaunchError {
         /// Head dim of the geometry.
         head_dim: u32,
     },
-    /// Attention kernels exist for f32, f16 and bf16 storage.
-    UnsupportedDType {
-        /// Storage dtype of the geometry.
-        dtype: DType,
+    /// 8-bit storage with an odd block size: its tiles (`block_size * (head_dim + 4)`
+    /// bytes) would not keep the attention kernels' 8-byte loads aligned.
+    OddBlockSize {
+        /// Block size of the geometry.
+        block_size: u32,
     },
     /// The softmax scale is not finite.
     BadScale,
@@ -325,9 +332,10 @@ impl fmt::Display for LaunchError {
                 f,
                 "no attention kernel for head dim {head_dim} (64, 128 and 256 exist)"
             ),
-            Self::UnsupportedDType { dtype } => {
-                write!(f, "no attention kernel for {dtype:?} storage")
-            }
+            Self::OddBlockSize { block_size } => write!(
+                f,
+                "8-bit attention needs an even block size (got {block_size})"
+            ),
             Self::BadScale => f.write_str("softmax scale is not finite"),
             Self::RowOutOfRange { row, rows } => {
                 write!(f, "block-table row {row} out of range ({rows} rows)")
@@ -638,7 +646,8 @@ impl AttentionPlan {
 ///
 /// # Errors
 /// Nothing to launch on error.
-/// - [`LaunchError::UnsupportedDType`], [`LaunchError::UnsupportedHeadDim`] — no kernel;
+/// - [`LaunchError::UnsupportedHeadDim`] — no kernel; [`LaunchError::OddBlockSize`] —
+///   8-bit tiles not 8-byte aligned;
 /// - [`LaunchError::LayerOutOfRange`], [`LaunchError::HeadsNotDivisible`],
 ///   [`LaunchError::BadScale`];
 /// - [`LaunchError::RowOutOfRange`], [`LaunchError::ContextTooLong`],
@@ -653,8 +662,13 @@ pub fn plan_attention(
     partitioning: Partitioning,
 ) -> Result<Option<AttentionPlan>, LaunchError> {
     let g = &call.geometry;
-    // The dtype and head dim first (no kernel at all), the group after the heads check.
+    // The head dim first (no kernel at all), the group after the heads check.
     Kernel::attention(g.dtype(), g.head_dim(), 1)?;
+    if g.dtype().is_scaled() && !g.block_size().is_multiple_of(2) {
+        return Err(LaunchError::OddBlockSize {
+            block_size: g.block_size(),
+        });
+    }
     if call.layer >= g.layers() {
         return Err(LaunchError::LayerOutOfRange {
             layer: call.layer,
@@ -846,10 +860,8 @@ mod tests {
             Kernel::attention(DType::F16, 96, 1),
             Err(LaunchError::UnsupportedHeadDim { head_dim: 96 })
         );
-        assert_eq!(
-            Kernel::attention(DType::Int8, 64, 1),
-            Err(LaunchError::UnsupportedDType { dtype: DType::Int8 })
-        );
+        let k = Kernel::attention(DType::Fp8E4m3, 64, 2).unwrap();
+        assert_eq!((k.name(), k.id()), ("kvp_attention_fp8_hd64_r4", 40));
         let all: Vec<Kernel> = (0..Kernel::COUNT).map_while(Kernel::nth).collect();
         assert_eq!(all.len(), Kernel::COUNT);
         assert_eq!(Kernel::nth(Kernel::COUNT), None);
@@ -1063,6 +1075,11 @@ mod tests {
             bad(AttentionCall { seqs: &wrong, ..ok }),
             LaunchError::RowOutOfRange { row: 2, rows: 2 }
         );
+        let odd = AttentionCall {
+            geometry: Geometry::new(2, 4, 64, 5, DType::Int8).unwrap(),
+            ..ok
+        };
+        assert_eq!(bad(odd), LaunchError::OddBlockSize { block_size: 5 });
         let empty = [desc(0, 5, 0, 0)];
         let c = AttentionCall {
             seqs: &empty,

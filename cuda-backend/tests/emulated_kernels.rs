@@ -234,11 +234,23 @@ struct Case {
     seed: u64,
 }
 
-/// The arena filled with random values (every token of every block, scales none).
+/// The arena filled with random values: every element of a float dtype; for 8-bit
+/// storage every token row of every layer written by the CPU kernel (codes and scales).
 fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> Arena {
     let mut a = Arena::for_layout(layout).unwrap();
-    for x in a.as_mut_slice::<T>() {
-        *x = T::from_f32(rng.value());
+    let g = layout.geometry();
+    if g.dtype().is_scaled() {
+        let slots: Vec<u32> = (0..layout.num_slots() as u32).collect();
+        let n = slots.len() * (g.kv_heads() * g.head_dim()) as usize;
+        for layer in 0..g.layers() {
+            let k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 5) as f32).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.value()).collect();
+            kernels::write_kv::<T>(layout, a.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap();
+        }
+    } else {
+        for x in a.as_mut_slice::<T>() {
+            *x = T::from_f32(rng.value());
+        }
     }
     a
 }
@@ -351,7 +363,7 @@ const GROUPS: [(u32, u32); 3] = [(2, 2), (2, 8), (1, 8)];
 #[test]
 fn decode_matches_cpu_across_dtypes_dims_blocks_groups() {
     let mut seed = 1000;
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in ALL_DTYPES {
         for (i, hd) in [64u32, 128, 256].into_iter().enumerate() {
             for (j, bs) in [8u32, 16, 32].into_iter().enumerate() {
                 let (kv_heads, q_heads) = GROUPS[(i + j) % 3];
@@ -410,6 +422,7 @@ fn decode_long_contexts_with_many_partitions() {
         ),
         (DType::Bf16, 64, 32, 1, 16, Partitioning::Tokens(96)),
         (DType::F32, 256, 8, 1, 4, Partitioning::Tokens(512)),
+        (DType::Int8, 128, 16, 2, 16, Partitioning::Tokens(256)),
     ]
     .into_iter()
     .enumerate()
@@ -431,7 +444,7 @@ fn decode_long_contexts_with_many_partitions() {
 #[test]
 fn prefill_matches_cpu() {
     let mut seed = 3000;
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in ALL_DTYPES {
         for (i, (hd, bs)) in [(64, 8), (128, 16), (256, 32)].into_iter().enumerate() {
             let (kv_heads, q_heads) = GROUPS[i];
             // A chunk of new tokens over a cached context, a whole prompt, a decode row
@@ -462,7 +475,10 @@ fn prefill_matches_cpu() {
 fn long_prefill_chunk_with_partitions() {
     // 70 new tokens over 230 cached ones, GQA 4: 70 tiles of the 4-row kernel, split in partitions of 64 tokens (the reduce per row sees
     // only the partitions its causal limit reaches).
-    for (seed, dtype) in [DType::F16, DType::Bf16].into_iter().enumerate() {
+    for (seed, dtype) in [DType::F16, DType::Bf16, DType::Fp8E4m3]
+        .into_iter()
+        .enumerate()
+    {
         check_attention(&Case {
             dtype,
             head_dim: 128,
@@ -483,7 +499,7 @@ proptest! {
     /// Small random shapes: any mix of decode and prefill rows, any partitioning.
     #[test]
     fn attention_matches_cpu_on_random_shapes(
-        dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::Bf16]),
+        dtype in prop::sample::select(ALL_DTYPES.to_vec()),
         hd in prop::sample::select(vec![64u32, 128, 256]),
         bs in prop::sample::select(vec![8u32, 16, 32]),
         group in prop::sample::select(vec![(1u32, 1u32), (2, 4), (1, 8), (4, 2)]),

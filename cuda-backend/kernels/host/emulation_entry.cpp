@@ -43,6 +43,18 @@ int kvpage_emu_launch(uint32_t id, uint32_t gx, uint32_t gy, uint32_t gz, uint32
     case KVP_KERNEL_ATTENTION_BF16_HD128_R8: return run(kvp_attention_bf16_hd128_r8, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_BF16_HD256_R4: return run(kvp_attention_bf16_hd256_r4, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_BF16_HD256_R8: return run(kvp_attention_bf16_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD64_R4: return run(kvp_attention_int8_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD64_R8: return run(kvp_attention_int8_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD128_R4: return run(kvp_attention_int8_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD128_R8: return run(kvp_attention_int8_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD256_R4: return run(kvp_attention_int8_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD256_R8: return run(kvp_attention_int8_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD64_R4: return run(kvp_attention_fp8_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD64_R8: return run(kvp_attention_fp8_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD128_R4: return run(kvp_attention_fp8_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD128_R8: return run(kvp_attention_fp8_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD256_R4: return run(kvp_attention_fp8_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD256_R8: return run(kvp_attention_fp8_hd256_r8, grid, block, shared_bytes, params);
     default: return -1;
     }
 }
