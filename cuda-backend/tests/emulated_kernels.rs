@@ -632,6 +632,13 @@ fn eight_bit_codes_match_the_cpu_codec() {
                 "{dtype:?} {x} / {s}"
             );
         }
+        for c in 0..=255u8 {
+            let (got, want) = (convert::decode8(d, c), code.decode(c));
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{dtype:?} code {c:#04x}: {got} vs {want}"
+            );
+        }
         assert_eq!(convert::scale_for(d, 0.0), 1.0);
         assert_eq!(convert::scale_for(d, f32::INFINITY), 1.0);
         assert_eq!(

@@ -91,6 +91,9 @@ float kvpage_emu_f16_to_f32(uint16_t h) { return kvp::f16_to_f32(h); }
 uint16_t kvpage_emu_f32_to_bf16(float x) { return kvp::f32_to_bf16(x); }
 uint8_t kvpage_emu_encode8(uint32_t dtype, float x, float scale) { return kvp::encode8(dtype, x, scale); }
 float kvpage_emu_scale_for(uint32_t dtype, float absmax) { return kvp::scale_for(dtype, absmax); }
+float kvpage_emu_decode8(uint32_t dtype, uint8_t code) {
+    return dtype == KVP_DTYPE_INT8 ? kvp::int8_decode(code) : kvp::fp8_decode(code);
+}
 
 // Sizes and field offsets of the ABI structs, in the order of params.rs's test; returns
 // the count written (at most cap).
