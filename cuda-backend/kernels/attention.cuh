@@ -3,11 +3,12 @@
 // `kernels::paged_attention` (SeqQuery semantics: a sequence's `queries` new tokens are
 // the last of its `context_len`; query token i sees tokens 0 ..= context_len - queries + i).
 //
-// One CTA = (sequence, KV head, tile of KVP_ATT_ROWS query rows, context partition),
+// One CTA = (sequence, KV head, tile of R (4 or 8) query rows, context partition),
 // KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
-//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row, dot
-//      with every row's query (queries in shared memory), shuffle-reduced in the group;
+//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row (for
+//      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
+//      its slice of the queries in registers), shuffle-reduced in the group;
 //   2. softmax: one warp per row: new max, exp, sum, rescale factor;
 //   3. values: TV threads per token, one 16-byte load of the V row each, accumulated
 //      into per-thread registers [rows][elements of the vector] for every row.
@@ -16,7 +17,7 @@
 // partition, unnormalised with (max, sum) to the scratch otherwise.
 // Consecutive threads load consecutive 16-byte vectors of a contiguous
 // [token][head_dim] tile, so a warp's loads coalesce; K/V bytes are read once per tile
-// of rows (all query heads of a GQA group of up to KVP_ATT_ROWS heads share them).
+// of rows (all query heads of a GQA group of up to 8 heads share them).
 #pragma once
 #include "dtype.cuh"
 #include "layout.cuh"
@@ -25,7 +26,7 @@
 namespace kvp {
 
 template <class S, int HD> struct AttShape {
-    static constexpr int EPV = 16 / S::bytes;          // elements per 16-byte vector
+    static constexpr int EPV = (int)sizeof(typename S::Vec) / S::bytes; // elements per vector
     static constexpr int VECS = HD / EPV;              // vectors per token row
     static constexpr int TPT = VECS < 32 ? VECS : 32;  // score threads per token
     static constexpr int QK_VECS = VECS / TPT;         // vectors per score thread
@@ -37,20 +38,46 @@ template <class S, int HD> struct AttShape {
     static_assert(TV <= KVP_ATT_THREADS && KVP_ATT_THREADS % TV == 0, "value groups");
 };
 
-// The K or V row of absolute token `t` of the sequence whose block-table row is `bt`.
-template <int HD>
-__device__ __forceinline__ const uint4 *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
-                                               uint64_t tile, uint32_t bytes, uint32_t t) {
+// Arena byte offset of the tile of absolute token `t` of the sequence whose block-table
+// row is `bt` (`tile`: the tile's element offset inside a block), and the token's row in
+// it.
+__device__ __forceinline__ uint64_t token_tile(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
+                                               uint32_t t, uint32_t &row) {
     const uint32_t bs = p.geo.block_size;
     const uint32_t block = __ldg(bt + t / bs);
-    const uint64_t elem = block_offset(p.geo, block) + tile + (uint64_t)(t % bs) * HD;
-    return reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.arena) + elem * bytes);
+    row = t % bs;
+    return block_offset(p.geo, block) + tile;
 }
 
-template <class S, int HD> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
+// The K or V row of absolute token `t`, as vectors.
+template <class S, int HD>
+__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
+                                                         uint64_t tile, uint32_t t) {
+    uint32_t row = 0;
+    const uint64_t base = token_tile(p, bt, tile, t, row);
+    const uint64_t elem = base + (uint64_t)row * HD;
+    return reinterpret_cast<const typename S::Vec *>(static_cast<const uint8_t *>(p.arena) + elem * S::bytes);
+}
+
+// The scale of token `t`'s row of a tile (8-bit storage: one byte per element, the
+// block_size f32 scales after the block_size * HD codes); 1 for the float dtypes.
+template <class S, int HD>
+__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
+                                          uint32_t t) {
+    if constexpr (S::scaled) {
+        uint32_t row = 0;
+        const uint64_t base = token_tile(p, bt, tile, t, row);
+        const uint64_t at = base + (uint64_t)p.geo.block_size * HD + 4ull * row;
+        return __ldg(reinterpret_cast<const float *>(static_cast<const uint8_t *>(p.arena) + at));
+    } else {
+        return 1.0f;
+    }
+}
+
+template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(const KvpAttentionParams &p) {
     using A = AttShape<S, HD>;
-    constexpr int R = KVP_ATT_ROWS;
     constexpr int C = KVP_ATT_CHUNK;
+    constexpr int U = KVP_ATT_UNROLL;
     __shared__ float4 q4[R * HD / 4]; // queries [R][HD]; after the loop: the output sums
     __shared__ float s_s[R * C];      // scores, then probabilities, of the chunk
     __shared__ float m_s[R], l_s[R], a_s[R];
@@ -65,14 +92,16 @@ template <class S, int HD> __device__ __forceinline__ void attention_cta(const K
     const uint32_t group = p.q_heads / g.kv_heads;
     const uint32_t all_rows = sq.queries * group;
     const uint32_t row0 = tile * R;
-    const uint32_t p0 = part * p.partition_tokens;
-    // CTA-uniform exits, before any barrier.
-    if (row0 >= all_rows || p0 >= sq.context_len) return;
+    // CTA-uniform exits, before any barrier. Partition starts in 64 bits: the last
+    // partition of a context near 2^32 tokens may start past it.
+    const uint64_t p0_wide = (uint64_t)part * p.partition_tokens;
+    if (row0 >= all_rows || p0_wide >= sq.context_len) return;
+    const uint32_t p0 = (uint32_t)p0_wide;
     const uint32_t rows = all_rows - row0 < (uint32_t)R ? all_rows - row0 : (uint32_t)R;
     const uint32_t first_visible = sq.context_len - sq.queries; // tokens before the queries
     const uint32_t last_limit = first_visible + (row0 + rows - 1) / group + 1;
-    uint32_t end = p0 + p.partition_tokens;
-    end = end < sq.context_len ? end : sq.context_len;
+    const uint64_t part_end = p0_wide + p.partition_tokens;
+    uint32_t end = part_end < sq.context_len ? (uint32_t)part_end : sq.context_len;
     end = end < last_limit ? end : last_limit;
     const uint32_t tid = threadIdx.x;
 
@@ -104,40 +133,59 @@ KVP_UNROLL
     for (int r = 0; r < R; ++r)
 KVP_UNROLL
         for (int e = 0; e < A::EPV; ++e) acc[r][e] = 0.0f;
+    // The score threads' slices of every row's query: the same dims for every token.
+    float qr[R][A::QK_VECS * A::EPV];
+KVP_UNROLL
+    for (int r = 0; r < R; ++r)
+KVP_UNROLL
+        for (int v = 0; v < A::QK_VECS; ++v)
+KVP_UNROLL
+            for (int e = 0; e < A::EPV; ++e) qr[r][v * A::EPV + e] = q_s[r * HD + (qj + v * A::TPT) * A::EPV + e];
 
-    for (uint32_t c0 = p0; c0 < end; c0 += C) {
-        const uint32_t n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
-        // 1. Scores. The loop bound is CTA-uniform, so every lane reaches the shuffles.
-        for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS) {
-            const uint32_t t = t0 + qg;
-            float dot[R];
+    // c0 + n <= end: no wrap-around, whatever the context length.
+    for (uint32_t c0 = p0, n = 0; c0 < end; c0 += n) {
+        n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
+        // 1. Scores, U tokens per thread group and pass (their loads in flight
+        // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
+        for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {
+            typename S::Vec raw[U][A::QK_VECS];
 KVP_UNROLL
-            for (int r = 0; r < R; ++r) dot[r] = 0.0f;
-            if (t < n) {
-                const uint4 *krow = kv_row<HD>(p, bt, k_tile, S::bytes, c0 + t);
-                uint4 raw[A::QK_VECS];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + qg + u * A::QK_GROUPS;
+                if (t < n) {
+                    const typename S::Vec *krow = kv_row<S, HD>(p, bt, k_tile, c0 + t);
 KVP_UNROLL
-                for (int v = 0; v < A::QK_VECS; ++v) raw[v] = __ldg(krow + qj + v * A::TPT);
+                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = __ldg(krow + qj + v * A::TPT);
+                } else {
 KVP_UNROLL
-                for (int v = 0; v < A::QK_VECS; ++v) {
-                    float x[A::EPV];
-                    S::unpack(raw[v], x);
-                    const uint32_t d0 = (qj + v * A::TPT) * A::EPV;
-KVP_UNROLL
-                    for (int r = 0; r < R; ++r)
-KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) dot[r] += q_s[r * HD + d0 + e] * x[e];
+                    for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = typename S::Vec{};
                 }
             }
 KVP_UNROLL
-            for (int r = 0; r < R; ++r)
+            for (int u = 0; u < U; ++u) {
+                float dot[R];
 KVP_UNROLL
-                for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
-                    dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
-            if (t < n && qj == 0) {
+                for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+KVP_UNROLL
+                for (int v = 0; v < A::QK_VECS; ++v) {
+                    float x[A::EPV];
+                    S::unpack(raw[u][v], x);
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r)
+KVP_UNROLL
+                        for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
+                }
 KVP_UNROLL
                 for (int r = 0; r < R; ++r)
-                    s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * p.scale : -INFINITY;
+KVP_UNROLL
+                    for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
+                        dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
+                const uint32_t t = t0 + qg + u * A::QK_GROUPS;
+                if (t < n && qj == 0) {
+                    const float ks = p.scale * kv_scale<S, HD>(p, bt, k_tile, c0 + t);
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r) s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * ks : -INFINITY;
+                }
             }
         }
         __syncthreads();
@@ -170,15 +218,28 @@ KVP_UNROLL
 KVP_UNROLL
             for (int e = 0; e < A::EPV; ++e) acc[r][e] *= alpha;
         }
-        for (uint32_t t = vg; t < n; t += A::V_GROUPS) {
-            const uint4 raw = __ldg(kv_row<HD>(p, bt, v_tile, S::bytes, c0 + t) + vv);
-            float x[A::EPV];
-            S::unpack(raw, x);
+        for (uint32_t t0 = vg; t0 < n; t0 += A::V_GROUPS * U) {
+            typename S::Vec raw[U];
+            float vs[U];
 KVP_UNROLL
-            for (int r = 0; r < R; ++r) {
-                const float pr = s_s[r * C + t];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + u * A::V_GROUPS;
+                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, bt, v_tile, c0 + t) + vv) : typename S::Vec{};
+                vs[u] = t < n ? kv_scale<S, HD>(p, bt, v_tile, c0 + t) : 0.0f;
+            }
 KVP_UNROLL
-                for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+            for (int u = 0; u < U; ++u) {
+                const uint32_t t = t0 + u * A::V_GROUPS;
+                if (t < n) {
+                    float x[A::EPV];
+                    S::unpack(raw[u], x);
+KVP_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const float pr = s_s[r * C + t] * vs[u];
+KVP_UNROLL
+                        for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                    }
+                }
             }
         }
         __syncthreads();
@@ -260,17 +321,38 @@ extern "C" __global__ void __launch_bounds__(KVP_REDUCE_THREADS) kvp_attention_r
     kvp::reduce_row(p);
 }
 
-#define KVP_ATTENTION_KERNEL(name, S, HD)                                                                  \
-    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS) name(const KvpAttentionParams p) {        \
-        kvp::attention_cta<kvp::S, HD>(p);                                                                 \
+#define KVP_ATTENTION_KERNEL(name, S, HD, R)                                                               \
+    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, 1) name(const KvpAttentionParams p) {     \
+        kvp::attention_cta<kvp::S, HD, R>(p);                                                              \
     }
 
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64, F32, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128, F32, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256, F32, 256)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64, F16, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128, F16, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256, F16, 256)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64, Bf16, 64)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128, Bf16, 128)
-KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256, Bf16, 256)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64_r4, F32, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd64_r8, F32, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128_r4, F32, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd128_r8, F32, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256_r4, F32, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f32_hd256_r8, F32, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64_r4, F16, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd64_r8, F16, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128_r4, F16, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd128_r8, F16, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256_r4, F16, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_f16_hd256_r8, F16, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64_r4, Bf16, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd64_r8, Bf16, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r4, Bf16, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd128_r8, Bf16, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r4, Bf16, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_bf16_hd256_r8, Bf16, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd64_r4, I8, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd64_r8, I8, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd128_r4, I8, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd128_r8, I8, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd256_r4, I8, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_int8_hd256_r8, I8, 256, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd64_r4, Fp8, 64, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd64_r8, Fp8, 64, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd128_r4, Fp8, 128, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd128_r8, Fp8, 128, 8)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd256_r4, Fp8, 256, 4)
+KVP_ATTENTION_KERNEL(kvp_attention_fp8_hd256_r8, Fp8, 256, 8)

@@ -133,11 +133,30 @@ KVP_HD uint8_t encode8(uint32_t dtype, float x, float s) {
     return dtype == KVP_DTYPE_INT8 ? int8_encode(y) : fp8_encode(y);
 }
 
-// Storage tags of the attention kernels: a 16-byte vector of stored elements widened to
-// f32 (bit-exact with host-std's Element::widen).
+// Value of an int8 code (host-std's Code::Int8::decode: -128, which writes produce only
+// for NaN input, is NaN).
+KVP_HD float int8_decode(uint32_t b) {
+    return b == 0x80u ? f32_from_bits(0x7FC00000u) : (float)(int8_t)(uint8_t)b;
+}
+
+// Value of an FP8 E4M3 code (fp8::decode): exact, NaN for S.1111.111.
+KVP_HD float fp8_decode(uint32_t b) {
+    const uint32_t sign = (b & 0x80u) << 24;
+    const uint32_t e = (b >> 3) & 0x0Fu, m = b & 0x07u;
+    if (e == 15u && m == 7u) return f32_from_bits(sign | 0x7FC00000u);
+    if (e == 0u) return f32_from_bits(f32_bits((float)m * 0.001953125f) | sign); // m * 2^-9
+    return f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Storage tags of the attention kernels: `Vec`, the vector one thread loads (16 bytes;
+// 8 for the 8-bit codes, so that every tag widens 4 or 8 elements per load and the
+// register budget stays the same), widened to f32 bit-exactly as host-std's
+// Element::widen / Code::decode; `scaled`: values are codes times a per-token scale.
 struct F32 {
+    using Vec = uint4;
     static constexpr int bytes = 4;
-    static __device__ __forceinline__ void unpack(const uint4 &r, float *x) {
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
         x[0] = __uint_as_float(r.x);
         x[1] = __uint_as_float(r.y);
         x[2] = __uint_as_float(r.z);
@@ -146,8 +165,10 @@ struct F32 {
 };
 
 struct F16 {
+    using Vec = uint4;
     static constexpr int bytes = 2;
-    static __device__ __forceinline__ void unpack(const uint4 &r, float *x) {
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
         const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 KVP_UNROLL
         for (int i = 0; i < 4; ++i) {
@@ -158,13 +179,41 @@ KVP_UNROLL
 };
 
 struct Bf16 {
+    using Vec = uint4;
     static constexpr int bytes = 2;
-    static __device__ __forceinline__ void unpack(const uint4 &r, float *x) {
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
         const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 KVP_UNROLL
         for (int i = 0; i < 4; ++i) {
             x[2 * i] = __uint_as_float(w[i] << 16);
             x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        }
+    }
+};
+
+struct I8 {
+    using Vec = uint2;
+    static constexpr int bytes = 1;
+    static constexpr bool scaled = true;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            x[i] = int8_decode((r.x >> (8 * i)) & 0xFFu);
+            x[4 + i] = int8_decode((r.y >> (8 * i)) & 0xFFu);
+        }
+    }
+};
+
+struct Fp8 {
+    using Vec = uint2;
+    static constexpr int bytes = 1;
+    static constexpr bool scaled = true;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            x[i] = fp8_decode((r.x >> (8 * i)) & 0xFFu);
+            x[4 + i] = fp8_decode((r.y >> (8 * i)) & 0xFFu);
         }
     }
 };

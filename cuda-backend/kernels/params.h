@@ -24,11 +24,13 @@
  *   is a multiple of 16. All pairs run concurrently: sources != destinations, and no
  *   destination appears twice or as a source (checked by the planner).
  *
- * kvp_attention_<dtype>_hd<64|128|256>(KvpAttentionParams)   dtype f32 | f16 | bf16
+ * kvp_attention_<dtype>_hd<64|128|256>_r<4|8>(KvpAttentionParams)
+ *   dtype f32 | f16 | bf16 | int8 | fp8 (8-bit: block_size even, so rows are 8-aligned)
  *   grid  (kv_heads * row_tiles, num_partitions, num_seqs), num_partitions and num_seqs
  *   <= 65535; block (KVP_ATT_THREADS, 1, 1); static shared memory only (see
- *   attention.cuh: rows * head_dim + rows * chunk floats, <= 10.3 KiB).
- *   One CTA per (sequence, KV head, tile of KVP_ATT_ROWS query rows, context partition).
+ *   attention.cuh: rows * (head_dim + chunk) floats, <= 10.3 KiB).
+ *   One CTA per (sequence, KV head, tile of R = 4 or 8 query rows, context partition);
+ *   row_tiles = max over sequences of ceil(queries * group / R).
  *   Rows of a sequence are (query token, query head of the GQA group) pairs, row r =
  *   token r / group, head kv_head * group + r % group: all heads of a group share each
  *   K/V load. Partition p covers tokens [p * partition_tokens, (p + 1) *
@@ -68,26 +70,49 @@ enum {
     KVP_COPY_THREADS = 256,
     KVP_COPY_UNROLL = 4,
     KVP_ATT_THREADS = 128,
-    KVP_ATT_ROWS = 8,
+    KVP_ATT_ROWS = 8,  /* most query rows per CTA (instances of 4 and 8 rows) */
+    KVP_ATT_UNROLL = 2, /* tokens per thread group whose loads are in flight together */
     KVP_ATT_CHUNK = 64,
     KVP_REDUCE_THREADS = 128
 };
 
 /* Kernel ids of the emulation entry (kvpage_emu_launch); stable numbers. Attention:
- * KVP_KERNEL_ATTENTION_F32_HD64 + 3 * dtype + (0 | 1 | 2 for head dim 64 | 128 | 256). */
+ * KVP_KERNEL_ATTENTION_F32_HD64_R4 + 6 * dtype + 2 * (0 | 1 | 2 for head dim 64 | 128 |
+ * 256) + (0 | 1 for 4 | 8 rows per CTA). */
 enum {
     KVP_KERNEL_WRITE_KV = 0,
     KVP_KERNEL_COPY_BLOCKS = 1,
     KVP_KERNEL_ATTENTION_REDUCE = 2,
-    KVP_KERNEL_ATTENTION_F32_HD64 = 16,
-    KVP_KERNEL_ATTENTION_F32_HD128 = 17,
-    KVP_KERNEL_ATTENTION_F32_HD256 = 18,
-    KVP_KERNEL_ATTENTION_F16_HD64 = 19,
-    KVP_KERNEL_ATTENTION_F16_HD128 = 20,
-    KVP_KERNEL_ATTENTION_F16_HD256 = 21,
-    KVP_KERNEL_ATTENTION_BF16_HD64 = 22,
-    KVP_KERNEL_ATTENTION_BF16_HD128 = 23,
-    KVP_KERNEL_ATTENTION_BF16_HD256 = 24
+    KVP_KERNEL_ATTENTION_F32_HD64_R4 = 16,
+    KVP_KERNEL_ATTENTION_F32_HD64_R8 = 17,
+    KVP_KERNEL_ATTENTION_F32_HD128_R4 = 18,
+    KVP_KERNEL_ATTENTION_F32_HD128_R8 = 19,
+    KVP_KERNEL_ATTENTION_F32_HD256_R4 = 20,
+    KVP_KERNEL_ATTENTION_F32_HD256_R8 = 21,
+    KVP_KERNEL_ATTENTION_F16_HD64_R4 = 22,
+    KVP_KERNEL_ATTENTION_F16_HD64_R8 = 23,
+    KVP_KERNEL_ATTENTION_F16_HD128_R4 = 24,
+    KVP_KERNEL_ATTENTION_F16_HD128_R8 = 25,
+    KVP_KERNEL_ATTENTION_F16_HD256_R4 = 26,
+    KVP_KERNEL_ATTENTION_F16_HD256_R8 = 27,
+    KVP_KERNEL_ATTENTION_BF16_HD64_R4 = 28,
+    KVP_KERNEL_ATTENTION_BF16_HD64_R8 = 29,
+    KVP_KERNEL_ATTENTION_BF16_HD128_R4 = 30,
+    KVP_KERNEL_ATTENTION_BF16_HD128_R8 = 31,
+    KVP_KERNEL_ATTENTION_BF16_HD256_R4 = 32,
+    KVP_KERNEL_ATTENTION_BF16_HD256_R8 = 33,
+    KVP_KERNEL_ATTENTION_INT8_HD64_R4 = 34,
+    KVP_KERNEL_ATTENTION_INT8_HD64_R8 = 35,
+    KVP_KERNEL_ATTENTION_INT8_HD128_R4 = 36,
+    KVP_KERNEL_ATTENTION_INT8_HD128_R8 = 37,
+    KVP_KERNEL_ATTENTION_INT8_HD256_R4 = 38,
+    KVP_KERNEL_ATTENTION_INT8_HD256_R8 = 39,
+    KVP_KERNEL_ATTENTION_FP8_HD64_R4 = 40,
+    KVP_KERNEL_ATTENTION_FP8_HD64_R8 = 41,
+    KVP_KERNEL_ATTENTION_FP8_HD128_R4 = 42,
+    KVP_KERNEL_ATTENTION_FP8_HD128_R8 = 43,
+    KVP_KERNEL_ATTENTION_FP8_HD256_R4 = 44,
+    KVP_KERNEL_ATTENTION_FP8_HD256_R8 = 45
 };
 
 /* The geometry (kvpage_core::Geometry) plus the arena's block count. 40 bytes. */

@@ -62,6 +62,7 @@ extern "C" {
     fn kvpage_emu_f32_to_bf16(x: f32) -> u16;
     fn kvpage_emu_encode8(dtype: u32, x: f32, scale: f32) -> u8;
     fn kvpage_emu_scale_for(dtype: u32, absmax: f32) -> f32;
+    fn kvpage_emu_decode8(dtype: u32, code: u8) -> f32;
     fn kvpage_emu_abi(out: *mut u64, cap: u32) -> u32;
 }
 
@@ -359,6 +360,11 @@ pub mod convert {
     pub fn encode8(dtype: u32, x: f32, scale: f32) -> u8 {
         // SAFETY: pure function of plain values.
         unsafe { kvpage_emu_encode8(dtype, x, scale) }
+    }
+    /// The value of an 8-bit code before scaling (`dtype` 3: int8, 4: fp8). O(1).
+    pub fn decode8(dtype: u32, code: u8) -> f32 {
+        // SAFETY: pure function of plain values.
+        unsafe { kvpage_emu_decode8(dtype, code) }
     }
     /// The scale of a row of largest magnitude `absmax`. O(1).
     pub fn scale_for(dtype: u32, absmax: f32) -> f32 {

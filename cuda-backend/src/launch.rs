@@ -22,8 +22,8 @@ pub const COPY_THREADS: u32 = 256;
 pub const COPY_UNROLL: u32 = 4;
 /// Threads of an attention CTA (`KVP_ATT_THREADS`).
 pub const ATT_THREADS: u32 = 128;
-/// Query rows of an attention CTA (`KVP_ATT_ROWS`): GQA groups up to this size read
-/// each K/V byte once per query token.
+/// Most query rows of an attention CTA (`KVP_ATT_ROWS`): GQA groups up to this size
+/// read each K/V byte once per query token.
 pub const ATT_ROWS: u32 = 8;
 /// Threads of a reduce CTA (`KVP_REDUCE_THREADS`).
 pub const REDUCE_THREADS: u32 = 128;
@@ -37,85 +37,114 @@ pub const MAX_GRID_YZ: u32 = 65_535;
 /// Largest grid.x.
 pub const MAX_GRID_X: u32 = i32::MAX as u32;
 
-/// The kernels of `kernels/kvpage.cu`, numbered as `params.h`'s `KVP_KERNEL_*` (the
-/// emulation entry's ids).
+/// Symbols of the attention kernels, in id order (`KVP_KERNEL_ATTENTION_*`).
+const ATTENTION_NAMES: [&str; 30] = [
+    "kvp_attention_f32_hd64_r4",
+    "kvp_attention_f32_hd64_r8",
+    "kvp_attention_f32_hd128_r4",
+    "kvp_attention_f32_hd128_r8",
+    "kvp_attention_f32_hd256_r4",
+    "kvp_attention_f32_hd256_r8",
+    "kvp_attention_f16_hd64_r4",
+    "kvp_attention_f16_hd64_r8",
+    "kvp_attention_f16_hd128_r4",
+    "kvp_attention_f16_hd128_r8",
+    "kvp_attention_f16_hd256_r4",
+    "kvp_attention_f16_hd256_r8",
+    "kvp_attention_bf16_hd64_r4",
+    "kvp_attention_bf16_hd64_r8",
+    "kvp_attention_bf16_hd128_r4",
+    "kvp_attention_bf16_hd128_r8",
+    "kvp_attention_bf16_hd256_r4",
+    "kvp_attention_bf16_hd256_r8",
+    "kvp_attention_int8_hd64_r4",
+    "kvp_attention_int8_hd64_r8",
+    "kvp_attention_int8_hd128_r4",
+    "kvp_attention_int8_hd128_r8",
+    "kvp_attention_int8_hd256_r4",
+    "kvp_attention_int8_hd256_r8",
+    "kvp_attention_fp8_hd64_r4",
+    "kvp_attention_fp8_hd64_r8",
+    "kvp_attention_fp8_hd128_r4",
+    "kvp_attention_fp8_hd128_r8",
+    "kvp_attention_fp8_hd256_r4",
+    "kvp_attention_fp8_hd256_r8",
+];
+
+/// One instance of the attention kernel: storage dtype (any), head dim (64, 128, 256)
+/// and query rows per CTA (4 or 8), as an index `0..30` into the instances
+/// (`6 * dtype + 2 * head-dim index + rows index`). Only [`Kernel::attention`] makes
+/// one, so it always names a compiled kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
+pub struct AttentionKernel(u8);
+
+impl AttentionKernel {
+    /// Query rows each CTA of this instance handles (4 or 8). O(1).
+    pub const fn rows(self) -> u32 {
+        if self.0 & 1 == 0 {
+            4
+        } else {
+            8
+        }
+    }
+}
+
+/// The kernels of `kernels/kvpage.cu`, with the ids of `params.h`'s `KVP_KERNEL_*`
+/// (the emulation entry's) and their symbols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// `kvp_write_kv`.
-    WriteKv = 0,
+    WriteKv,
     /// `kvp_copy_blocks`.
-    CopyBlocks = 1,
+    CopyBlocks,
     /// `kvp_attention_reduce`.
-    AttentionReduce = 2,
-    /// `kvp_attention_f32_hd64`.
-    AttentionF32Hd64 = 16,
-    /// `kvp_attention_f32_hd128`.
-    AttentionF32Hd128 = 17,
-    /// `kvp_attention_f32_hd256`.
-    AttentionF32Hd256 = 18,
-    /// `kvp_attention_f16_hd64`.
-    AttentionF16Hd64 = 19,
-    /// `kvp_attention_f16_hd128`.
-    AttentionF16Hd128 = 20,
-    /// `kvp_attention_f16_hd256`.
-    AttentionF16Hd256 = 21,
-    /// `kvp_attention_bf16_hd64`.
-    AttentionBf16Hd64 = 22,
-    /// `kvp_attention_bf16_hd128`.
-    AttentionBf16Hd128 = 23,
-    /// `kvp_attention_bf16_hd256`.
-    AttentionBf16Hd256 = 24,
+    AttentionReduce,
+    /// `kvp_attention_<dtype>_hd<dim>_r<rows>`.
+    Attention(AttentionKernel),
 }
 
 impl Kernel {
-    /// Every kernel, for loading them all from the module. O(1).
-    pub const ALL: [Kernel; 12] = [
-        Self::WriteKv,
-        Self::CopyBlocks,
-        Self::AttentionReduce,
-        Self::AttentionF32Hd64,
-        Self::AttentionF32Hd128,
-        Self::AttentionF32Hd256,
-        Self::AttentionF16Hd64,
-        Self::AttentionF16Hd128,
-        Self::AttentionF16Hd256,
-        Self::AttentionBf16Hd64,
-        Self::AttentionBf16Hd128,
-        Self::AttentionBf16Hd256,
-    ];
+    /// Number of kernels in the module.
+    pub const COUNT: usize = 33;
 
-    /// The attention kernel for a storage dtype and head dim. O(1).
+    /// Kernel `i` of `0..COUNT` (write, copy, reduce, then the attention instances), for
+    /// loading every kernel of the module; `None` past the end. O(1).
+    pub const fn nth(i: usize) -> Option<Self> {
+        match i {
+            0 => Some(Self::WriteKv),
+            1 => Some(Self::CopyBlocks),
+            2 => Some(Self::AttentionReduce),
+            3..=32 => Some(Self::Attention(AttentionKernel((i - 3) as u8))),
+            _ => None,
+        }
+    }
+
+    /// The attention kernel for a storage dtype and head dim, with 4 query rows per CTA
+    /// for GQA groups of up to 4 heads (fewer registers, no idle rows) and 8 otherwise.
+    /// O(1).
     ///
     /// # Errors
-    /// [`LaunchError::UnsupportedDType`] for the 8-bit dtypes,
     /// [`LaunchError::UnsupportedHeadDim`] for a head dim other than 64, 128, 256.
-    pub const fn attention(dtype: DType, head_dim: u32) -> Result<Self, LaunchError> {
+    pub const fn attention(dtype: DType, head_dim: u32, group: u32) -> Result<Self, LaunchError> {
         let hd = match head_dim {
             64 => 0,
             128 => 1,
             256 => 2,
             _ => return Err(LaunchError::UnsupportedHeadDim { head_dim }),
         };
-        Ok(match (dtype, hd) {
-            (DType::F32, 0) => Self::AttentionF32Hd64,
-            (DType::F32, 1) => Self::AttentionF32Hd128,
-            (DType::F32, _) => Self::AttentionF32Hd256,
-            (DType::F16, 0) => Self::AttentionF16Hd64,
-            (DType::F16, 1) => Self::AttentionF16Hd128,
-            (DType::F16, _) => Self::AttentionF16Hd256,
-            (DType::Bf16, 0) => Self::AttentionBf16Hd64,
-            (DType::Bf16, 1) => Self::AttentionBf16Hd128,
-            (DType::Bf16, _) => Self::AttentionBf16Hd256,
-            (DType::Int8 | DType::Fp8E4m3, _) => {
-                return Err(LaunchError::UnsupportedDType { dtype })
-            }
-        })
+        let rows = if group <= 4 { 0 } else { 1 };
+        let dt = crate::params::dtype_code(dtype) as u8;
+        Ok(Self::Attention(AttentionKernel(6 * dt + 2 * hd + rows)))
     }
 
     /// The emulation entry's id (`KVP_KERNEL_*`). O(1).
     pub const fn id(self) -> u32 {
-        self as u32
+        match self {
+            Self::WriteKv => 0,
+            Self::CopyBlocks => 1,
+            Self::AttentionReduce => 2,
+            Self::Attention(a) => 16 + a.0 as u32,
+        }
     }
 
     /// The kernel's symbol in the module (`extern "C"`). O(1).
@@ -124,15 +153,7 @@ impl Kernel {
             Self::WriteKv => "kvp_write_kv",
             Self::CopyBlocks => "kvp_copy_blocks",
             Self::AttentionReduce => "kvp_attention_reduce",
-            Self::AttentionF32Hd64 => "kvp_attention_f32_hd64",
-            Self::AttentionF32Hd128 => "kvp_attention_f32_hd128",
-            Self::AttentionF32Hd256 => "kvp_attention_f32_hd256",
-            Self::AttentionF16Hd64 => "kvp_attention_f16_hd64",
-            Self::AttentionF16Hd128 => "kvp_attention_f16_hd128",
-            Self::AttentionF16Hd256 => "kvp_attention_f16_hd256",
-            Self::AttentionBf16Hd64 => "kvp_attention_bf16_hd64",
-            Self::AttentionBf16Hd128 => "kvp_attention_bf16_hd128",
-            Self::AttentionBf16Hd256 => "kvp_attention_bf16_hd256",
+            Self::Attention(a) => ATTENTION_NAMES[a.0 as usize],
         }
     }
 }
@@ -225,10 +246,11 @@ pub enum LaunchError {
         /// Head dim of the geometry.
         head_dim: u32,
     },
-    /// Attention kernels exist for f32, f16 and bf16 storage.
-    UnsupportedDType {
-        /// Storage dtype of the geometry.
-        dtype: DType,
+    /// 8-bit storage with an odd block size: its tiles (`block_size * (head_dim + 4)`
+    /// bytes) would not keep the attention kernels' 8-byte loads aligned.
+    OddBlockSize {
+        /// Block size of the geometry.
+        block_size: u32,
     },
     /// The softmax scale is not finite.
     BadScale,
@@ -310,9 +332,10 @@ impl fmt::Display for LaunchError {
                 f,
                 "no attention kernel for head dim {head_dim} (64, 128 and 256 exist)"
             ),
-            Self::UnsupportedDType { dtype } => {
-                write!(f, "no attention kernel for {dtype:?} storage")
-            }
+            Self::OddBlockSize { block_size } => write!(
+                f,
+                "8-bit attention needs an even block size (got {block_size})"
+            ),
             Self::BadScale => f.write_str("softmax scale is not finite"),
             Self::RowOutOfRange { row, rows } => {
                 write!(f, "block-table row {row} out of range ({rows} rows)")
@@ -560,7 +583,8 @@ pub struct AttentionPlan {
     pub partition_tokens: u32,
     /// Partitions of the longest context (grid.y).
     pub num_partitions: u32,
-    /// Tiles of [`ATT_ROWS`] query rows per KV head of the sequence with the most.
+    /// Tiles of query rows (4 or 8, the kernel's [`AttentionKernel::rows`]) per KV head,
+    /// of the sequence with the most.
     pub row_tiles: u32,
     /// Total query tokens (rows of `q` and `out`).
     pub scratch_rows: u32,
@@ -622,7 +646,8 @@ impl AttentionPlan {
 ///
 /// # Errors
 /// Nothing to launch on error.
-/// - [`LaunchError::UnsupportedDType`], [`LaunchError::UnsupportedHeadDim`] — no kernel;
+/// - [`LaunchError::UnsupportedHeadDim`] — no kernel; [`LaunchError::OddBlockSize`] —
+///   8-bit tiles not 8-byte aligned;
 /// - [`LaunchError::LayerOutOfRange`], [`LaunchError::HeadsNotDivisible`],
 ///   [`LaunchError::BadScale`];
 /// - [`LaunchError::RowOutOfRange`], [`LaunchError::ContextTooLong`],
@@ -637,7 +662,13 @@ pub fn plan_attention(
     partitioning: Partitioning,
 ) -> Result<Option<AttentionPlan>, LaunchError> {
     let g = &call.geometry;
-    let kernel = Kernel::attention(g.dtype(), g.head_dim())?;
+    // The head dim first (no kernel at all), the group after the heads check.
+    Kernel::attention(g.dtype(), g.head_dim(), 1)?;
+    if g.dtype().is_scaled() && !g.block_size().is_multiple_of(2) {
+        return Err(LaunchError::OddBlockSize {
+            block_size: g.block_size(),
+        });
+    }
     if call.layer >= g.layers() {
         return Err(LaunchError::LayerOutOfRange {
             layer: call.layer,
@@ -654,6 +685,11 @@ pub fn plan_attention(
         return Err(LaunchError::BadScale);
     }
     let group = call.q_heads / g.kv_heads();
+    let kernel = Kernel::attention(g.dtype(), g.head_dim(), group)?;
+    let rows_per_cta = match kernel {
+        Kernel::Attention(a) => u64::from(a.rows()),
+        _ => u64::from(ATT_ROWS),
+    };
     let bs = g.block_size();
     let stride = call.stride as usize;
     let rows = call.table.len().checked_div(stride).unwrap_or(0) as u64;
@@ -690,12 +726,18 @@ pub fn plan_attention(
                 blocks: call.num_blocks,
             });
         }
+        // Rows of a sequence (query tokens x group) are u32 in the kernels.
+        check_dim(
+            "query rows of a sequence",
+            u64::from(s.queries) * u64::from(group),
+            u32::MAX,
+        )?;
         total += u64::from(s.queries);
         if s.queries > 0 {
             max_ctx = max_ctx.max(s.context_len);
         }
         max_queries = max_queries.max(s.queries);
-        row_tiles = row_tiles.max((u64::from(s.queries) * u64::from(group)).div_ceil(8));
+        row_tiles = row_tiles.max((u64::from(s.queries) * u64::from(group)).div_ceil(rows_per_cta));
     }
     let scratch_rows = check_dim("queries", total, u32::MAX)?;
     let expected = total * u64::from(call.q_heads) * u64::from(g.head_dim());
@@ -805,22 +847,32 @@ mod tests {
 
     #[test]
     fn kernels_by_dtype_and_head_dim() {
+        let k = Kernel::attention(DType::F16, 128, 4).unwrap();
+        assert_eq!(k.name(), "kvp_attention_f16_hd128_r4");
+        assert_eq!(k.id(), 16 + 6 + 2);
+        let k = Kernel::attention(DType::Bf16, 256, 8).unwrap();
+        assert_eq!((k.name(), k.id()), ("kvp_attention_bf16_hd256_r8", 33));
         assert_eq!(
-            Kernel::attention(DType::F16, 128),
-            Ok(Kernel::AttentionF16Hd128)
+            Kernel::attention(DType::F32, 64, 5).unwrap().name(),
+            "kvp_attention_f32_hd64_r8"
         );
-        assert_eq!(Kernel::AttentionBf16Hd256.id(), 24);
-        assert_eq!(Kernel::AttentionF32Hd64.name(), "kvp_attention_f32_hd64");
         assert_eq!(
-            Kernel::attention(DType::F16, 96),
+            Kernel::attention(DType::F16, 96, 1),
             Err(LaunchError::UnsupportedHeadDim { head_dim: 96 })
         );
-        assert_eq!(
-            Kernel::attention(DType::Int8, 64),
-            Err(LaunchError::UnsupportedDType { dtype: DType::Int8 })
-        );
-        for (i, k) in Kernel::ALL.iter().enumerate() {
-            assert!(Kernel::ALL[..i].iter().all(|o| o.id() != k.id()));
+        let k = Kernel::attention(DType::Fp8E4m3, 64, 2).unwrap();
+        assert_eq!((k.name(), k.id()), ("kvp_attention_fp8_hd64_r4", 40));
+        let all: Vec<Kernel> = (0..Kernel::COUNT).map_while(Kernel::nth).collect();
+        assert_eq!(all.len(), Kernel::COUNT);
+        assert_eq!(Kernel::nth(Kernel::COUNT), None);
+        for (i, k) in all.iter().enumerate() {
+            assert!(all[..i]
+                .iter()
+                .all(|o| o.id() != k.id() && o.name() != k.name()));
+            // The name carries the row count the planner tiles by.
+            if let Kernel::Attention(a) = k {
+                assert!(k.name().ends_with(&format!("_r{}", a.rows())));
+            }
         }
     }
 
@@ -966,8 +1018,9 @@ mod tests {
         let ok = call(g, &table, &seqs, 8);
         let auto = Partitioning::Auto { sm_count: 4 };
         let plan = plan_attention(&ok, auto).unwrap().unwrap();
-        // 3 queries x group 2 = 6 rows: one tile.
-        assert_eq!(plan.row_tiles, 1);
+        // 3 queries x group 2 = 6 rows: two tiles of the 4-row kernel.
+        assert_eq!(plan.row_tiles, 2);
+        assert_eq!(plan.attention.kernel.name(), "kvp_attention_bf16_hd64_r4");
         let bad = |c: AttentionCall<'_>| plan_attention(&c, auto).unwrap_err();
         assert_eq!(
             bad(AttentionCall {
@@ -1022,6 +1075,11 @@ mod tests {
             bad(AttentionCall { seqs: &wrong, ..ok }),
             LaunchError::RowOutOfRange { row: 2, rows: 2 }
         );
+        let odd = AttentionCall {
+            geometry: Geometry::new(2, 4, 64, 5, DType::Int8).unwrap(),
+            ..ok
+        };
+        assert_eq!(bad(odd), LaunchError::OddBlockSize { block_size: 5 });
         let empty = [desc(0, 5, 0, 0)];
         let c = AttentionCall {
             seqs: &empty,

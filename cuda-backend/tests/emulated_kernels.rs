@@ -234,11 +234,23 @@ struct Case {
     seed: u64,
 }
 
-/// The arena filled with random values (every token of every block, scales none).
+/// The arena filled with random values: every element of a float dtype; for 8-bit
+/// storage every token row of every layer written by the CPU kernel (codes and scales).
 fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> Arena {
     let mut a = Arena::for_layout(layout).unwrap();
-    for x in a.as_mut_slice::<T>() {
-        *x = T::from_f32(rng.value());
+    let g = layout.geometry();
+    if g.dtype().is_scaled() {
+        let slots: Vec<u32> = (0..layout.num_slots() as u32).collect();
+        let n = slots.len() * (g.kv_heads() * g.head_dim()) as usize;
+        for layer in 0..g.layers() {
+            let k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 5) as f32).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.value()).collect();
+            kernels::write_kv::<T>(layout, a.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap();
+        }
+    } else {
+        for x in a.as_mut_slice::<T>() {
+            *x = T::from_f32(rng.value());
+        }
     }
     a
 }
@@ -344,13 +356,14 @@ fn check_attention(c: &Case) {
     }
 }
 
-/// (kv_heads, q_heads): MHA, GQA 4, MQA.
-const GROUPS: [(u32, u32); 3] = [(2, 2), (2, 8), (1, 4)];
+/// (kv_heads, q_heads): MHA and GQA 4 (4-row kernels), MQA with 8 query heads (8-row
+/// kernels).
+const GROUPS: [(u32, u32); 3] = [(2, 2), (2, 8), (1, 8)];
 
 #[test]
 fn decode_matches_cpu_across_dtypes_dims_blocks_groups() {
     let mut seed = 1000;
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in ALL_DTYPES {
         for (i, hd) in [64u32, 128, 256].into_iter().enumerate() {
             for (j, bs) in [8u32, 16, 32].into_iter().enumerate() {
                 let (kv_heads, q_heads) = GROUPS[(i + j) % 3];
@@ -379,6 +392,22 @@ fn decode_matches_cpu_across_dtypes_dims_blocks_groups() {
 }
 
 #[test]
+fn decode_4k_context_auto_partitions() {
+    // 4096 tokens on a 132-SM GPU: 16 partitions of 256 tokens, and the reduce.
+    check_attention(&Case {
+        dtype: DType::F16,
+        head_dim: 128,
+        block_size: 16,
+        kv_heads: 1,
+        q_heads: 4,
+        seqs: vec![(4096, 1), (4001, 1)],
+        shared_blocks: 100,
+        partitioning: Partitioning::Auto { sm_count: 132 },
+        seed: 2500,
+    });
+}
+
+#[test]
 fn decode_long_contexts_with_many_partitions() {
     // A few long contexts (the case partitions are for), GQA 4 and MQA with 16 query
     // heads (two row tiles per KV head).
@@ -393,6 +422,7 @@ fn decode_long_contexts_with_many_partitions() {
         ),
         (DType::Bf16, 64, 32, 1, 16, Partitioning::Tokens(96)),
         (DType::F32, 256, 8, 1, 4, Partitioning::Tokens(512)),
+        (DType::Int8, 128, 16, 2, 16, Partitioning::Tokens(256)),
     ]
     .into_iter()
     .enumerate()
@@ -414,7 +444,7 @@ fn decode_long_contexts_with_many_partitions() {
 #[test]
 fn prefill_matches_cpu() {
     let mut seed = 3000;
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in ALL_DTYPES {
         for (i, (hd, bs)) in [(64, 8), (128, 16), (256, 32)].into_iter().enumerate() {
             let (kv_heads, q_heads) = GROUPS[i];
             // A chunk of new tokens over a cached context, a whole prompt, a decode row
@@ -441,17 +471,39 @@ fn prefill_matches_cpu() {
     }
 }
 
+#[test]
+fn long_prefill_chunk_with_partitions() {
+    // 70 new tokens over 230 cached ones, GQA 4: 70 tiles of the 4-row kernel, split in partitions of 64 tokens (the reduce per row sees
+    // only the partitions its causal limit reaches).
+    for (seed, dtype) in [DType::F16, DType::Bf16, DType::Fp8E4m3]
+        .into_iter()
+        .enumerate()
+    {
+        check_attention(&Case {
+            dtype,
+            head_dim: 128,
+            block_size: 16,
+            kv_heads: 2,
+            q_heads: 8,
+            seqs: vec![(300, 70), (65, 64)],
+            shared_blocks: 3,
+            partitioning: Partitioning::Tokens(64),
+            seed: 4000 + seed as u64,
+        });
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// Small random shapes: any mix of decode and prefill rows, any partitioning.
     #[test]
     fn attention_matches_cpu_on_random_shapes(
-        dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::Bf16]),
+        dtype in prop::sample::select(ALL_DTYPES.to_vec()),
         hd in prop::sample::select(vec![64u32, 128, 256]),
         bs in prop::sample::select(vec![8u32, 16, 32]),
         group in prop::sample::select(vec![(1u32, 1u32), (2, 4), (1, 8), (4, 2)]),
-        seqs in prop::collection::vec((1u32..80, 0u32..6), 1..4),
+        seqs in prop::collection::vec((1u32..200, 0u32..12), 1..5),
         blocks_per_part in 1u32..4,
         auto in any::<bool>(),
         seed in any::<u64>(),
@@ -578,6 +630,13 @@ fn eight_bit_codes_match_the_cpu_codec() {
                 convert::encode8(d, x, s),
                 code.encode(x, s),
                 "{dtype:?} {x} / {s}"
+            );
+        }
+        for c in 0..=255u8 {
+            let (got, want) = (convert::decode8(d, c), code.decode(c));
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{dtype:?} code {c:#04x}: {got} vs {want}"
             );
         }
         assert_eq!(convert::scale_for(d, 0.0), 1.0);

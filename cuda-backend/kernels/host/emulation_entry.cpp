@@ -25,15 +25,36 @@ int kvpage_emu_launch(uint32_t id, uint32_t gx, uint32_t gy, uint32_t gz, uint32
     case KVP_KERNEL_WRITE_KV: return run(kvp_write_kv, grid, block, shared_bytes, params);
     case KVP_KERNEL_COPY_BLOCKS: return run(kvp_copy_blocks, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_REDUCE: return run(kvp_attention_reduce, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD64: return run(kvp_attention_f32_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD128: return run(kvp_attention_f32_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F32_HD256: return run(kvp_attention_f32_hd256, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD64: return run(kvp_attention_f16_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD128: return run(kvp_attention_f16_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_F16_HD256: return run(kvp_attention_f16_hd256, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD64: return run(kvp_attention_bf16_hd64, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD128: return run(kvp_attention_bf16_hd128, grid, block, shared_bytes, params);
-    case KVP_KERNEL_ATTENTION_BF16_HD256: return run(kvp_attention_bf16_hd256, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD64_R4: return run(kvp_attention_f32_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD64_R8: return run(kvp_attention_f32_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD128_R4: return run(kvp_attention_f32_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD128_R8: return run(kvp_attention_f32_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD256_R4: return run(kvp_attention_f32_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F32_HD256_R8: return run(kvp_attention_f32_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD64_R4: return run(kvp_attention_f16_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD64_R8: return run(kvp_attention_f16_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD128_R4: return run(kvp_attention_f16_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD128_R8: return run(kvp_attention_f16_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD256_R4: return run(kvp_attention_f16_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_F16_HD256_R8: return run(kvp_attention_f16_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD64_R4: return run(kvp_attention_bf16_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD64_R8: return run(kvp_attention_bf16_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD128_R4: return run(kvp_attention_bf16_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD128_R8: return run(kvp_attention_bf16_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD256_R4: return run(kvp_attention_bf16_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_BF16_HD256_R8: return run(kvp_attention_bf16_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD64_R4: return run(kvp_attention_int8_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD64_R8: return run(kvp_attention_int8_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD128_R4: return run(kvp_attention_int8_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD128_R8: return run(kvp_attention_int8_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD256_R4: return run(kvp_attention_int8_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_INT8_HD256_R8: return run(kvp_attention_int8_hd256_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD64_R4: return run(kvp_attention_fp8_hd64_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD64_R8: return run(kvp_attention_fp8_hd64_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD128_R4: return run(kvp_attention_fp8_hd128_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD128_R8: return run(kvp_attention_fp8_hd128_r8, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD256_R4: return run(kvp_attention_fp8_hd256_r4, grid, block, shared_bytes, params);
+    case KVP_KERNEL_ATTENTION_FP8_HD256_R8: return run(kvp_attention_fp8_hd256_r8, grid, block, shared_bytes, params);
     default: return -1;
     }
 }
@@ -70,6 +91,9 @@ float kvpage_emu_f16_to_f32(uint16_t h) { return kvp::f16_to_f32(h); }
 uint16_t kvpage_emu_f32_to_bf16(float x) { return kvp::f32_to_bf16(x); }
 uint8_t kvpage_emu_encode8(uint32_t dtype, float x, float scale) { return kvp::encode8(dtype, x, scale); }
 float kvpage_emu_scale_for(uint32_t dtype, float absmax) { return kvp::scale_for(dtype, absmax); }
+float kvpage_emu_decode8(uint32_t dtype, uint8_t code) {
+    return dtype == KVP_DTYPE_INT8 ? kvp::int8_decode(code) : kvp::fp8_decode(code);
+}
 
 // Sizes and field offsets of the ABI structs, in the order of params.rs's test; returns
 // the count written (at most cap).
