@@ -3,7 +3,8 @@
 //! `cuda-backend/gpu-check.sh run`. The others run in CI (no driver there): creating a
 //! device cache must then fail with a typed error, never a crash.
 //!
-//! The scenario drives both caches with the same operations (the core allocates
+//! Storage dtypes: f32, f16, bf16, int8 and fp8 e4m3 (the 8-bit writes are bit-exact
+//! too). The scenario drives both caches with the same operations (the core allocates
 //! deterministically, so their block tables are equal): a fragmented pool (shuffled
 //! block tables), sequences of odd lengths written in chunks, a fork whose append
 //! copies a shared partial block, decode and chunked prefill. Writes and copies are
@@ -244,7 +245,13 @@ fn scenario(dtype: DType, head_dim: u32, block_size: u32, group: u32, contexts: 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matrix_of_dtypes_head_dims_block_sizes_and_groups() {
-    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Int8,
+        DType::Fp8E4m3,
+    ] {
         for head_dim in [64, 128, 256] {
             for block_size in [8, 16, 32] {
                 for group in Q_GROUP {

@@ -60,7 +60,8 @@ pub struct DeviceSlice {
 /// What a [`DeviceCache`] is built from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceCacheConfig {
-    /// The model's KV geometry (f32, f16 or bf16 storage; head dim 64, 128 or 256).
+    /// The model's KV geometry (a storage dtype and head dim the kernels support: see
+    /// [`crate::launch::Kernel::attention`]).
     pub geometry: Geometry,
     /// The device's ordinal.
     pub device: u32,
@@ -288,7 +289,6 @@ impl<'a> DeviceCache<'a> {
     ) -> Result<Self, DeviceCacheError> {
         crate::fatbin::image().map_err(|e| DeviceCacheError::Kernels(KernelsError::NotBuilt(e)))?;
         let g = config.geometry;
-        crate::launch::Kernel::attention(g.dtype(), g.head_dim())?;
         if config.max_seqs == 0
             || config.max_seq_len == 0
             || config.max_step_tokens == 0
@@ -297,6 +297,8 @@ impl<'a> DeviceCache<'a> {
         {
             return Err(DeviceCacheError::BadConfig);
         }
+        let group = config.q_heads / g.kv_heads();
+        crate::launch::Kernel::attention(g.dtype(), g.head_dim(), group)?;
         let row_blocks = config.max_seq_len.div_ceil(g.block_size());
         let limits = StepLimits {
             rows: config.max_seqs,

@@ -1,5 +1,5 @@
 //! [`Kernels`]: the fatbin's module with every kernel of [`crate::launch::Kernel`]
-//! looked up once, launched from the launch planner's configs.
+//! ([`Kernel::nth`]) looked up once, launched from the launch planner's configs.
 
 use std::sync::Arc;
 
@@ -41,8 +41,8 @@ impl std::error::Error for KernelsError {}
 /// The loaded kernels.
 pub struct Kernels {
     module: Module,
-    /// One function per [`Kernel::ALL`] entry, same order.
-    functions: [CuFunction; Kernel::ALL.len()],
+    /// One function per kernel, in [`Kernel::nth`] order.
+    functions: [CuFunction; Kernel::COUNT],
 }
 
 // SAFETY: CUfunction handles are driver objects usable from any thread.
@@ -65,12 +65,14 @@ impl Kernels {
     pub fn load(ctx: &Arc<Context>) -> Result<Self, KernelsError> {
         let image = fatbin::image().map_err(KernelsError::NotBuilt)?;
         let module = Module::load(ctx, image).map_err(KernelsError::Driver)?;
-        let mut functions = [core::ptr::null_mut(); Kernel::ALL.len()];
-        for (f, k) in functions.iter_mut().zip(Kernel::ALL) {
-            *f = module
-                .function(k.name())
-                .map_err(KernelsError::Driver)?
-                .raw();
+        let mut functions = [core::ptr::null_mut(); Kernel::COUNT];
+        for (i, f) in functions.iter_mut().enumerate() {
+            if let Some(k) = Kernel::nth(i) {
+                *f = module
+                    .function(k.name())
+                    .map_err(KernelsError::Driver)?
+                    .raw();
+            }
         }
         Ok(Self { module, functions })
     }
@@ -91,10 +93,13 @@ impl Kernels {
         config: &LaunchConfig,
         params: &P,
     ) -> Result<(), DriverError> {
-        let i = Kernel::ALL
-            .iter()
-            .position(|k| *k == config.kernel)
-            .unwrap_or(0);
+        // Every kernel is one of the `Kernel::COUNT` (O(COUNT) compares, no allocation).
+        let i = (0..Kernel::COUNT)
+            .find(|&i| Kernel::nth(i) == Some(config.kernel))
+            .ok_or(DriverError::BadArgument {
+                call: "cuLaunchKernel",
+                what: "kernel not in the module",
+            })?;
         let f = self.module.function_from_raw(self.functions[i]);
         // SAFETY: the caller's contract.
         unsafe {
