@@ -457,3 +457,48 @@ fn the_on_variants_queue_on_a_callers_stream_and_match_the_synchronous_ones() {
     cache.prefill(1, &[(seq, 3)], &q, &mut out1, 0.088).unwrap();
     assert_eq!(out_sync, out1);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_sequence_swapped_out_and_back_decodes_the_same() {
+    let g = Geometry::new(2, 2, 64, 16, DType::Bf16).unwrap();
+    let cfg = config(g, 64, 512, 4);
+    let mut storage = vec![0u64; DeviceCache::storage_words(&cfg, 64)];
+    let mut host_storage = vec![0u32; kvpage_core::HostPool::storage_words(64)];
+    let mut cache = DeviceCache::with_host_tier(cfg, &mut storage, 64, &mut host_storage).unwrap();
+    let mut rng = Rng(9);
+    let a = cache.create(0).unwrap();
+    let b = cache.create(0).unwrap();
+    for s in [a, b] {
+        cache.append(s, 200).unwrap();
+        for layer in 0..2 {
+            let (k, v) = (rng.fill(200 * 128), rng.fill(200 * 128));
+            cache.write_kv(s, layer, 0, &k, &v).unwrap();
+        }
+        cache.commit(s).unwrap();
+    }
+    let q = rng.fill(4 * 64);
+    let mut before = vec![0f32; q.len()];
+    cache.decode(1, &[a], &q, &mut before, 0.125).unwrap();
+    let used = cache.stats();
+    assert_eq!(cache.swap_out(a).unwrap(), 13);
+    // The freed blocks are reused by another sequence before `a` comes back.
+    let c = cache.create(0).unwrap();
+    cache.append(c, 100).unwrap();
+    let (k, v) = (rng.fill(100 * 128), rng.fill(100 * 128));
+    cache.write_kv(c, 0, 0, &k, &v).unwrap();
+    cache.release(c).unwrap();
+    assert_eq!(cache.swap_in(a).unwrap(), 13);
+    let mut after = vec![0f32; q.len()];
+    cache.decode(1, &[a], &q, &mut after, 0.125).unwrap();
+    assert_eq!(before, after);
+    assert_eq!(cache.stats().used_blocks, used.used_blocks);
+    // No host tier: a typed error.
+    let mut storage2 = vec![0u64; DeviceCache::storage_words(&cfg, 64)];
+    let mut plain = DeviceCache::new(cfg, &mut storage2).unwrap();
+    let s = plain.create(0).unwrap();
+    assert!(matches!(
+        plain.swap_out(s),
+        Err(DeviceCacheError::NoHostTier)
+    ));
+}

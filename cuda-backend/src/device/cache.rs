@@ -28,13 +28,13 @@ use core::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use kvpage_core::{
-    BlockCopy, BlockManager, Config, Geometry, InitError, Priority, PromptStart, SeqError, SeqId,
-    Stats,
+    BlockCopy, BlockManager, Config, Geometry, HostPool, InitError, Priority, PromptStart,
+    SeqError, SeqId, Stats,
 };
 
 use super::{
-    Context, DeviceMemory, Kernels, KernelsError, PinnedMemory, StepBuffers, StepError, Stream,
-    StreamRef,
+    Context, DeviceMemory, Direction, HostTier, Kernels, KernelsError, PinnedMemory, StepBuffers,
+    StepError, Stream, StreamRef, SwapError,
 };
 use crate::driver::{CuDevicePtr, DriverError};
 use crate::launch::{
@@ -100,6 +100,10 @@ pub enum DeviceCacheError {
     Launch(LaunchError),
     /// Staging or uploading the step metadata failed.
     Step(StepError),
+    /// A swap between the device and the host tier failed.
+    Swap(SwapError),
+    /// A swap was asked of a cache built without a host tier.
+    NoHostTier,
     /// K/V written outside the sequence's pending range `[pending, len)`.
     NotWritable {
         /// First position written.
@@ -138,6 +142,8 @@ impl core::fmt::Display for DeviceCacheError {
             Self::Seq(e) => e.fmt(f),
             Self::Launch(e) => e.fmt(f),
             Self::Step(e) => e.fmt(f),
+            Self::Swap(e) => e.fmt(f),
+            Self::NoHostTier => f.write_str("the device cache has no host tier"),
             Self::NotWritable {
                 first,
                 tokens,
@@ -178,6 +184,7 @@ from_errors! {
     SeqError => Seq,
     LaunchError => Launch,
     StepError => Step,
+    SwapError => Swap,
 }
 
 /// The device-side buffers of one call's inputs and outputs, at the step maximum.
@@ -194,6 +201,15 @@ struct IoBuffers {
     pinned: PinnedMemory,
 }
 
+/// The host tier of a device cache: the core's host pool (over caller storage), the
+/// pinned host arena with its copy stream, and the buffer of a swap's moves.
+struct HostSide<'a> {
+    pool: HostPool<'a>,
+    tier: HostTier,
+    /// Moves of one swap (`max_blocks_per_seq` entries).
+    moves: Vec<BlockCopy>,
+}
+
 /// The paged KV cache on a CUDA device. See the module docs.
 ///
 /// Field order is drop order: buffers and kernels go before the context they hold.
@@ -205,6 +221,7 @@ pub struct DeviceCache<'a> {
     step_tokens: u32,
     steps: StepBuffers,
     io: IoBuffers,
+    host: Option<HostSide<'a>>,
     arena: DeviceMemory,
     kernels: Kernels,
     stream: Stream,
@@ -352,6 +369,7 @@ impl<'a> DeviceCache<'a> {
             step_tokens: limits.step_tokens,
             steps,
             io,
+            host: None,
             arena,
             kernels,
             stream,
@@ -362,6 +380,91 @@ impl<'a> DeviceCache<'a> {
             rows: filled(max_seqs, RowUse { row: 0, blocks: 0 })?,
             scratch_floats,
         })
+    }
+
+    /// [`DeviceCache::new`] plus a host tier of `host_blocks` blocks: a pinned host
+    /// arena (allocated and locked now) and the core's host pool over `host_storage`
+    /// (`HostPool::storage_words(host_blocks)` words), for
+    /// [`DeviceCache::swap_out`] / [`DeviceCache::swap_in`]. O(buffers + host arena).
+    ///
+    /// # Errors
+    /// As [`DeviceCache::new`]; [`DeviceCacheError::Init`] for zero host blocks or too
+    /// little storage; [`DeviceCacheError::Swap`] / [`DeviceCacheError::Driver`] when
+    /// the pinned arena cannot be allocated.
+    pub fn with_host_tier(
+        config: DeviceCacheConfig,
+        storage: &'a mut [u64],
+        host_blocks: u32,
+        host_storage: &'a mut [u32],
+    ) -> Result<Self, DeviceCacheError> {
+        let mut cache = Self::new(config, storage)?;
+        let instance = cache.manager.config().instance;
+        let pool = HostPool::new(host_blocks, instance, host_storage)?;
+        let tier = HostTier::new(&cache.ctx, host_blocks, cache.geometry.bytes_per_block())?;
+        let moves = filled(
+            cache.manager.config().max_blocks_per_seq as usize,
+            BlockCopy { src: 0, dst: 0 },
+        )?;
+        cache.host = Some(HostSide { pool, tier, moves });
+        Ok(cache)
+    }
+
+    /// Swaps `seq` out: its blocks move to the host tier (queued on the copy stream,
+    /// after every launch of the cache so far) and their device blocks are free for
+    /// the next launches, which wait for the copies. Returns the blocks moved; returns
+    /// once queued. O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`DeviceCacheError::NoHostTier`]; the core's ([`SeqError::HostFull`], handle
+    /// errors; nothing changes); driver errors.
+    pub fn swap_out(&mut self, seq: SeqId) -> Result<u32, DeviceCacheError> {
+        let host = self.host.as_mut().ok_or(DeviceCacheError::NoHostTier)?;
+        let n = self
+            .manager
+            .swap_out(seq, &mut host.pool, &mut host.moves)?;
+        self.pending[seq.index() as usize] = 0;
+        self.run_swap(Direction::Out, n)?;
+        Ok(n)
+    }
+
+    /// Swaps `seq` back in: fresh device blocks, filled from the host tier before any
+    /// later launch of the cache reads them. Its K/V counts as written. Returns the
+    /// blocks moved; returns once queued. O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`DeviceCacheError::NoHostTier`]; the core's ([`SeqError::OutOfBlocks`], not
+    /// swapped, handle errors; nothing changes); driver errors.
+    pub fn swap_in(&mut self, seq: SeqId) -> Result<u32, DeviceCacheError> {
+        let host = self.host.as_mut().ok_or(DeviceCacheError::NoHostTier)?;
+        let n = self.manager.swap_in(seq, &mut host.pool, &mut host.moves)?;
+        self.pending[seq.index() as usize] = self.manager.len(seq)?;
+        self.run_swap(Direction::In, n)?;
+        Ok(n)
+    }
+
+    /// Releases a swapped-out sequence (its host blocks return to the host pool).
+    /// O(blocks of `seq`).
+    ///
+    /// # Errors
+    /// [`DeviceCacheError::NoHostTier`]; the core's (not swapped, handle errors).
+    pub fn release_swapped(&mut self, seq: SeqId) -> Result<(), DeviceCacheError> {
+        let host = self.host.as_mut().ok_or(DeviceCacheError::NoHostTier)?;
+        Ok(self.manager.release_swapped(seq, &mut host.pool)?)
+    }
+
+    /// Queues the first `n` moves of the host side in `direction`, after the last
+    /// launch of the cache, and orders the next launches after them.
+    fn run_swap(&mut self, direction: Direction, n: u32) -> Result<(), DeviceCacheError> {
+        let Some(host) = self.host.as_mut() else {
+            return Err(DeviceCacheError::NoHostTier);
+        };
+        let stream = self.stream.as_ref();
+        self.steps.after_last_step(stream)?;
+        let moves = &host.moves[..n as usize];
+        host.tier.swap(direction, &self.arena, stream, moves)?;
+        // `stream` now waits for the copies: the next launch (any stream) waits for it.
+        self.steps.end(stream)?;
+        Ok(())
     }
 
     /// The core's manager, read-only: block table, lengths, reference counts. O(1).

@@ -277,6 +277,17 @@ impl StepBuffers {
         Ok(())
     }
 
+    /// Makes work queued on `stream` from now on wait (on the device) for the end of the
+    /// last step's work, whatever stream it ran on: for work that uses no metadata but
+    /// must follow the step (a swap). O(1).
+    ///
+    /// # Errors
+    /// The driver's.
+    pub fn after_last_step(&self, stream: StreamRef<'_>) -> Result<(), StepError> {
+        stream.wait(&self.used)?;
+        Ok(())
+    }
+
     /// Waits for all work on the buffers. O(1) host work.
     ///
     /// # Errors
