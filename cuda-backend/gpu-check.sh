@@ -38,6 +38,10 @@ for line in sys.stdin:
 ' | sort -u > "$out/manifest.raw"
   : > "$out/manifest"
   while read -r kind name exe; do
+    # A test binary without ignored tests has nothing to run on the GPU.
+    if [ "$kind" = test ] && ! "$exe" --list --ignored 2>/dev/null | grep -q ': test$'; then
+      continue
+    fi
     cp "$exe" "$out/$kind-$name"
     strip "$out/$kind-$name"
     echo "$kind $name" >> "$out/manifest"

@@ -200,7 +200,9 @@ fn scenario(dtype: DType, head_dim: u32, block_size: u32, group: u32, contexts: 
         q_heads,
     };
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(head_dim * block_size * group));
-    // Fragment the pool: 8 sequences of random lengths, every other one released.
+    // Fragment the pool: 8 sequences of random lengths, every other one released; the
+    // others stay (unwritten: zeros on both sides) so the scenario's block tables are
+    // scattered.
     for _ in 0..8 {
         let i = pair.create();
         let n = 1 + (rng.next() % (4 * u64::from(block_size))) as u32;
@@ -211,10 +213,7 @@ fn scenario(dtype: DType, head_dim: u32, block_size: u32, group: u32, contexts: 
         pair.cpu.release(c).unwrap();
         pair.gpu.release(s).unwrap();
     }
-    for (c, s) in pair.seqs.drain(..).collect::<Vec<_>>() {
-        pair.cpu.release(c).unwrap();
-        pair.gpu.release(s).unwrap();
-    }
+    let _kept: Vec<(Seq, SeqId)> = pair.seqs.drain(..).collect();
     for &ctx in contexts {
         let i = pair.create();
         pair.append(i, ctx);

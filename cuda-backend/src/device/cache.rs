@@ -5,8 +5,8 @@
 //! Everything is allocated in [`DeviceCache::new`]: the step metadata buffers and their
 //! pinned staging twin ([`StepBuffers`]), the K/V / query / output / partition-scratch
 //! device buffers and a pinned I/O buffer at the configured step maximum, and then the
-//! arena (a fraction of the free memory left, a byte count or a block count). No later
-//! operation allocates on the device or the host.
+//! arena (a fraction of the free memory left, a byte count or a block count), zeroed. No
+//! later operation allocates on the device or the host.
 //!
 //! The manager borrows caller storage (`&'a mut [u64]` of
 //! [`DeviceCache::storage_words`] words), as the core always does.
@@ -356,6 +356,10 @@ impl<'a> DeviceCache<'a> {
         let arena_bytes = usize::try_from(u64::from(num_blocks) * g.bytes_per_block())
             .map_err(|_| DeviceCacheError::BadConfig)?;
         let arena = DeviceMemory::new(&ctx, arena_bytes)?;
+        // Zeroed, as the CPU arena: a block never written reads as zeros, never as a
+        // previous process's data.
+        stream.as_ref().fill(&arena, 0)?;
+        stream.as_ref().synchronize()?;
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed);
         let core = Self::core_config(&config, num_blocks, instance);
         core.validate()?;
