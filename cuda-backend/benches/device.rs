@@ -163,10 +163,19 @@ impl Bench {
         let g = Geometry::new(layers, KV_HEADS, HEAD_DIM, BLOCK, DType::F16)?;
         let stride = ctx / BLOCK;
         let num_blocks = seqs * stride;
-        let arena = DeviceMemory::new(
-            &self.ctx,
-            (u64::from(num_blocks) * g.bytes_per_block()) as usize,
-        )?;
+        let arena_bytes = u64::from(num_blocks) * g.bytes_per_block();
+        let (free, _) = self.ctx.mem_info()?;
+        if arena_bytes > free / 10 * 9 {
+            let config = format!("{seqs}x{ctx} tok, {layers} layers");
+            let note = format!(
+                "skipped: needs {} GiB, {} GiB free",
+                arena_bytes >> 30,
+                free >> 30
+            );
+            self.push(case, config, f64::NAN, None, note);
+            return Ok(f64::NAN);
+        }
+        let arena = DeviceMemory::new(&self.ctx, arena_bytes as usize)?;
         self.s().fill(&arena, 0x3c)?; // f16 0x3c3c ≈ 1.06: finite values
         let table: Vec<u32> = if paged {
             shuffled(num_blocks, 0x5eed)
