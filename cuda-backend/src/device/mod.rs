@@ -1,6 +1,10 @@
-//! Device resources over [`crate::driver::Driver`] (feature `cuda`): a context on a
-//! chosen device, owned device and pinned host allocations, streams (owned, or a
-//! caller's borrowed), events, and the kernels' module.
+//! The device side over [`crate::driver::Driver`] (feature `cuda`):
+//! - resources: a [`Context`] on a chosen device, owned [`DeviceMemory`] and
+//!   [`PinnedMemory`], [`Stream`]s (or a caller's, borrowed as a [`StreamRef`]),
+//!   [`Event`]s, the kernels' [`Module`] and [`Kernels`];
+//! - [`StepBuffers`]: the per-step metadata, preallocated, uploaded in few copies;
+//! - [`HostTier`]: the pinned host arena and the swaps' copy stream;
+//! - [`DeviceCache`]: the core's manager over a device arena, with the CPU cache's API.
 //!
 //! Every resource holds an `Arc` of its [`Context`] and makes it current before its
 //! driver calls, so it can be used and dropped from any thread, and the context (the
