@@ -4,7 +4,7 @@
 //! driver's code arriving there is undefined behaviour, many known codes collapse into
 //! one, and its `Display` can panic. Here every entry point kvpage calls is declared
 //! with a plain `i32` result ([`Code`]), loaded at run time from the driver library
-//! (feature `cuda`, [`Driver`]), and every failure is a [`DriverError`] naming the call,
+//! (feature `cuda`, `Driver`), and every failure is a [`DriverError`] naming the call,
 //! the raw code, and the code's name and message when the driver or CUDA 13's `cuda.h`
 //! knows them.
 //!
