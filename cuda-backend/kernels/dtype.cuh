@@ -192,30 +192,29 @@ KVP_UNROLL
     }
 };
 
-struct I8 {
+// 8-bit codes: `Codec::decode(byte)` gives a code's value before scaling.
+template <class Codec> struct Codes8 {
     using Vec = uint2;
     static constexpr int bytes = 1;
     static constexpr bool scaled = true;
     static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
 KVP_UNROLL
         for (int i = 0; i < 4; ++i) {
-            x[i] = int8_decode((r.x >> (8 * i)) & 0xFFu);
-            x[4 + i] = int8_decode((r.y >> (8 * i)) & 0xFFu);
+            x[i] = Codec::decode((r.x >> (8 * i)) & 0xFFu);
+            x[4 + i] = Codec::decode((r.y >> (8 * i)) & 0xFFu);
         }
     }
 };
 
-struct Fp8 {
-    using Vec = uint2;
-    static constexpr int bytes = 1;
-    static constexpr bool scaled = true;
-    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
-KVP_UNROLL
-        for (int i = 0; i < 4; ++i) {
-            x[i] = fp8_decode((r.x >> (8 * i)) & 0xFFu);
-            x[4 + i] = fp8_decode((r.y >> (8 * i)) & 0xFFu);
-        }
-    }
+struct Int8Codec {
+    static KVP_HD float decode(uint32_t b) { return int8_decode(b); }
 };
+
+struct Fp8Codec {
+    static KVP_HD float decode(uint32_t b) { return fp8_decode(b); }
+};
+
+using I8 = Codes8<Int8Codec>;
+using Fp8 = Codes8<Fp8Codec>;
 
 } // namespace kvp

@@ -1089,4 +1089,77 @@ mod tests {
         };
         assert_eq!(plan_attention(&c, auto), Ok(None));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Any call: the planner returns (never panics), and an accepted plan keeps
+            /// the kernels' contracts: grid within the limits, partitions a non-zero
+            /// multiple of the block size covering the longest context, one tile row per
+            /// 4 or 8 query rows, scratch for every (row, head, partition).
+            #[test]
+            fn plans_keep_the_kernel_contracts(
+                dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::Bf16, DType::Int8, DType::Fp8E4m3]),
+                hd in prop::sample::select(vec![64u32, 128, 256, 80]),
+                bs in 1u32..40,
+                kv_heads in 1u32..5,
+                group in 1u32..10,
+                stride in 0u32..6,
+                seqs in prop::collection::vec((0u32..4, 0u32..200, 0u32..20), 0..6),
+                num_blocks in 1u32..30,
+                tokens in prop::option::of(1u32..600),
+                sm_count in 1u32..200,
+                bad_len in any::<bool>(),
+            ) {
+                let g = Geometry::new(2, kv_heads, hd, bs, dtype).unwrap();
+                let table: Vec<u32> = (0..4 * stride).map(|i| i % num_blocks).collect();
+                let mut descs = vec![KvpSeqDesc::default(); seqs.len()];
+                let total = pack_seqs(seqs.iter().copied(), &mut descs).unwrap();
+                let q_heads = kv_heads * group;
+                let n = (total * q_heads * hd) as usize + usize::from(bad_len);
+                let call = AttentionCall {
+                    geometry: g,
+                    num_blocks,
+                    layer: 1,
+                    q_heads,
+                    scale: 0.5,
+                    table: &table,
+                    stride,
+                    seqs: &descs,
+                    q_len: n,
+                    out_len: n,
+                };
+                let partitioning = match tokens {
+                    Some(t) => Partitioning::Tokens(t),
+                    None => Partitioning::Auto { sm_count },
+                };
+                if let Ok(Some(plan)) = plan_attention(&call, partitioning) {
+                    prop_assert!(!bad_len);
+                    let [x, y, z] = plan.attention.grid;
+                    prop_assert!((1..=MAX_GRID_X).contains(&x) && (1..=MAX_GRID_YZ).contains(&y));
+                    prop_assert!((1..=MAX_GRID_YZ).contains(&z) && z as usize == seqs.len());
+                    prop_assert!(plan.partition_tokens > 0 && plan.partition_tokens % bs == 0);
+                    let rows = match plan.attention.kernel {
+                        Kernel::Attention(a) => a.rows(),
+                        _ => unreachable!("an attention plan launches an attention kernel"),
+                    };
+                    for d in &descs {
+                        prop_assert!(d.context_len <= stride * bs);
+                        prop_assert!(u64::from(d.context_len) <= u64::from(y) * u64::from(plan.partition_tokens));
+                        prop_assert!((d.queries * group).div_ceil(rows) <= plan.row_tiles);
+                    }
+                    prop_assert_eq!(x, kv_heads * plan.row_tiles);
+                    prop_assert_eq!(plan.reduce.is_some(), y > 1);
+                    if y > 1 {
+                        prop_assert_eq!(
+                            plan.scratch_floats,
+                            u64::from(total) * u64::from(q_heads) * u64::from(y) * (u64::from(hd) + 2)
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

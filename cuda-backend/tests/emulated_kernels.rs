@@ -255,7 +255,14 @@ fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> Arena {
     a
 }
 
-fn check_attention(c: &Case) {
+/// Runs `c` in emulation (scheduled by `c.seed`) and on the CPU, checks the agreement
+/// and returns the emulated output.
+fn check_attention(c: &Case) -> Vec<f32> {
+    check_attention_scheduled(c, c.seed)
+}
+
+/// [`check_attention`] with the emulator's CTA and thread order drawn from `schedule`.
+fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
     let mut rng = Rng::new(c.seed);
     let bs = c.block_size;
     let max_blocks = c
@@ -329,7 +336,7 @@ fn check_attention(c: &Case) {
         out_len: n,
     };
     let mut got = vec![f32::NAN; n];
-    emu::set_seed(c.seed);
+    emu::set_seed(schedule);
     let plan = emu::attention(&call, c.partitioning, arena.as_bytes(), &q, &mut got).unwrap();
     match (c.partitioning, plan) {
         (Partitioning::Tokens(p), Some(plan)) => assert_eq!(plan.partition_tokens, p),
@@ -354,6 +361,7 @@ fn check_attention(c: &Case) {
             &b[..4]
         );
     }
+    got
 }
 
 /// (kv_heads, q_heads): MHA and GQA 4 (4-row kernels), MQA with 8 query heads (8-row
@@ -468,6 +476,35 @@ fn prefill_matches_cpu() {
                 seed += 1;
             }
         }
+    }
+}
+
+#[test]
+fn output_does_not_depend_on_the_schedule() {
+    // Every output element has one writer and a fixed order of arithmetic: any CTA and
+    // thread order (the emulator's seed) gives the same bits, or a barrier is missing.
+    let case = |seed| Case {
+        dtype: DType::Bf16,
+        head_dim: 64,
+        block_size: 8,
+        kv_heads: 2,
+        q_heads: 8,
+        seqs: vec![(77, 5), (150, 1)],
+        shared_blocks: 2,
+        partitioning: Partitioning::Tokens(32),
+        seed,
+    };
+    let c = case(11);
+    let first = check_attention(&c);
+    for schedule in [0, 12, 13] {
+        let again = check_attention_scheduled(&c, schedule);
+        assert!(
+            first
+                .iter()
+                .zip(&again)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "schedule {schedule} changed the output"
+        );
     }
 }
 

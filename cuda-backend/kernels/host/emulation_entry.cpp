@@ -16,6 +16,14 @@ template <class P> int run(void (*kernel)(P), dim3 grid, dim3 block, std::size_t
 
 extern "C" {
 
+#if defined(__SANITIZE_ADDRESS__)
+// Under AddressSanitizer (build.rs instruments this library when the Rust build is): no
+// fake stacks for stack-use-after-return. The emulator starts a fiber per CUDA thread of
+// every CTA, and each fiber's fake stack is mapped and unmapped anew (4x slower, most of
+// it in the kernel); every other check stays on. ASAN_OPTIONS still overrides it.
+const char *__asan_default_options(void) { return "detect_stack_use_after_return=0"; }
+#endif
+
 // Runs kernel `id` (KVP_KERNEL_*) with `params` pointing at its params struct; returns
 // 0, the emulation's error code, or -1 for an unknown id.
 int kvpage_emu_launch(uint32_t id, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t bx, uint32_t by,
