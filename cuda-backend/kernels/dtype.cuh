@@ -1,0 +1,220 @@
+// Storage element conversions, host and device.
+//
+// Device (nvcc, __CUDA_ARCH__): PTX `cvt` for f16 / bf16 (no cuda_fp16.h needed).
+// Host (emulation): bit-exact software round-to-nearest-even matching the Rust `half`
+// crate and host-std's `Element::narrow` (NaN stays NaN, quiet). The 8-bit codecs are
+// integer / IEEE arithmetic on both sides, bit-exact with host-std's `quant` module
+// (`Code::scale_for`, `Code::encode`, `fp8::encode`).
+#pragma once
+#include "layout.cuh"
+
+namespace kvp {
+
+KVP_HD uint32_t f32_bits(float x) { return __float_as_uint(x); }
+KVP_HD float f32_from_bits(uint32_t b) { return __uint_as_float(b); }
+
+// f16 bits -> f32 (exact).
+KVP_HD float f16_to_f32(uint16_t h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1Fu;
+    const uint32_t m = h & 0x3FFu;
+    if (e == 0) {
+        // Zero or subnormal: m * 2^-24, exact in f32.
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return f32_from_bits(f32_bits(v) | sign);
+    }
+    if (e == 31) {
+        return f32_from_bits(m == 0 ? (sign | 0x7F800000u) : (sign | 0x7FC00000u | (m << 13)));
+    }
+    return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+// f32 -> f16 bits, round to nearest even; overflow to infinity; NaN stays NaN.
+KVP_HD uint16_t f32_to_f16(float x) {
+#ifdef __CUDA_ARCH__
+    uint16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    const uint32_t b = f32_bits(x);
+    const uint32_t sign = (b >> 16) & 0x8000u;
+    const uint32_t a = b & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) {
+        if (a == 0x7F800000u) return (uint16_t)(sign | 0x7C00u);
+        return (uint16_t)(sign | 0x7E00u | ((a & 0x7FFFFFu) >> 13));
+    }
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); // >= 65520 rounds to inf
+    if (a < 0x38800000u) {                                     // below 2^-14: subnormal
+        if (a <= 0x33000000u) return (uint16_t)sign;           // <= 2^-25 rounds to 0
+        const uint32_t e = a >> 23;
+        const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+        const uint32_t shift = 126u - e; // 14..24
+        uint32_t q = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u);
+        const uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t h = ((((a >> 23) - 112u) << 10) | ((a & 0x7FFFFFu) >> 13));
+    const uint32_t rem = a & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h; // a carry bumps the exponent
+    return (uint16_t)(sign | h);
+#endif
+}
+
+// bf16 bits -> f32 (exact: the top half of an f32).
+KVP_HD float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+// f32 -> bf16 bits, round to nearest even; NaN stays NaN (quiet).
+KVP_HD uint16_t f32_to_bf16(float x) {
+#ifdef __CUDA_ARCH__
+    uint16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    const uint32_t b = f32_bits(x);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40u);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+#endif
+}
+
+// Largest magnitude of an 8-bit code: 127 (int8), 448 (fp8 e4m3).
+KVP_HD float code_max(uint32_t dtype) { return dtype == KVP_DTYPE_INT8 ? 127.0f : 448.0f; }
+
+// Scale of a row whose largest magnitude is `absmax`: absmax / max, or 1 for a zero or
+// non-finite row (Code::scale_for).
+KVP_HD float scale_for(uint32_t dtype, float absmax) {
+    return (absmax > 0.0f && absmax <= 3.4028234663852886e38f) ? absmax / code_max(dtype) : 1.0f;
+}
+
+// FP8 E4M3 (e4m3fn) code of y: nearest, ties to even, saturating to +-448, NaN -> 0x7F.
+KVP_HD uint8_t fp8_encode(float y) {
+    const uint32_t b = f32_bits(y);
+    const uint32_t a = b & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return 0x7F;
+    const uint8_t sign = (b >> 31) ? 0x80 : 0x00;
+    if (a >= 0x43E00000u) return sign | 0x7E; // >= 448
+    const int exp = (int)(a >> 23) - 127;
+    if (exp < -6) {
+        // Subnormal range, step 2^-9: m = round_half_even(|y| * 512), 0..=8 (8 carries
+        // into the smallest normal, code 0x08). |y| * 512 is exact.
+        const float s = f32_from_bits(a) * 512.0f;
+        uint32_t m = (uint32_t)s; // truncation, s < 8
+        const float frac = s - (float)m;
+        if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;
+        return sign | (uint8_t)m;
+    }
+    const uint32_t man = a & 0x7FFFFFu;
+    const uint32_t keep = man >> 20;
+    const uint32_t rest = man & 0xFFFFFu;
+    const uint32_t up = (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) ? 1u : 0u;
+    uint32_t code = ((uint32_t)(exp + 7) << 3) + keep + up;
+    if (code > 0x7Eu) code = 0x7Eu;
+    return sign | (uint8_t)code;
+}
+
+// Int8 code of y: round half away from zero, clamp to +-127; NaN -> 0x80.
+KVP_HD uint8_t int8_encode(float y) {
+    if (y != y) return 0x80;
+    float r = roundf(y);
+    r = fminf(fmaxf(r, -127.0f), 127.0f);
+    return (uint8_t)(int8_t)(int)r;
+}
+
+// Code of x in a row of scale s (Code::encode: the code of x / s).
+KVP_HD uint8_t encode8(uint32_t dtype, float x, float s) {
+    const float y = x / s;
+    return dtype == KVP_DTYPE_INT8 ? int8_encode(y) : fp8_encode(y);
+}
+
+// Value of an int8 code (host-std's Code::Int8::decode: -128, which writes produce only
+// for NaN input, is NaN).
+KVP_HD float int8_decode(uint32_t b) {
+    return b == 0x80u ? f32_from_bits(0x7FC00000u) : (float)(int8_t)(uint8_t)b;
+}
+
+// Value of an FP8 E4M3 code (fp8::decode): exact, NaN for S.1111.111.
+KVP_HD float fp8_decode(uint32_t b) {
+    const uint32_t sign = (b & 0x80u) << 24;
+    const uint32_t e = (b >> 3) & 0x0Fu, m = b & 0x07u;
+    if (e == 15u && m == 7u) return f32_from_bits(sign | 0x7FC00000u);
+    if (e == 0u) return f32_from_bits(f32_bits((float)m * 0.001953125f) | sign); // m * 2^-9
+    return f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Storage tags of the attention kernels: `Vec`, the vector one thread loads (16 bytes;
+// 8 for the 8-bit codes, so that every tag widens 4 or 8 elements per load and the
+// register budget stays the same), widened to f32 bit-exactly as host-std's
+// Element::widen / Code::decode; `scaled`: values are codes times a per-token scale.
+struct F32 {
+    using Vec = uint4;
+    static constexpr int bytes = 4;
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+        x[0] = __uint_as_float(r.x);
+        x[1] = __uint_as_float(r.y);
+        x[2] = __uint_as_float(r.z);
+        x[3] = __uint_as_float(r.w);
+    }
+};
+
+struct F16 {
+    using Vec = uint4;
+    static constexpr int bytes = 2;
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+        const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = f16_to_f32((uint16_t)(w[i] & 0xFFFFu));
+            x[2 * i + 1] = f16_to_f32((uint16_t)(w[i] >> 16));
+        }
+    }
+};
+
+struct Bf16 {
+    using Vec = uint4;
+    static constexpr int bytes = 2;
+    static constexpr bool scaled = false;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+        const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = __uint_as_float(w[i] << 16);
+            x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        }
+    }
+};
+
+// 8-bit codes: `Codec::decode(byte)` gives a code's value before scaling.
+template <class Codec> struct Codes8 {
+    using Vec = uint2;
+    static constexpr int bytes = 1;
+    static constexpr bool scaled = true;
+    static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            x[i] = Codec::decode((r.x >> (8 * i)) & 0xFFu);
+            x[4 + i] = Codec::decode((r.y >> (8 * i)) & 0xFFu);
+        }
+    }
+};
+
+struct Int8Codec {
+    static KVP_HD float decode(uint32_t b) { return int8_decode(b); }
+};
+
+struct Fp8Codec {
+    static KVP_HD float decode(uint32_t b) { return fp8_decode(b); }
+};
+
+using I8 = Codes8<Int8Codec>;
+using Fp8 = Codes8<Fp8Codec>;
+
+} // namespace kvp
