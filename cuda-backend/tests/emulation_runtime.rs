@@ -52,7 +52,10 @@ fn warp_shuffles_match_host_reductions() {
 
 #[test]
 fn dynamic_shared_memory_is_poisoned_at_every_cta() {
-    check("dynamic_shared_poison", kvp_emu_selftest_dynamic_shared_poison);
+    check(
+        "dynamic_shared_poison",
+        kvp_emu_selftest_dynamic_shared_poison,
+    );
 }
 
 #[test]
