@@ -12,7 +12,7 @@
 // - `dim3`, `uint3`, `threadIdx`, `blockIdx`, `blockDim`, `gridDim`, `warpSize`. The four
 //   index variables are `thread_local` globals that the scheduler sets before it resumes a
 //   fiber, so several OS threads may launch at once.
-// - `__syncthreads()`, `__syncwarp(mask)`, `__shfl_sync`, `__shfl_xor_sync`,
+// - `__syncthreads()`, `__syncthreads_count/_and/_or(predicate)`, `__syncwarp(mask)`, `__shfl_sync`, `__shfl_xor_sync`,
 //   `__shfl_down_sync`, `__shfl_up_sync` (float, int, unsigned; optional `width`),
 //   `__ballot_sync`, `__any_sync`, `__all_sync`.
 // - Shared memory: `__shared__ T a[N];` becomes a function-local `static thread_local`
@@ -37,13 +37,14 @@
 //   cooperatively: a fiber runs until it reaches a barrier or warp operation, or returns.
 //   When no fiber can run, barriers are released: a warp operation when every lane of the
 //   warp (warp = linear thread index / 32, the last warp may be partial) waits at one with
-//   the same kind, mask and width; `__syncthreads` when every thread of the CTA waits at
-//   it. The released fibers run again, in an order shuffled by the seed (seed 0: thread
+//   the same kind, mask and width; a CTA barrier when every thread of the CTA waits at one
+//   of the same kind (`__syncthreads` at different places in the code is one barrier, as
+//   on the GPU). The released fibers run again, in an order shuffled by the seed (seed 0: thread
 //   order), so a missing `__syncthreads` reads data not yet written for some seed.
 // - Deadlock rule: when no fiber can run and no barrier can be released (a thread returned
 //   while others wait at `__syncthreads`, lanes of a warp wait at different operations or
-//   some lanes exited, threads wait at `__syncthreads` while lanes of their warp wait at a
-//   shuffle), the launch stops and returns `kvp_emu::kDeadlock` with a message in
+//   some lanes exited, threads wait at `__syncthreads` and `__syncthreads_count`, threads
+//   wait at `__syncthreads` while lanes of their warp wait at a shuffle), the launch stops and returns `kvp_emu::kDeadlock` with a message in
 //   `kvp_emu::last_error()`. It does not hang and does not abort the process. The fibers
 //   are abandoned: destructors of their locals do not run (kernels hold plain data).
 // - Invalid launches return `kInvalidLaunch` before running anything: a zero dimension,
@@ -520,6 +521,43 @@ inline int release_warp(Emu& e, unsigned w) {
     return 1;
 }
 
+/// Kinds of CTA barrier, in `Fiber::arg` of a fiber waiting at Op::SyncThreads.
+enum CtaBarrier : int { kPlain = 0, kCount = 1, kAnd = 2, kOr = 3 };
+
+inline const char* cta_barrier_name(int kind) {
+    switch (kind) {
+        case kCount: return "__syncthreads_count";
+        case kAnd: return "__syncthreads_and";
+        case kOr: return "__syncthreads_or";
+        default: return "__syncthreads";
+    }
+}
+
+/// Releases a CTA whose threads all wait at a CTA barrier, giving each the barrier's result
+/// (the number of threads with a non-zero predicate, their and, their or). False (with
+/// e.error set) if the threads wait at different kinds of CTA barrier.
+inline bool release_cta(Emu& e) {
+    const int kind = e.fibers[0].arg;
+    std::uint32_t count = 0;
+    for (const Fiber& f : e.fibers) {
+        if (f.arg != kind) {
+            e.error = std::string("deadlock: in block ") + block_text(blockIdx) + ", thread " + block_text(e.fibers[0].tid) +
+                      " waits at " + cta_barrier_name(kind) + " and thread " + block_text(f.tid) + " at " +
+                      cta_barrier_name(f.arg);
+            return false;
+        }
+        count += f.in != 0 ? 1u : 0u;
+    }
+    const std::uint32_t n = static_cast<std::uint32_t>(e.fibers.size());
+    const std::uint32_t out = kind == kCount ? count : kind == kAnd ? (count == n ? 1u : 0u) : (count != 0 ? 1u : 0u);
+    for (Fiber& f : e.fibers) {
+        f.out = out;
+        f.run = Run::Ready;
+    }
+    e.sync_waiting = 0;
+    return true;
+}
+
 inline std::string deadlock_text(const Emu& e) {
     const unsigned n = static_cast<unsigned>(e.fibers.size());
     std::string s = "deadlock in block " + block_text(blockIdx) + ": " + std::to_string(e.done) + " of " +
@@ -589,8 +627,7 @@ inline int run_block(Emu& e) {
             released = released || r > 0;
         }
         if (e.sync_waiting == n) {
-            for (Fiber& f : e.fibers) f.run = Run::Ready;
-            e.sync_waiting = 0;
+            if (!release_cta(e)) return kDeadlock;
             released = true;
         }
         if (!released) {
@@ -752,6 +789,7 @@ inline std::uint64_t seed() { return detail::emu().seed; }
 /// Stack bytes of each fiber on this OS thread (rounded up to pages, at least 16 KiB),
 /// used from the next launch on. Default 64 KiB.
 inline void set_stack_bytes(std::size_t bytes) { detail::emu().stack_bytes = bytes < 16384 ? 16384 : bytes; }
+inline std::size_t stack_bytes() { return detail::emu().stack_bytes; }
 
 /// Message of the last failed launch on this OS thread ("" after a successful one).
 inline const char* last_error() { return detail::emu().error.c_str(); }
@@ -768,7 +806,23 @@ inline void release_thread_resources() { detail::emu().stacks.release(); }
 // Barriers and warp operations
 
 inline void __syncthreads() {
-    kvp_emu::detail::wait_at("__syncthreads", kvp_emu::detail::Op::SyncThreads, 0xffffffffu, 0, 0, 32);
+    kvp_emu::detail::wait_at("__syncthreads", kvp_emu::detail::Op::SyncThreads, 0xffffffffu, 0,
+                             kvp_emu::detail::kPlain, 32);
+}
+/// Barrier returning the number of threads of the CTA whose `predicate` is non-zero.
+inline int __syncthreads_count(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_count", kvp_emu::detail::Op::SyncThreads,
+                                                     0xffffffffu, predicate != 0, kvp_emu::detail::kCount, 32));
+}
+/// Barrier returning non-zero if `predicate` is non-zero for every thread of the CTA.
+inline int __syncthreads_and(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_and", kvp_emu::detail::Op::SyncThreads,
+                                                     0xffffffffu, predicate != 0, kvp_emu::detail::kAnd, 32));
+}
+/// Barrier returning non-zero if `predicate` is non-zero for any thread of the CTA.
+inline int __syncthreads_or(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_or", kvp_emu::detail::Op::SyncThreads,
+                                                     0xffffffffu, predicate != 0, kvp_emu::detail::kOr, 32));
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     kvp_emu::detail::wait_at("__syncwarp", kvp_emu::detail::Op::SyncWarp, mask, 0, 0, 32);

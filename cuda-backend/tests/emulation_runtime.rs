@@ -23,6 +23,8 @@ extern "C" {
     fn kvp_emu_selftest_grid_3d() -> c_int;
     fn kvp_emu_selftest_trap() -> c_int;
     fn kvp_emu_selftest_threads() -> c_int;
+    fn kvp_emu_selftest_cta_vote() -> c_int;
+    fn kvp_emu_selftest_stack_size() -> c_int;
     fn kvp_emu_selftest_switch_ns() -> f64;
 }
 
@@ -86,6 +88,16 @@ fn trap_stops_the_launch() {
 #[test]
 fn concurrent_launches_from_several_os_threads() {
     check("threads", kvp_emu_selftest_threads);
+}
+
+#[test]
+fn cta_votes_count_and_or() {
+    check("cta_vote", kvp_emu_selftest_cta_vote);
+}
+
+#[test]
+fn larger_fiber_stacks_hold_large_local_arrays() {
+    check("stack_size", kvp_emu_selftest_stack_size);
 }
 
 #[test]

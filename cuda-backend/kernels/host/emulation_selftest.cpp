@@ -191,8 +191,8 @@ int kvp_emu_selftest_missing_sync(void) {
 /// hanging; a correct launch on the same OS thread works afterwards.
 int kvp_emu_selftest_deadlock(void) {
     const char* expect[] = {"1 of 64 threads returned", "lane 0 waits at __syncwarp", "lanes at __shfl_xor_sync",
-                            "48 wait at __syncthreads"};
-    for (int mode = 0; mode < 4; ++mode) {
+                            "48 wait at __syncthreads", "__syncthreads_count and thread"};
+    for (int mode = 0; mode < 5; ++mode) {
         for (std::uint64_t seed : kSeeds) {
             kvp_emu::set_seed(seed);
             std::vector<unsigned> after(64, 0);
@@ -287,6 +287,48 @@ int kvp_emu_selftest_grid_3d(void) {
         }
     }
     if (!cta_shuffled || !thread_shuffled) return fail("no seed changed the CTA or the thread order");
+    return pass();
+}
+
+/// CTA-wide votes over block sizes that are and are not multiples of 32.
+int kvp_emu_selftest_cta_vote(void) {
+    const unsigned sizes[] = {1, 33, 96, 1024};
+    for (std::uint64_t seed : kSeeds) {
+        kvp_emu::set_seed(seed);
+        for (unsigned n : sizes) {
+            const unsigned ctas = 2;
+            std::vector<int> out(4 * n * ctas, -1);
+            const KvpEmuVoteParams p{out.data()};
+            const int rc = kvp_emu::launch(kvp_emu_test_cta_vote, dim3(ctas), dim3(n), 0, p);
+            if (rc != 0) return fail(launch_failed("cta_vote", rc));
+            const int want[4] = {static_cast<int>((n + 2) / 3), 1, 1, 0};
+            for (unsigned i = 0; i < 4 * n * ctas; ++i)
+                if (out[i] != want[i % 4])
+                    return fail("cta_vote block " + std::to_string(n) + " value " + std::to_string(i % 4) + " of thread " +
+                                std::to_string(i / 4) + ": " + std::to_string(out[i]));
+        }
+    }
+    return pass();
+}
+
+/// `kvp_emu::set_stack_bytes` gives kernels with 96 KiB of locals room; each fiber has its
+/// own stack (the values written before a barrier survive it).
+int kvp_emu_selftest_stack_size(void) {
+    const std::size_t before = kvp_emu::stack_bytes();
+    kvp_emu::set_stack_bytes(256 * 1024);
+    kvp_emu::set_seed(3);
+    const unsigned ctas = 2, n = 64;
+    std::vector<float> out(ctas * n, -1.0f);
+    const KvpEmuStackParams p{out.data()};
+    const int rc = kvp_emu::launch(kvp_emu_test_stack, dim3(ctas), dim3(n), 0, p);
+    kvp_emu::set_stack_bytes(before);
+    if (rc != 0) return fail(launch_failed("stack", rc));
+    for (unsigned t = 0; t < ctas * n; ++t) {
+        float want = 0.0f;
+        for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) want += static_cast<float>((t + i) % 4);
+        if (out[t] != want) return fail("stack: thread " + std::to_string(t) + " summed " + std::to_string(out[t]));
+    }
+    if (block_reduce_with(1, dim3(2), dim3(64)) != 0) return 1;
     return pass();
 }
 

@@ -129,7 +129,8 @@ struct KvpEmuDeadlockParams {
 /// 0: thread 0 returns before a `__syncthreads` the others wait at;
 /// 1: half a warp waits at `__syncwarp`, the other half at `__shfl_xor_sync`;
 /// 2: lane 0 returns before a shuffle the other lanes wait at;
-/// 3: in warp 1, half the lanes wait at `__syncthreads`, half at `__shfl_sync`.
+/// 3: in warp 1, half the lanes wait at `__syncthreads`, half at `__shfl_sync`;
+/// 4: thread 0 waits at `__syncthreads_count`, the others at `__syncthreads`.
 extern "C" __global__ void kvp_emu_test_deadlock(const KvpEmuDeadlockParams p) {
     const unsigned t = threadIdx.x, lane = t % 32;
     float v = 1.0f;
@@ -145,11 +146,17 @@ extern "C" __global__ void kvp_emu_test_deadlock(const KvpEmuDeadlockParams p) {
     } else if (p.mode == 2) {
         if (lane == 0) return;
         v = __shfl_xor_sync(KVP_EMU_FULL_MASK, v, 1);
-    } else {
+    } else if (p.mode == 3) {
         if (t < 48) {
             __syncthreads();
         } else {
             v = __shfl_sync(KVP_EMU_FULL_MASK, v, 0);
+        }
+    } else {
+        if (t == 0) {
+            v = static_cast<float>(__syncthreads_count(1));
+        } else {
+            __syncthreads();
         }
     }
     p.after[t] = v == 1.0f ? 1u : 2u;
@@ -192,6 +199,39 @@ struct KvpEmuTrapParams {
 extern "C" __global__ void kvp_emu_test_trap(const KvpEmuTrapParams p) {
     if (blockIdx.x == 1 && threadIdx.x == 3) __trap();
     p.ran[kvp_emu_test_cta() * blockDim.x * blockDim.y * blockDim.z + kvp_emu_test_thread()] = 1;
+}
+
+struct KvpEmuVoteParams {
+    int* out;  // 4 per thread: count of t % 3 == 0, and of true, or of the last thread, or of 0
+};
+
+/// CTA-wide votes: `__syncthreads_count`, `__syncthreads_and`, `__syncthreads_or`.
+extern "C" __global__ void kvp_emu_test_cta_vote(const KvpEmuVoteParams p) {
+    const unsigned t = threadIdx.x;
+    int* o = p.out + 4 * (kvp_emu_test_cta() * blockDim.x + t);
+    o[0] = __syncthreads_count(t % 3 == 0);
+    o[1] = __syncthreads_and(t < blockDim.x);
+    o[2] = __syncthreads_or(t + 1 == blockDim.x);
+    o[3] = __syncthreads_or(0);
+}
+
+/// Floats of the local array of kvp_emu_test_stack (96 KiB: more than the default fiber stack).
+#define KVP_EMU_TEST_STACK_FLOATS (24 * 1024)
+
+struct KvpEmuStackParams {
+    float* out;  // per thread: the sum of its local array, filled before a barrier
+};
+
+/// A large local array per thread, written before a barrier and summed after it: fibers need
+/// stacks of more than 96 KiB, and must not share them.
+extern "C" __global__ void kvp_emu_test_stack(const KvpEmuStackParams p) {
+    float local[KVP_EMU_TEST_STACK_FLOATS];
+    const unsigned t = kvp_emu_test_cta() * blockDim.x + threadIdx.x;
+    for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) local[i] = static_cast<float>((t + i) % 4);
+    __syncthreads();
+    float sum = 0.0f;
+    for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) sum += local[i];
+    p.out[t] = sum;
 }
 
 struct KvpEmuBarrierLoopParams {
