@@ -28,7 +28,8 @@ int pass() {
 }
 
 std::string launch_failed(const char* what, int rc) {
-    return std::string(what) + ": launch returned " + std::to_string(rc) + ": " + kvp_emu::last_error();
+    return std::string(what) + ": launch returned " + std::to_string(rc) + ": " +
+           kvp_emu::last_error();
 }
 
 /// Small integers as floats, so sums are exact in any order.
@@ -48,9 +49,10 @@ int block_reduce_with(std::uint64_t seed, dim3 grid, dim3 block) {
         float want = 0.0f;
         for (unsigned t = 0; t < n; ++t) want += in[static_cast<std::size_t>(c) * n + t];
         if (out[c] != want) {
-            return fail("block_reduce seed " + std::to_string(seed) + " block " + std::to_string(block.x) + "x" +
-                        std::to_string(block.y) + "x" + std::to_string(block.z) + " CTA " + std::to_string(c) +
-                        ": got " + std::to_string(out[c]) + ", want " + std::to_string(want));
+            return fail("block_reduce seed " + std::to_string(seed) + " block " +
+                        std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
+                        std::to_string(block.z) + " CTA " + std::to_string(c) + ": got " +
+                        std::to_string(out[c]) + ", want " + std::to_string(want));
         }
     }
     return 0;
@@ -66,16 +68,19 @@ int warp_with(std::uint64_t seed, unsigned threads, unsigned ctas, bool half_onl
         f[t] = input(t);
         iv[t] = static_cast<int>((t * 40503u) % 101u) - 50;
     }
-    const KvpEmuWarpParams p{f.data(),        iv.data(),     xor_sum.data(), down_sum.data(), bcast.data(),
-                             ballot.data(),   half_sum.data(), scan.data(),   half_only ? 1 : 0};
+    const KvpEmuWarpParams p{f.data(),        iv.data(),    xor_sum.data(),
+                             down_sum.data(), bcast.data(), ballot.data(),
+                             half_sum.data(), scan.data(),  half_only ? 1 : 0};
     const int rc = kvp_emu::launch(kvp_emu_test_warp, dim3(ctas), dim3(threads), 0, p);
     if (rc != 0) return fail(launch_failed("warp", rc));
-    const std::string where = "warp seed " + std::to_string(seed) + " threads " + std::to_string(threads) + ": ";
+    const std::string where =
+        "warp seed " + std::to_string(seed) + " threads " + std::to_string(threads) + ": ";
     for (unsigned t = 0; t < total; ++t) {
         const unsigned h0 = t / 16 * 16;
         float h = 0.0f;
         for (unsigned k = 0; k < 16; ++k) h += f[h0 + k];
-        if (half_sum[t] != h) return fail(where + "width-16 xor sum of thread " + std::to_string(t));
+        if (half_sum[t] != h)
+            return fail(where + "width-16 xor sum of thread " + std::to_string(t));
     }
     if (half_only) return 0;
     for (unsigned t = 0; t < total; ++t) {
@@ -90,10 +95,13 @@ int warp_with(std::uint64_t seed, unsigned threads, unsigned ctas, bool half_onl
             if (iv[w0 + k] % 3 == 0) bits |= 1u << k;
         }
         if (xor_sum[t] != fs) return fail(where + "xor sum of thread " + std::to_string(t));
-        if (lane == 0 && down_sum[t / 32] != is) return fail(where + "shuffle-down sum of warp " + std::to_string(t / 32));
-        if (bcast[t] != 7u * (w0 + 5) + 3u) return fail(where + "broadcast to thread " + std::to_string(t));
+        if (lane == 0 && down_sum[t / 32] != is)
+            return fail(where + "shuffle-down sum of warp " + std::to_string(t / 32));
+        if (bcast[t] != 7u * (w0 + 5) + 3u)
+            return fail(where + "broadcast to thread " + std::to_string(t));
         if (ballot[t] != bits) return fail(where + "ballot of thread " + std::to_string(t));
-        if (scan[t] != prefix) return fail(where + "shuffle-up scan of thread " + std::to_string(t));
+        if (scan[t] != prefix)
+            return fail(where + "shuffle-up scan of thread " + std::to_string(t));
     }
     return 0;
 }
@@ -104,7 +112,8 @@ int shift_with(std::uint64_t seed, bool sync, unsigned threads, bool* wrong) {
     std::vector<float> in(total), out(total, -1.0f);
     for (unsigned t = 0; t < total; ++t) in[t] = static_cast<float>(t);
     const KvpEmuShiftParams p{in.data(), out.data(), sync ? 1 : 0};
-    const int rc = kvp_emu::launch(kvp_emu_test_shift, dim3(ctas), dim3(threads), threads * sizeof(float), p);
+    const int rc =
+        kvp_emu::launch(kvp_emu_test_shift, dim3(ctas), dim3(threads), threads * sizeof(float), p);
     if (rc != 0) return fail(launch_failed("shift", rc));
     *wrong = false;
     for (unsigned c = 0; c < ctas; ++c)
@@ -123,8 +132,9 @@ const char* kvp_emu_selftest_message(void) { return message.c_str(); }
 /// Shared-memory tree reduction with barriers: block sizes 1 to 1024 (31, 33, 100, 1000 not
 /// multiples of 32), 1D and 3D blocks, several CTAs, every seed of kSeeds.
 int kvp_emu_selftest_block_reduce(void) {
-    const dim3 blocks[] = {dim3(1), dim3(31), dim3(32), dim3(33), dim3(100), dim3(128), dim3(8, 4, 3),
-                           dim3(5, 7, 3), dim3(1000), dim3(1024), dim3(16, 8, 8)};
+    const dim3 blocks[] = {dim3(1),    dim3(31),   dim3(32),      dim3(33),
+                           dim3(100),  dim3(128),  dim3(8, 4, 3), dim3(5, 7, 3),
+                           dim3(1000), dim3(1024), dim3(16, 8, 8)};
     for (std::uint64_t seed : kSeeds)
         for (const dim3& b : blocks)
             if (block_reduce_with(seed, dim3(3, 2), b) != 0) return 1;
@@ -152,16 +162,20 @@ int kvp_emu_selftest_dynamic_shared_poison(void) {
         std::vector<float> out(2 * n * ctas, 0.0f);
         std::vector<unsigned> aligned(ctas, 0);
         const KvpEmuPoisonParams p{out.data(), aligned.data()};
-        const int rc = kvp_emu::launch(kvp_emu_test_poison, dim3(ctas), dim3(n), 2 * n * sizeof(float), p);
+        const int rc =
+            kvp_emu::launch(kvp_emu_test_poison, dim3(ctas), dim3(n), 2 * n * sizeof(float), p);
         if (rc != 0) return fail(launch_failed("poison", rc));
         for (unsigned c = 0; c < ctas; ++c) {
-            if (aligned[c] != 1) return fail("dynamic shared memory of CTA " + std::to_string(c) + " not 16-byte aligned");
+            if (aligned[c] != 1)
+                return fail("dynamic shared memory of CTA " + std::to_string(c) +
+                            " not 16-byte aligned");
             for (unsigned t = 0; t < 2 * n; ++t) {
                 const float v = out[c * 2 * n + t];
                 const bool written = t < n && (c == 0 || t % 2 == 0);
                 if (written ? v != static_cast<float>(t) : __float_as_uint(v) != 0xffffffffu) {
-                    return fail("seed " + std::to_string(seed) + " CTA " + std::to_string(c) + " element " +
-                                std::to_string(t) + ": got bits " + std::to_string(__float_as_uint(v)));
+                    return fail("seed " + std::to_string(seed) + " CTA " + std::to_string(c) +
+                                " element " + std::to_string(t) + ": got bits " +
+                                std::to_string(__float_as_uint(v)));
                 }
             }
         }
@@ -178,7 +192,8 @@ int kvp_emu_selftest_missing_sync(void) {
         for (std::uint64_t seed : kSeeds) {
             bool wrong = false;
             if (shift_with(seed, true, threads, &wrong) != 0) return 1;
-            if (wrong) return fail("shift with the barrier is wrong for seed " + std::to_string(seed));
+            if (wrong)
+                return fail("shift with the barrier is wrong for seed " + std::to_string(seed));
             if (shift_with(seed, false, threads, &wrong) != 0) return 1;
             wrong_seeds += wrong ? 1 : 0;
         }
@@ -190,8 +205,9 @@ int kvp_emu_selftest_missing_sync(void) {
 /// Every deadlock mode of kvp_emu_test_deadlock returns kDeadlock with a message, without
 /// hanging; a correct launch on the same OS thread works afterwards.
 int kvp_emu_selftest_deadlock(void) {
-    const char* expect[] = {"1 of 64 threads returned", "lane 0 waits at __syncwarp", "lanes at __shfl_xor_sync",
-                            "48 wait at __syncthreads", "__syncthreads_count and thread"};
+    const char* expect[] = {"1 of 64 threads returned", "lane 0 waits at __syncwarp",
+                            "lanes at __shfl_xor_sync", "48 wait at __syncthreads",
+                            "__syncthreads_count and thread"};
     for (int mode = 0; mode < 5; ++mode) {
         for (std::uint64_t seed : kSeeds) {
             kvp_emu::set_seed(seed);
@@ -199,13 +215,17 @@ int kvp_emu_selftest_deadlock(void) {
             const KvpEmuDeadlockParams p{mode, after.data()};
             const int rc = kvp_emu::launch(kvp_emu_test_deadlock, dim3(2), dim3(64), 0, p);
             const std::string err = kvp_emu::last_error();
-            if (rc != kvp_emu::kDeadlock) return fail("deadlock mode " + std::to_string(mode) + " returned " + std::to_string(rc));
-            if (err.find("deadlock") == std::string::npos || err.find(expect[mode]) == std::string::npos)
+            if (rc != kvp_emu::kDeadlock)
+                return fail("deadlock mode " + std::to_string(mode) + " returned " +
+                            std::to_string(rc));
+            if (err.find("deadlock") == std::string::npos ||
+                err.find(expect[mode]) == std::string::npos)
                 return fail("deadlock mode " + std::to_string(mode) + " message: " + err);
         }
     }
     if (block_reduce_with(7, dim3(2), dim3(64)) != 0) return 1;
-    if (std::string(kvp_emu::last_error()) != "") return fail("last_error not cleared by a successful launch");
+    if (std::string(kvp_emu::last_error()) != "")
+        return fail("last_error not cleared by a successful launch");
     return pass();
 }
 
@@ -217,28 +237,36 @@ int kvp_emu_selftest_invalid_launch(void) {
         bool ok;
     };
     const Case cases[] = {
-        {dim3(1), dim3(1025), 0, false},        {dim3(1), dim3(32, 32, 2), 0, false},
-        {dim3(1), dim3(1, 1, 65), 0, false},    {dim3(1), dim3(0), 0, false},
-        {dim3(1), dim3(4, 0), 0, false},        {dim3(0), dim3(32), 0, false},
-        {dim3(2, 1, 0), dim3(32), 0, false},    {dim3(1, 65536), dim3(32), 0, false},
-        {dim3(1), dim3(32), 227 * 1024 + 1, false}, {dim3(1), dim3(1024), 227 * 1024, true},
-        {dim3(1), dim3(1, 1, 64), 0, true},     {dim3(1), dim3(32, 32, 1), 0, true},
+        {dim3(1), dim3(1025), 0, false},
+        {dim3(1), dim3(32, 32, 2), 0, false},
+        {dim3(1), dim3(1, 1, 65), 0, false},
+        {dim3(1), dim3(0), 0, false},
+        {dim3(1), dim3(4, 0), 0, false},
+        {dim3(0), dim3(32), 0, false},
+        {dim3(2, 1, 0), dim3(32), 0, false},
+        {dim3(1, 65536), dim3(32), 0, false},
+        {dim3(1), dim3(32), 227 * 1024 + 1, false},
+        {dim3(1), dim3(1024), 227 * 1024, true},
+        {dim3(1), dim3(1, 1, 64), 0, true},
+        {dim3(1), dim3(32, 32, 1), 0, true},
     };
     for (const Case& c : cases) {
         const unsigned n = c.block.x * c.block.y * c.block.z;
         std::vector<unsigned> ran(n == 0 ? 1 : n, 0);
         const KvpEmuTrapParams p{ran.data()};
         const int rc = kvp_emu::launch(kvp_emu_test_trap, c.grid, c.block, c.shared, p);
-        const std::string what = "block " + std::to_string(c.block.x) + "x" + std::to_string(c.block.y) + "x" +
-                                 std::to_string(c.block.z) + " grid " + std::to_string(c.grid.x) + "x" +
-                                 std::to_string(c.grid.y) + "x" + std::to_string(c.grid.z) + " shared " +
-                                 std::to_string(c.shared);
+        const std::string what = "block " + std::to_string(c.block.x) + "x" +
+                                 std::to_string(c.block.y) + "x" + std::to_string(c.block.z) +
+                                 " grid " + std::to_string(c.grid.x) + "x" +
+                                 std::to_string(c.grid.y) + "x" + std::to_string(c.grid.z) +
+                                 " shared " + std::to_string(c.shared);
         if (c.ok) {
             if (rc != 0) return fail(launch_failed(what.c_str(), rc));
             for (unsigned v : ran)
                 if (v != 1) return fail(what + ": a thread did not run");
         } else {
-            if (rc != kvp_emu::kInvalidLaunch) return fail(what + ": returned " + std::to_string(rc));
+            if (rc != kvp_emu::kInvalidLaunch)
+                return fail(what + ": returned " + std::to_string(rc));
             if (std::string(kvp_emu::last_error()).find("invalid launch") != 0)
                 return fail(what + ": message " + kvp_emu::last_error());
             for (unsigned v : ran)
@@ -257,7 +285,8 @@ int kvp_emu_selftest_grid_3d(void) {
     bool cta_shuffled = false, thread_shuffled = false;
     for (std::uint64_t seed : kSeeds) {
         kvp_emu::set_seed(seed);
-        std::vector<unsigned> out(12 * n * ctas, ~0u), cta_log(ctas, ~0u), thread_log(n, ~0u), cursor(2, 0);
+        std::vector<unsigned> out(12 * n * ctas, ~0u), cta_log(ctas, ~0u), thread_log(n, ~0u),
+            cursor(2, 0);
         const KvpEmuIndexParams p{out.data(), cta_log.data(), thread_log.data(), cursor.data()};
         const int rc = kvp_emu::launch(kvp_emu_test_index, grid, block, 0, p);
         if (rc != 0) return fail(launch_failed("index", rc));
@@ -268,25 +297,31 @@ int kvp_emu_selftest_grid_3d(void) {
                 const unsigned want[12] = {t % 4, t / 4 % 2, t / 8, bx, by, bz, 4, 2, 3, 3, 2, 4};
                 for (unsigned k = 0; k < 12; ++k)
                     if (out[12 * (c * n + t) + k] != want[k])
-                        return fail("index " + std::to_string(k) + " of thread " + std::to_string(t) + " of CTA " +
-                                    std::to_string(c) + " is " + std::to_string(out[12 * (c * n + t) + k]));
+                        return fail("index " + std::to_string(k) + " of thread " +
+                                    std::to_string(t) + " of CTA " + std::to_string(c) + " is " +
+                                    std::to_string(out[12 * (c * n + t) + k]));
             }
         }
         std::vector<bool> seen_cta(ctas, false), seen_thread(n, false);
         for (unsigned i = 0; i < ctas; ++i) {
-            if (cta_log[i] >= ctas || seen_cta[cta_log[i]]) return fail("CTA order is not a permutation");
+            if (cta_log[i] >= ctas || seen_cta[cta_log[i]])
+                return fail("CTA order is not a permutation");
             seen_cta[cta_log[i]] = true;
-            if (seed == 0 && cta_log[i] != i) return fail("seed 0 did not run CTAs in blockIdx order");
+            if (seed == 0 && cta_log[i] != i)
+                return fail("seed 0 did not run CTAs in blockIdx order");
             cta_shuffled = cta_shuffled || cta_log[i] != i;
         }
         for (unsigned i = 0; i < n; ++i) {
-            if (thread_log[i] >= n || seen_thread[thread_log[i]]) return fail("thread order is not a permutation");
+            if (thread_log[i] >= n || seen_thread[thread_log[i]])
+                return fail("thread order is not a permutation");
             seen_thread[thread_log[i]] = true;
-            if (seed == 0 && thread_log[i] != i) return fail("seed 0 did not run threads in index order");
+            if (seed == 0 && thread_log[i] != i)
+                return fail("seed 0 did not run threads in index order");
             thread_shuffled = thread_shuffled || thread_log[i] != i;
         }
     }
-    if (!cta_shuffled || !thread_shuffled) return fail("no seed changed the CTA or the thread order");
+    if (!cta_shuffled || !thread_shuffled)
+        return fail("no seed changed the CTA or the thread order");
     return pass();
 }
 
@@ -304,8 +339,9 @@ int kvp_emu_selftest_cta_vote(void) {
             const int want[4] = {static_cast<int>((n + 2) / 3), 1, 1, 0};
             for (unsigned i = 0; i < 4 * n * ctas; ++i)
                 if (out[i] != want[i % 4])
-                    return fail("cta_vote block " + std::to_string(n) + " value " + std::to_string(i % 4) + " of thread " +
-                                std::to_string(i / 4) + ": " + std::to_string(out[i]));
+                    return fail("cta_vote block " + std::to_string(n) + " value " +
+                                std::to_string(i % 4) + " of thread " + std::to_string(i / 4) +
+                                ": " + std::to_string(out[i]));
         }
     }
     return pass();
@@ -325,8 +361,10 @@ int kvp_emu_selftest_stack_size(void) {
     if (rc != 0) return fail(launch_failed("stack", rc));
     for (unsigned t = 0; t < ctas * n; ++t) {
         float want = 0.0f;
-        for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) want += static_cast<float>((t + i) % 4);
-        if (out[t] != want) return fail("stack: thread " + std::to_string(t) + " summed " + std::to_string(out[t]));
+        for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i)
+            want += static_cast<float>((t + i) % 4);
+        if (out[t] != want)
+            return fail("stack: thread " + std::to_string(t) + " summed " + std::to_string(out[t]));
     }
     if (block_reduce_with(1, dim3(2), dim3(64)) != 0) return 1;
     return pass();
@@ -339,7 +377,8 @@ int kvp_emu_selftest_trap(void) {
     const KvpEmuTrapParams p{ran.data()};
     const int rc = kvp_emu::launch(kvp_emu_test_trap, dim3(4), dim3(32), 0, p);
     if (rc != kvp_emu::kTrap) return fail("trap returned " + std::to_string(rc));
-    if (std::string(kvp_emu::last_error()).find("thread (3,0,0) of block (1,0,0)") == std::string::npos)
+    if (std::string(kvp_emu::last_error()).find("thread (3,0,0) of block (1,0,0)") ==
+        std::string::npos)
         return fail(std::string("trap message: ") + kvp_emu::last_error());
     for (unsigned t = 0; t < 32; ++t)
         if (ran[t] != 1) return fail("CTA 0 did not run before the trap");
@@ -356,7 +395,9 @@ int kvp_emu_selftest_threads(void) {
     for (int i = 0; i < 4; ++i) {
         threads.emplace_back([i, &results, &messages] {
             int rc = 0;
-            for (int k = 0; k < 20 && rc == 0; ++k) rc = block_reduce_with(static_cast<std::uint64_t>(i * 100 + k), dim3(4, 3), dim3(8, 4, 3));
+            for (int k = 0; k < 20 && rc == 0; ++k)
+                rc = block_reduce_with(static_cast<std::uint64_t>(i * 100 + k), dim3(4, 3),
+                                       dim3(8, 4, 3));
             if (rc == 0) rc = warp_with(static_cast<std::uint64_t>(i + 1), 128, 2, false);
             results[i] = rc;
             messages[i] = message;

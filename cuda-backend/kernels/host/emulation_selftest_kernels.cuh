@@ -46,15 +46,15 @@ extern "C" __global__ void kvp_emu_test_block_reduce(const KvpEmuReduceParams p)
 }
 
 struct KvpEmuWarpParams {
-    const float* f;     // one per thread
-    const int* i;       // one per thread
-    float* xor_sum;     // per thread: its warp's sum of f by xor butterflies
-    int* down_sum;      // per warp: sum of i by shuffle-down (lane 0's result)
-    unsigned* bcast;    // per thread: lane 5's value of 7t+3
-    unsigned* ballot;   // per thread: ballot of (i % 3 == 0)
-    float* half_sum;    // per thread: its half-warp's sum of f (width 16)
-    int* scan;          // per thread: inclusive prefix sum of i in the warp (shuffle-up)
-    int half_only;      // 1: only the width-16 sum (blocks with a partial last warp)
+    const float* f;    // one per thread
+    const int* i;      // one per thread
+    float* xor_sum;    // per thread: its warp's sum of f by xor butterflies
+    int* down_sum;     // per warp: sum of i by shuffle-down (lane 0's result)
+    unsigned* bcast;   // per thread: lane 5's value of 7t+3
+    unsigned* ballot;  // per thread: ballot of (i % 3 == 0)
+    float* half_sum;   // per thread: its half-warp's sum of f (width 16)
+    int* scan;         // per thread: inclusive prefix sum of i in the warp (shuffle-up)
+    int half_only;     // 1: only the width-16 sum (blocks with a partial last warp)
 };
 
 /// Warp shuffles: xor, down, broadcast, up, ballot, and xor with width 16. Blocks with
@@ -88,8 +88,8 @@ extern "C" __global__ void kvp_emu_test_warp(const KvpEmuWarpParams p) {
 }
 
 struct KvpEmuPoisonParams {
-    float* out;          // 2 * threads per CTA * CTAs: the CTA's dynamic shared memory
-    unsigned* aligned;   // per CTA: 1 if the dynamic shared pointer is 16-byte aligned
+    float* out;         // 2 * threads per CTA * CTAs: the CTA's dynamic shared memory
+    unsigned* aligned;  // per CTA: 1 if the dynamic shared pointer is 16-byte aligned
 };
 
 /// Reads its dynamic shared memory (2 floats per thread) back after writing part of it:
@@ -163,10 +163,10 @@ extern "C" __global__ void kvp_emu_test_deadlock(const KvpEmuDeadlockParams p) {
 }
 
 struct KvpEmuIndexParams {
-    unsigned* out;        // 12 per thread: threadIdx, blockIdx, blockDim, gridDim
-    unsigned* cta_log;    // emulation only: linear CTA indices in the order the CTAs ran
-    unsigned* thread_log; // emulation only: CTA 0's thread indices in the order they ran
-    unsigned* cursor;     // [0]: CTAs logged, [1]: threads logged
+    unsigned* out;         // 12 per thread: threadIdx, blockIdx, blockDim, gridDim
+    unsigned* cta_log;     // emulation only: linear CTA indices in the order the CTAs ran
+    unsigned* thread_log;  // emulation only: CTA 0's thread indices in the order they ran
+    unsigned* cursor;      // [0]: CTAs logged, [1]: threads logged
 };
 
 /// Writes every built-in index of every thread, and (relying on the emulation running one
@@ -227,7 +227,8 @@ struct KvpEmuStackParams {
 extern "C" __global__ void kvp_emu_test_stack(const KvpEmuStackParams p) {
     float local[KVP_EMU_TEST_STACK_FLOATS];
     const unsigned t = kvp_emu_test_cta() * blockDim.x + threadIdx.x;
-    for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) local[i] = static_cast<float>((t + i) % 4);
+    for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i)
+        local[i] = static_cast<float>((t + i) % 4);
     __syncthreads();
     float sum = 0.0f;
     for (unsigned i = 0; i < KVP_EMU_TEST_STACK_FLOATS; ++i) sum += local[i];
