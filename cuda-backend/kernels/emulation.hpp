@@ -739,18 +739,18 @@ inline int run_launch(Invoke invoke, const void* args, dim3 grid, dim3 block,
     blockDim = block;
     gridDim = grid;
 
+    // CTA i runs as linear CTA (a * i + b) mod ctas: with a coprime to ctas, a permutation.
     const std::uint64_t ctas = std::uint64_t{grid.x} * grid.y * grid.z;
-    std::uint64_t a = 1, b = 0;
+    std::uint64_t a = 1, c = 0;
     if (e.seed != 0 && ctas > 1) {
         do {
             a = 1 + next_random(e.rng) % (ctas - 1);
         } while (gcd(a, ctas) != 1);
-        b = next_random(e.rng) % ctas;
+        c = next_random(e.rng) % ctas;
     }
     int rc = kOk;
-    for (std::uint64_t i = 0; i < ctas && rc == kOk; ++i) {
-        const std::uint64_t c =
-            static_cast<std::uint64_t>((static_cast<unsigned __int128>(a) * i + b) % ctas);
+    for (std::uint64_t i = 0; i < ctas && rc == kOk;
+         ++i, c = c + a >= ctas ? c + a - ctas : c + a) {
         blockIdx =
             uint3{static_cast<unsigned>(c % grid.x), static_cast<unsigned>((c / grid.x) % grid.y),
                   static_cast<unsigned>(c / (std::uint64_t{grid.x} * grid.y))};
@@ -812,6 +812,10 @@ inline void* dynamic_shared() {
 template <class... A>
 int launch(void (*kernel)(A...), dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
            const typename detail::Same<A>::type&... args) {
+    if (kernel == nullptr) {
+        detail::emu().error = "invalid launch: null kernel";
+        return kInvalidLaunch;
+    }
     const detail::Bound<A...> bound{kernel, std::tuple<const A&...>(args...)};
     return detail::run_launch(&detail::Bound<A...>::invoke, &bound, grid, block,
                               dynamic_shared_bytes);

@@ -229,7 +229,8 @@ int kvp_emu_selftest_deadlock(void) {
     return pass();
 }
 
-/// Invalid configurations are rejected before any thread runs; the limits themselves pass.
+/// Invalid configurations and a null kernel are rejected before any thread runs; the limits
+/// themselves pass.
 int kvp_emu_selftest_invalid_launch(void) {
     struct Case {
         dim3 grid, block;
@@ -273,6 +274,11 @@ int kvp_emu_selftest_invalid_launch(void) {
                 if (v != 0) return fail(what + ": a thread ran");
         }
     }
+    void (*null_kernel)(KvpEmuTrapParams) = nullptr;
+    std::vector<unsigned> unused(1, 0);
+    if (kvp_emu::launch(null_kernel, dim3(1), dim3(1), 0, KvpEmuTrapParams{unused.data()}) !=
+        kvp_emu::kInvalidLaunch)
+        return fail("a null kernel was not rejected");
     return pass();
 }
 
