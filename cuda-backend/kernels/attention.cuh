@@ -6,6 +6,7 @@
 // One CTA = (sequence, KV head, tile of R (4 or 8) query rows, context partition),
 // KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
+//   0. the chunk's block ids and rows, read from the block table once per CTA;
 //   1. scores: TPT threads per token, each one or two 16-byte loads of the K row (for
 //      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
 //      its slice of the queries in registers), shuffle-reduced in the group;
@@ -38,36 +39,22 @@ template <class S, int HD> struct AttShape {
     static_assert(TV <= KVP_ATT_THREADS && KVP_ATT_THREADS % TV == 0, "value groups");
 };
 
-// Arena byte offset of the tile of absolute token `t` of the sequence whose block-table
-// row is `bt` (`tile`: the tile's element offset inside a block), and the token's row in
-// it.
-__device__ __forceinline__ uint64_t token_tile(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
-                                               uint32_t t, uint32_t &row) {
-    const uint32_t bs = p.geo.block_size;
-    const uint32_t block = __ldg(bt + t / bs);
-    row = t % bs;
-    return block_offset(p.geo, block) + tile;
-}
-
-// The K or V row of absolute token `t`, as vectors.
+// The K or V row `row` of the tile at element offset `tile` of the block starting at
+// element `block`, as vectors.
 template <class S, int HD>
-__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
-                                                         uint64_t tile, uint32_t t) {
-    uint32_t row = 0;
-    const uint64_t base = token_tile(p, bt, tile, t, row);
-    const uint64_t elem = base + (uint64_t)row * HD;
+__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, uint64_t block,
+                                                         uint64_t tile, uint32_t row) {
+    const uint64_t elem = block + tile + (uint64_t)row * HD;
     return reinterpret_cast<const typename S::Vec *>(static_cast<const uint8_t *>(p.arena) + elem * S::bytes);
 }
 
-// The scale of token `t`'s row of a tile (8-bit storage: one byte per element, the
-// block_size f32 scales after the block_size * HD codes); 1 for the float dtypes.
+// The scale of that row (8-bit storage: one byte per element, the block_size f32 scales
+// after the block_size * HD codes); 1 for the float dtypes.
 template <class S, int HD>
-__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
-                                          uint32_t t) {
+__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, uint64_t block, uint64_t tile,
+                                          uint32_t row) {
     if constexpr (S::scaled) {
-        uint32_t row = 0;
-        const uint64_t base = token_tile(p, bt, tile, t, row);
-        const uint64_t at = base + (uint64_t)p.geo.block_size * HD + 4ull * row;
+        const uint64_t at = block + tile + (uint64_t)p.geo.block_size * HD + 4ull * row;
         return __ldg(reinterpret_cast<const float *>(static_cast<const uint8_t *>(p.arena) + at));
     } else {
         return 1.0f;
@@ -82,6 +69,8 @@ template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(
     __shared__ float s_s[R * C];      // scores, then probabilities, of the chunk
     __shared__ float m_s[R], l_s[R], a_s[R];
     __shared__ uint32_t lim_s[R];
+    __shared__ uint64_t blk_s[C]; // element offset of the block of each token of the chunk
+    __shared__ uint32_t row_s[C]; // its row in the block
     float *q_s = reinterpret_cast<float *>(q4);
 
     const KvpGeometry &g = p.geo;
@@ -145,6 +134,14 @@ KVP_UNROLL
     // c0 + n <= end: no wrap-around, whatever the context length.
     for (uint32_t c0 = p0, n = 0; c0 < end; c0 += n) {
         n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
+        // 0. Where the chunk's tokens are: one block-table read and division per token
+        // for the whole CTA (the previous chunk's last barrier freed blk_s / row_s).
+        for (uint32_t t = tid; t < n; t += KVP_ATT_THREADS) {
+            const uint32_t abs_t = c0 + t;
+            blk_s[t] = block_offset(g, __ldg(bt + abs_t / g.block_size));
+            row_s[t] = abs_t % g.block_size;
+        }
+        __syncthreads();
         // 1. Scores, U tokens per thread group and pass (their loads in flight
         // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
         for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {
@@ -153,7 +150,7 @@ KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n) {
-                    const typename S::Vec *krow = kv_row<S, HD>(p, bt, k_tile, c0 + t);
+                    const typename S::Vec *krow = kv_row<S, HD>(p, blk_s[t], k_tile, row_s[t]);
 KVP_UNROLL
                     for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = __ldg(krow + qj + v * A::TPT);
                 } else {
@@ -182,7 +179,7 @@ KVP_UNROLL
                         dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n && qj == 0) {
-                    const float ks = p.scale * kv_scale<S, HD>(p, bt, k_tile, c0 + t);
+                    const float ks = p.scale * kv_scale<S, HD>(p, blk_s[t], k_tile, row_s[t]);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r) s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * ks : -INFINITY;
                 }
@@ -224,8 +221,8 @@ KVP_UNROLL
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + u * A::V_GROUPS;
-                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, bt, v_tile, c0 + t) + vv) : typename S::Vec{};
-                vs[u] = t < n ? kv_scale<S, HD>(p, bt, v_tile, c0 + t) : 0.0f;
+                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, blk_s[t], v_tile, row_s[t]) + vv) : typename S::Vec{};
+                vs[u] = t < n ? kv_scale<S, HD>(p, blk_s[t], v_tile, row_s[t]) : 0.0f;
             }
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
