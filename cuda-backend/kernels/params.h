@@ -28,7 +28,8 @@
  *   dtype f32 | f16 | bf16 | int8 | fp8 (8-bit: block_size even, so rows are 8-aligned)
  *   grid  (kv_heads * row_tiles, num_partitions, num_seqs), num_partitions and num_seqs
  *   <= 65535; block (KVP_ATT_THREADS, 1, 1); static shared memory only (see
- *   attention.cuh: rows * (head_dim + chunk) floats, <= 10.3 KiB).
+ *   attention.cuh: rows * (head_dim + chunk) floats and the chunk's token locations,
+ *   <= 11 KiB).
  *   One CTA per (sequence, KV head, tile of R = 4 or 8 query rows, context partition);
  *   row_tiles = max over sequences of ceil(queries * group / R).
  *   Rows of a sequence are (query token, query head of the GQA group) pairs, row r =
