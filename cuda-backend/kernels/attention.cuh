@@ -318,8 +318,13 @@ extern "C" __global__ void __launch_bounds__(KVP_REDUCE_THREADS) kvp_attention_r
     kvp::reduce_row(p);
 }
 
+// CTAs per SM each instance must fit (the register cap ptxas derives from it): 4 for the
+// 4-row kernels (<= 128 registers), 3 for the 8-row ones (<= 168), so that a memory-bound
+// decode keeps 12-16 warps per SM in flight. Checked: no spills (kernels/README.md).
+#define KVP_ATT_MIN_CTAS(R) ((R) == 8 ? 3 : 4)
+
 #define KVP_ATTENTION_KERNEL(name, S, HD, R)                                                               \
-    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, 1) name(const KvpAttentionParams p) {     \
+    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, KVP_ATT_MIN_CTAS(R)) name(const KvpAttentionParams p) { \
         kvp::attention_cta<kvp::S, HD, R>(p);                                                              \
     }
 
