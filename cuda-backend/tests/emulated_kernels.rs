@@ -686,60 +686,6 @@ fn eight_bit_codes_match_the_cpu_codec() {
 }
 
 #[test]
-fn abi_layout_matches_the_rust_mirror() {
-    use core::mem::{offset_of, size_of};
-    use kvpage_cuda::params::{
-        KvpAttentionParams as A, KvpCopyParams as C, KvpGeometry as G, KvpSeqDesc as S,
-        KvpWriteParams as W,
-    };
-    let rust: Vec<u64> = [
-        size_of::<G>(),
-        offset_of!(G, tile_elems),
-        offset_of!(G, layers),
-        offset_of!(G, kv_heads),
-        offset_of!(G, head_dim),
-        offset_of!(G, block_size),
-        offset_of!(G, num_blocks),
-        offset_of!(G, dtype),
-        size_of::<W>(),
-        offset_of!(W, arena),
-        offset_of!(W, k),
-        offset_of!(W, v),
-        offset_of!(W, slots),
-        offset_of!(W, tokens),
-        offset_of!(W, layer),
-        size_of::<C>(),
-        offset_of!(C, pairs),
-        offset_of!(C, bytes_per_block),
-        offset_of!(C, num_pairs),
-        size_of::<S>(),
-        offset_of!(S, context_len),
-        offset_of!(S, queries),
-        offset_of!(S, q_start),
-        size_of::<A>(),
-        offset_of!(A, arena),
-        offset_of!(A, q),
-        offset_of!(A, out),
-        offset_of!(A, block_table),
-        offset_of!(A, seqs),
-        offset_of!(A, scratch),
-        offset_of!(A, table_stride),
-        offset_of!(A, num_seqs),
-        offset_of!(A, layer),
-        offset_of!(A, q_heads),
-        offset_of!(A, scale),
-        offset_of!(A, partition_tokens),
-        offset_of!(A, num_partitions),
-        offset_of!(A, row_tiles),
-        offset_of!(A, scratch_rows),
-    ]
-    .into_iter()
-    .map(|x| x as u64)
-    .collect();
-    assert_eq!(emu::abi_layout(), rust);
-}
-
-#[test]
 fn unknown_dtype_and_head_dim_have_no_kernel() {
     let g = Geometry::new(1, 1, 96, 8, DType::F16).unwrap();
     let table = [0u32];
