@@ -132,6 +132,68 @@ fn write_is_bit_exact_for_every_dtype() {
     }
 }
 
+/// The bytes of `x` (plain old data without padding: f32, f16, bf16).
+fn bytes_of<T: Element>(x: &[T]) -> &[u8] {
+    // SAFETY: the storage elements are plain old data of their size, no padding; u8 has
+    // alignment 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+}
+
+fn check_write_stored<T: Element>(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let layout = KvLayout::new(g, num_blocks).unwrap();
+    let mut slots: Vec<u32> = (0..num_blocks * g.block_size()).collect();
+    rng.shuffle(&mut slots);
+    slots.truncate(tokens as usize);
+    let n = tokens as usize * (g.kv_heads() * g.head_dim()) as usize;
+    let k: Vec<T> = (0..n).map(|_| T::from_f32(rng.value())).collect();
+    let v: Vec<T> = (0..n).map(|_| T::from_f32(rng.value() * 2.0)).collect();
+    let layer = rng.below(g.layers());
+    let mut cpu = poisoned(&layout);
+    kernels::write_kv_as::<T>(&layout, cpu.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap();
+    let mut gpu = poisoned(&layout);
+    emu::set_seed(seed);
+    emu::write_kv_stored(
+        &g,
+        num_blocks,
+        gpu.as_bytes_mut(),
+        layer,
+        &slots,
+        bytes_of(&k),
+        bytes_of(&v),
+    )
+    .unwrap();
+    if let Some(i) = first_difference(cpu.as_bytes(), gpu.as_bytes()) {
+        panic!("{g:?} tokens {tokens}: byte {i} differs");
+    }
+}
+
+#[test]
+fn stored_dtype_write_is_bit_exact() {
+    let mut seed = 50;
+    for (hd, bs, heads, tokens) in [
+        (64, 8, 2, 11),
+        (128, 16, 1, 30),
+        (256, 32, 3, 5),
+        (20, 3, 2, 9),
+    ] {
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let g = Geometry::new(2, heads, hd, bs, dtype).unwrap();
+            with_element!(dtype, T => check_write_stored::<T>(g, 6, tokens, seed));
+            seed += 1;
+        }
+    }
+    let g = Geometry::new(1, 1, 64, 8, DType::Fp8E4m3).unwrap();
+    let layout = KvLayout::new(g, 1).unwrap();
+    let mut a = poisoned(&layout);
+    assert_eq!(
+        emu::write_kv_stored(&g, 1, a.as_bytes_mut(), 0, &[0], &[0; 64], &[0; 64]),
+        Err(EmuError::Launch(LaunchError::ScaledStorage {
+            dtype: DType::Fp8E4m3
+        }))
+    );
+}
+
 #[test]
 fn write_rejects_bad_calls_before_running() {
     let g = Geometry::new(1, 2, 64, 8, DType::F16).unwrap();
