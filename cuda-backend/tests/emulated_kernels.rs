@@ -478,6 +478,23 @@ fn decode_4k_context_auto_partitions() {
 }
 
 #[test]
+fn decode_32k_context_split_128_ways() {
+    // The split-K case: one sequence of 32k tokens fills a 132-SM GPU only through
+    // partitions (128 of 256 tokens), combined by the reduce.
+    check_attention(&Case {
+        dtype: DType::Bf16,
+        head_dim: 128,
+        block_size: 32,
+        kv_heads: 1,
+        q_heads: 4,
+        seqs: vec![(32_768, 1)],
+        shared_blocks: 0,
+        partitioning: Partitioning::Auto { sm_count: 132 },
+        seed: 2600,
+    });
+}
+
+#[test]
 fn decode_long_contexts_with_many_partitions() {
     // A few long contexts (the case partitions are for), GQA 4 and MQA with 16 query
     // heads (two row tiles per KV head).
