@@ -93,6 +93,9 @@ template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(
     uint32_t end = part_end < sq.context_len ? (uint32_t)part_end : sq.context_len;
     end = end < last_limit ? end : last_limit;
     const uint32_t tid = threadIdx.x;
+    // Rows past `rows` (a GQA group smaller than R, the last tile of a prefill) are
+    // skipped in the arithmetic; their registers stay allocated.
+    const int live = (int)rows;
 
     for (uint32_t i = tid; i < (uint32_t)(R * HD); i += KVP_ATT_THREADS) {
         const uint32_t j = i / HD, d = i % HD;
@@ -169,14 +172,16 @@ KVP_UNROLL
                     S::unpack(raw[u][v], x);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r)
+                        if (r < live)
 KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
+                            for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
                 }
 KVP_UNROLL
                 for (int r = 0; r < R; ++r)
+                    if (r < live) // CTA-uniform: whole warps shuffle or skip together
 KVP_UNROLL
-                    for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
-                        dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
+                        for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
+                            dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n && qj == 0) {
                     const float ks = p.scale * kv_scale<S, HD>(p, blk_s[t], k_tile, row_s[t]);
@@ -232,9 +237,11 @@ KVP_UNROLL
                     S::unpack(raw[u], x);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r) {
-                        const float pr = s_s[r * C + t] * vs[u];
+                        if (r < live) {
+                            const float pr = s_s[r * C + t] * vs[u];
 KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                            for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                        }
                     }
                 }
             }
@@ -248,11 +255,12 @@ KVP_UNROLL
         // Groups inside a warp first: lanes vv, vv + TV, ... hold the same elements.
 KVP_UNROLL
         for (int r = 0; r < R; ++r)
+            if (r < live)
 KVP_UNROLL
-            for (int e = 0; e < A::EPV; ++e)
+                for (int e = 0; e < A::EPV; ++e)
 KVP_UNROLL
-                for (int mask = A::TV; mask < 32; mask <<= 1)
-                    acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
+                    for (int mask = A::TV; mask < 32; mask <<= 1)
+                        acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
     }
     __syncthreads();
     const bool leader = A::TV >= 32 || lane < (uint32_t)A::TV;
