@@ -7,16 +7,17 @@
 // KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
 //   0. the chunk's block ids and rows, read from the block table once per CTA;
-//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row (for
+//   1. scores: TPT threads per token, each one or two vector loads of the K row (16
+//      bytes; 8 for the 8-bit codes, see dtype.cuh) for
 //      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
 //      its slice of the queries in registers), shuffle-reduced in the group;
 //   2. softmax: one warp per row: new max, exp, sum, rescale factor;
-//   3. values: TV threads per token, one 16-byte load of the V row each, accumulated
+//   3. values: TV threads per token, one vector load of the V row each, accumulated
 //      into per-thread registers [rows][elements of the vector] for every row.
 // At the end the token groups' partial outputs are summed in shared memory (the query
 // buffer, no longer needed) and written: normalised to `out` when the launch has one
 // partition, unnormalised with (max, sum) to the scratch otherwise.
-// Consecutive threads load consecutive 16-byte vectors of a contiguous
+// Consecutive threads load consecutive vectors of a contiguous
 // [token][head_dim] tile, so a warp's loads coalesce; K/V bytes are read once per tile
 // of rows (all query heads of a GQA group of up to 8 heads share them).
 #pragma once
