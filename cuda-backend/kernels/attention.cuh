@@ -8,9 +8,9 @@
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
 //   0. the chunk's block ids and rows, read from the block table once per CTA;
 //   1. scores: TPT threads per token, each one or two vector loads of the K row (16
-//      bytes; 8 for the 8-bit codes, see dtype.cuh) for
-//      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
-//      its slice of the queries in registers), shuffle-reduced in the group;
+//      bytes; 8 for the 8-bit codes, see dtype.cuh), KVP_ATT_UNROLL tokens at once;
+//      dot with every row's query (each thread keeps its slice of the queries in
+//      registers), shuffle-reduced in the group;
 //   2. softmax: one warp per row: new max, exp, sum, rescale factor;
 //   3. values: TV threads per token, one vector load of the V row each, accumulated
 //      into per-thread registers [rows][elements of the vector] for every row.
