@@ -15,6 +15,8 @@
 // - `KVP_DYNAMIC_SHARED(T, name);` declares `T* name` pointing at the CTA's dynamic shared
 //   memory (16-byte aligned). In emulation that memory is filled with 0xFF bytes at every
 //   CTA start, so reading an element no thread wrote gives NaN.
+// - `KVP_UNROLL` before a loop: `#pragma unroll` under nvcc, nothing on the host (g++ warns
+//   about an unknown `#pragma unroll`, and GCC 12 cannot silence that warning by pragma).
 // `KVP_EMULATION` is defined in host builds only.
 #ifndef KVP_COMPAT_CUH
 #define KVP_COMPAT_CUH
@@ -23,7 +25,9 @@
 #define KVP_DYNAMIC_SHARED(T, name)                                   \
     extern __shared__ __align__(16) unsigned char kvp_dynamic_smem[]; \
     T* name = reinterpret_cast<T*>(kvp_dynamic_smem)
+#define KVP_UNROLL _Pragma("unroll")
 #else
+#define KVP_UNROLL
 #include "emulation.hpp"
 #endif
 

@@ -12,9 +12,10 @@
 // - `dim3`, `uint3`, `threadIdx`, `blockIdx`, `blockDim`, `gridDim`, `warpSize`. The four
 //   index variables are `thread_local` globals that the scheduler sets before it resumes a
 //   fiber, so several OS threads may launch at once.
-// - `__syncthreads()`, `__syncwarp(mask)`, `__shfl_sync`, `__shfl_xor_sync`,
-//   `__shfl_down_sync`, `__shfl_up_sync` (float, int, unsigned; optional `width`),
-//   `__ballot_sync`, `__any_sync`, `__all_sync`.
+// - Barriers `__syncthreads()`, `__syncthreads_count/_and/_or(predicate)`,
+//   `__syncwarp(mask)`; warp operations `__shfl_sync`, `__shfl_xor_sync`, `__shfl_down_sync`,
+//   `__shfl_up_sync` (float, int, unsigned; optional `width`), `__ballot_sync`, `__any_sync`,
+//   `__all_sync`.
 // - Shared memory: `__shared__ T a[N];` becomes a function-local `static thread_local`
 //   array: the fibers of a CTA share it, CTAs run one after another on the launching OS
 //   thread. It is NOT cleared between CTAs or launches (it keeps the previous CTA's data),
@@ -37,15 +38,19 @@
 //   cooperatively: a fiber runs until it reaches a barrier or warp operation, or returns.
 //   When no fiber can run, barriers are released: a warp operation when every lane of the
 //   warp (warp = linear thread index / 32, the last warp may be partial) waits at one with
-//   the same kind, mask and width; `__syncthreads` when every thread of the CTA waits at
-//   it. The released fibers run again, in an order shuffled by the seed (seed 0: thread
-//   order), so a missing `__syncthreads` reads data not yet written for some seed.
-// - Deadlock rule: when no fiber can run and no barrier can be released (a thread returned
-//   while others wait at `__syncthreads`, lanes of a warp wait at different operations or
-//   some lanes exited, threads wait at `__syncthreads` while lanes of their warp wait at a
-//   shuffle), the launch stops and returns `kvp_emu::kDeadlock` with a message in
-//   `kvp_emu::last_error()`. It does not hang and does not abort the process. The fibers
-//   are abandoned: destructors of their locals do not run (kernels hold plain data).
+//   the same kind, mask and width; a CTA barrier when every thread of the CTA waits at one
+//   of the same kind (`__syncthreads` at two places in the code is one barrier, as on the
+//   GPU). Released fibers run again in an order shuffled by the seed (seed 0: thread order),
+//   so a missing `__syncthreads` lets a thread read shared data before it is written for
+//   some seed (with dynamic shared memory it then reads the NaN poison).
+// - Deadlock rule: when no fiber can run and no barrier can be released, the launch stops
+//   and returns `kvp_emu::kDeadlock` with a message in `kvp_emu::last_error()` naming the
+//   block and what its threads wait at; it does not hang and does not abort the process.
+//   Cases: a thread returned while others wait at `__syncthreads`; lanes of a warp wait at
+//   different warp operations (or masks, or widths), or some lanes returned; threads wait
+//   at `__syncthreads` and `__syncthreads_count`; threads wait at `__syncthreads` while
+//   lanes of their warp wait at a shuffle. The fibers are then abandoned: destructors of
+//   their locals do not run (kernels hold plain data).
 // - Invalid launches return `kInvalidLaunch` before running anything: a zero dimension,
 //   block.x or block.y > 1024, block.z > 64, more than 1024 threads, grid.y or grid.z >
 //   65535, grid.x > 2^31-1, dynamic shared memory > 227 KiB. `__trap()` stops the launch
@@ -153,7 +158,9 @@ struct alignas(8) float2 {
     float x, y;
 };
 
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+    return uint4{x, y, z, w};
+}
 inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 inline int2 make_int2(int x, int y) { return int2{x, y}; }
@@ -236,8 +243,8 @@ __attribute__((naked, noinline)) inline void raw_switch(void** /*save*/, void* /
 inline void init_context(Context& c, unsigned char* stack_lo, std::size_t size, void (*entry)()) {
     std::uintptr_t top = (reinterpret_cast<std::uintptr_t>(stack_lo) + size) & ~std::uintptr_t{15};
     void** sp = reinterpret_cast<void**>(top);
-    *--sp = nullptr;                            // return address of entry: never used
-    *--sp = reinterpret_cast<void*>(entry);     // taken by raw_switch's ret
+    *--sp = nullptr;                              // return address of entry: never used
+    *--sp = reinterpret_cast<void*>(entry);       // taken by raw_switch's ret
     for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
     c.sp = sp;
 }
@@ -304,7 +311,17 @@ private:
 // ---------------------------------------------------------------------------------------
 // Emulator state (one per OS thread)
 
-enum class Op : unsigned char { SyncThreads, SyncWarp, ShflIdx, ShflXor, ShflDown, ShflUp, Ballot, Any, All };
+enum class Op : unsigned char {
+    SyncThreads,
+    SyncWarp,
+    ShflIdx,
+    ShflXor,
+    ShflDown,
+    ShflUp,
+    Ballot,
+    Any,
+    All
+};
 enum class Run : unsigned char { Ready, Waiting, Done };
 
 inline const char* op_name(Op op) {
@@ -438,7 +455,8 @@ inline void enter_fiber(Emu& e, Fiber& f) {
 }
 
 /// Blocks the running fiber at a barrier or warp operation until the scheduler releases it.
-inline std::uint32_t wait_at(const char* what, Op op, unsigned mask, std::uint32_t in, int arg, int width) {
+inline std::uint32_t wait_at(const char* what, Op op, unsigned mask, std::uint32_t in, int arg,
+                             int width) {
     Fiber* f = current_fiber;
     if (f == nullptr) outside_launch(what);
     Emu& e = emu();
@@ -475,11 +493,11 @@ inline int release_warp(Emu& e, unsigned w) {
     const unsigned present = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
     for (unsigned i = 0; i < lanes; ++i) {
         if (l[i].op != l[0].op || l[i].mask != l[0].mask || l[i].width != l[0].width) {
-            e.error = "deadlock: in warp " + std::to_string(w) + " of block " + block_text(blockIdx) +
-                      ", lane 0 waits at " + op_name(l[0].op) + " (mask " + std::to_string(l[0].mask) +
-                      ", width " + std::to_string(l[0].width) + ") and lane " + std::to_string(i) +
-                      " at " + op_name(l[i].op) + " (mask " + std::to_string(l[i].mask) + ", width " +
-                      std::to_string(l[i].width) + ")";
+            e.error = "deadlock: in warp " + std::to_string(w) + " of block " +
+                      block_text(blockIdx) + ", lane 0 waits at " + op_name(l[0].op) + " (mask " +
+                      std::to_string(l[0].mask) + ", width " + std::to_string(l[0].width) +
+                      ") and lane " + std::to_string(i) + " at " + op_name(l[i].op) + " (mask " +
+                      std::to_string(l[i].mask) + ", width " + std::to_string(l[i].width) + ")";
             return -1;
         }
     }
@@ -487,7 +505,8 @@ inline int release_warp(Emu& e, unsigned w) {
     const unsigned width = static_cast<unsigned>(l[0].width);
     if ((l[0].mask & present) != present) {
         e.error = std::string("unsupported: ") + op_name(op) + " in warp " + std::to_string(w) +
-                  " of block " + block_text(blockIdx) + " with a mask that leaves out existing lanes";
+                  " of block " + block_text(blockIdx) +
+                  " with a mask that leaves out existing lanes";
         return -1;
     }
     if (width == 0 || width > 32 || (width & (width - 1)) != 0) {
@@ -520,11 +539,50 @@ inline int release_warp(Emu& e, unsigned w) {
     return 1;
 }
 
+/// Kinds of CTA barrier, in `Fiber::arg` of a fiber waiting at Op::SyncThreads.
+enum CtaBarrier : int { kPlain = 0, kCount = 1, kAnd = 2, kOr = 3 };
+
+inline const char* cta_barrier_name(int kind) {
+    switch (kind) {
+        case kCount: return "__syncthreads_count";
+        case kAnd: return "__syncthreads_and";
+        case kOr: return "__syncthreads_or";
+        default: return "__syncthreads";
+    }
+}
+
+/// Releases a CTA whose threads all wait at a CTA barrier, giving each the barrier's result
+/// (the number of threads with a non-zero predicate, their and, their or). False (with
+/// e.error set) if the threads wait at different kinds of CTA barrier.
+inline bool release_cta(Emu& e) {
+    const int kind = e.fibers[0].arg;
+    std::uint32_t count = 0;
+    for (const Fiber& f : e.fibers) {
+        if (f.arg != kind) {
+            e.error = std::string("deadlock: in block ") + block_text(blockIdx) + ", thread " +
+                      block_text(e.fibers[0].tid) + " waits at " + cta_barrier_name(kind) +
+                      " and thread " + block_text(f.tid) + " at " + cta_barrier_name(f.arg);
+            return false;
+        }
+        count += f.in != 0 ? 1u : 0u;
+    }
+    const std::uint32_t n = static_cast<std::uint32_t>(e.fibers.size());
+    const std::uint32_t out = kind == kCount ? count
+                              : kind == kAnd ? (count == n ? 1u : 0u)
+                                             : (count != 0 ? 1u : 0u);
+    for (Fiber& f : e.fibers) {
+        f.out = out;
+        f.run = Run::Ready;
+    }
+    e.sync_waiting = 0;
+    return true;
+}
+
 inline std::string deadlock_text(const Emu& e) {
     const unsigned n = static_cast<unsigned>(e.fibers.size());
-    std::string s = "deadlock in block " + block_text(blockIdx) + ": " + std::to_string(e.done) + " of " +
-                    std::to_string(n) + " threads returned, " + std::to_string(e.sync_waiting) +
-                    " wait at __syncthreads";
+    std::string s = "deadlock in block " + block_text(blockIdx) + ": " + std::to_string(e.done) +
+                    " of " + std::to_string(n) + " threads returned, " +
+                    std::to_string(e.sync_waiting) + " wait at __syncthreads";
     unsigned at_warp = 0;
     for (unsigned w = 0; w < e.warps; ++w) at_warp += e.warp_waiting[w];
     if (at_warp != 0) {
@@ -535,8 +593,8 @@ inline std::string deadlock_text(const Emu& e) {
             for (unsigned i = 0; i < lanes; ++i) {
                 const Fiber& f = e.fibers[first + i];
                 if (f.run == Run::Waiting && f.op != Op::SyncThreads) {
-                    s += " (warp " + std::to_string(w) + ": " + std::to_string(e.warp_waiting[w]) + " of " +
-                         std::to_string(lanes) + " lanes at " + op_name(f.op) + ")";
+                    s += " (warp " + std::to_string(w) + ": " + std::to_string(e.warp_waiting[w]) +
+                         " of " + std::to_string(lanes) + " lanes at " + op_name(f.op) + ")";
                     break;
                 }
             }
@@ -589,8 +647,7 @@ inline int run_block(Emu& e) {
             released = released || r > 0;
         }
         if (e.sync_waiting == n) {
-            for (Fiber& f : e.fibers) f.run = Run::Ready;
-            e.sync_waiting = 0;
+            if (!release_cta(e)) return kDeadlock;
             released = true;
         }
         if (!released) {
@@ -615,18 +672,30 @@ inline int invalid(Emu& e, const std::string& why) {
 }
 
 inline int check_config(Emu& e, dim3 grid, dim3 block, std::size_t dynamic_bytes) {
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return invalid(e, "grid " + block_text(uint3{grid.x, grid.y, grid.z}) + " has a zero dimension");
-    if (block.x == 0 || block.y == 0 || block.z == 0) return invalid(e, "block " + block_text(uint3{block.x, block.y, block.z}) + " has a zero dimension");
-    if (block.x > 1024 || block.y > 1024 || block.z > 64) return invalid(e, "block " + block_text(uint3{block.x, block.y, block.z}) + " exceeds (1024,1024,64)");
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0)
+        return invalid(
+            e, "grid " + block_text(uint3{grid.x, grid.y, grid.z}) + " has a zero dimension");
+    if (block.x == 0 || block.y == 0 || block.z == 0)
+        return invalid(
+            e, "block " + block_text(uint3{block.x, block.y, block.z}) + " has a zero dimension");
+    if (block.x > 1024 || block.y > 1024 || block.z > 64)
+        return invalid(
+            e, "block " + block_text(uint3{block.x, block.y, block.z}) + " exceeds (1024,1024,64)");
     const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
-    if (threads > kMaxThreadsPerBlock) return invalid(e, std::to_string(threads) + " threads per block (at most 1024)");
-    if (grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) return invalid(e, "grid " + block_text(uint3{grid.x, grid.y, grid.z}) + " exceeds (2^31-1,65535,65535)");
-    if (dynamic_bytes > kMaxDynamicSharedBytes) return invalid(e, std::to_string(dynamic_bytes) + " bytes of dynamic shared memory (at most 232448)");
+    if (threads > kMaxThreadsPerBlock)
+        return invalid(e, std::to_string(threads) + " threads per block (at most 1024)");
+    if (grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+        return invalid(e, "grid " + block_text(uint3{grid.x, grid.y, grid.z}) +
+                              " exceeds (2^31-1,65535,65535)");
+    if (dynamic_bytes > kMaxDynamicSharedBytes)
+        return invalid(
+            e, std::to_string(dynamic_bytes) + " bytes of dynamic shared memory (at most 232448)");
     return kOk;
 }
 
 /// Type-erased launch: validates, prepares fibers and runs every CTA.
-inline int run_launch(Invoke invoke, const void* args, dim3 grid, dim3 block, std::size_t dynamic_bytes) {
+inline int run_launch(Invoke invoke, const void* args, dim3 grid, dim3 block,
+                      std::size_t dynamic_bytes) {
     Emu& e = emu();
     if (e.active) {
         e.failure = kFailed;
@@ -637,7 +706,8 @@ inline int run_launch(Invoke invoke, const void* args, dim3 grid, dim3 block, st
     if (const int rc = check_config(e, grid, block, dynamic_bytes)) return rc;
     const unsigned n = block.x * block.y * block.z;
     if (!e.stacks.ensure(n, e.stack_bytes)) {
-        e.error = "cannot map " + std::to_string(n) + " fiber stacks of " + std::to_string(e.stack_bytes) + " bytes";
+        e.error = "cannot map " + std::to_string(n) + " fiber stacks of " +
+                  std::to_string(e.stack_bytes) + " bytes";
         return kFailed;
     }
     e.fibers.assign(n, Fiber{});
@@ -669,19 +739,21 @@ inline int run_launch(Invoke invoke, const void* args, dim3 grid, dim3 block, st
     blockDim = block;
     gridDim = grid;
 
+    // CTA i runs as linear CTA (a * i + b) mod ctas: with a coprime to ctas, a permutation.
     const std::uint64_t ctas = std::uint64_t{grid.x} * grid.y * grid.z;
-    std::uint64_t a = 1, b = 0;
+    std::uint64_t a = 1, c = 0;
     if (e.seed != 0 && ctas > 1) {
         do {
             a = 1 + next_random(e.rng) % (ctas - 1);
         } while (gcd(a, ctas) != 1);
-        b = next_random(e.rng) % ctas;
+        c = next_random(e.rng) % ctas;
     }
     int rc = kOk;
-    for (std::uint64_t i = 0; i < ctas && rc == kOk; ++i) {
-        const std::uint64_t c = static_cast<std::uint64_t>((static_cast<unsigned __int128>(a) * i + b) % ctas);
-        blockIdx = uint3{static_cast<unsigned>(c % grid.x), static_cast<unsigned>((c / grid.x) % grid.y),
-                         static_cast<unsigned>(c / (std::uint64_t{grid.x} * grid.y))};
+    for (std::uint64_t i = 0; i < ctas && rc == kOk;
+         ++i, c = c + a >= ctas ? c + a - ctas : c + a) {
+        blockIdx =
+            uint3{static_cast<unsigned>(c % grid.x), static_cast<unsigned>((c / grid.x) % grid.y),
+                  static_cast<unsigned>(c / (std::uint64_t{grid.x} * grid.y))};
         rc = run_block(e);
     }
     e.active = false;
@@ -740,8 +812,13 @@ inline void* dynamic_shared() {
 template <class... A>
 int launch(void (*kernel)(A...), dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
            const typename detail::Same<A>::type&... args) {
+    if (kernel == nullptr) {
+        detail::emu().error = "invalid launch: null kernel";
+        return kInvalidLaunch;
+    }
     const detail::Bound<A...> bound{kernel, std::tuple<const A&...>(args...)};
-    return detail::run_launch(&detail::Bound<A...>::invoke, &bound, grid, block, dynamic_shared_bytes);
+    return detail::run_launch(&detail::Bound<A...>::invoke, &bound, grid, block,
+                              dynamic_shared_bytes);
 }
 
 /// Seed of the run order on this OS thread: 0 runs CTAs in blockIdx order and threads in
@@ -751,7 +828,10 @@ inline std::uint64_t seed() { return detail::emu().seed; }
 
 /// Stack bytes of each fiber on this OS thread (rounded up to pages, at least 16 KiB),
 /// used from the next launch on. Default 64 KiB.
-inline void set_stack_bytes(std::size_t bytes) { detail::emu().stack_bytes = bytes < 16384 ? 16384 : bytes; }
+inline void set_stack_bytes(std::size_t bytes) {
+    detail::emu().stack_bytes = bytes < 16384 ? 16384 : bytes;
+}
+inline std::size_t stack_bytes() { return detail::emu().stack_bytes; }
 
 /// Message of the last failed launch on this OS thread ("" after a successful one).
 inline const char* last_error() { return detail::emu().error.c_str(); }
@@ -768,7 +848,26 @@ inline void release_thread_resources() { detail::emu().stacks.release(); }
 // Barriers and warp operations
 
 inline void __syncthreads() {
-    kvp_emu::detail::wait_at("__syncthreads", kvp_emu::detail::Op::SyncThreads, 0xffffffffu, 0, 0, 32);
+    kvp_emu::detail::wait_at("__syncthreads", kvp_emu::detail::Op::SyncThreads, 0xffffffffu, 0,
+                             kvp_emu::detail::kPlain, 32);
+}
+/// Barrier returning the number of threads of the CTA whose `predicate` is non-zero.
+inline int __syncthreads_count(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_count",
+                                                     kvp_emu::detail::Op::SyncThreads, 0xffffffffu,
+                                                     predicate != 0, kvp_emu::detail::kCount, 32));
+}
+/// Barrier returning non-zero if `predicate` is non-zero for every thread of the CTA.
+inline int __syncthreads_and(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_and",
+                                                     kvp_emu::detail::Op::SyncThreads, 0xffffffffu,
+                                                     predicate != 0, kvp_emu::detail::kAnd, 32));
+}
+/// Barrier returning non-zero if `predicate` is non-zero for any thread of the CTA.
+inline int __syncthreads_or(int predicate) {
+    return static_cast<int>(kvp_emu::detail::wait_at("__syncthreads_or",
+                                                     kvp_emu::detail::Op::SyncThreads, 0xffffffffu,
+                                                     predicate != 0, kvp_emu::detail::kOr, 32));
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     kvp_emu::detail::wait_at("__syncwarp", kvp_emu::detail::Op::SyncWarp, mask, 0, 0, 32);
@@ -796,22 +895,22 @@ inline T shuffle(const char* what, Op op, unsigned mask, T v, int arg, int width
 }  // namespace detail
 }  // namespace kvp_emu
 
-#define KVP_EMU_SHUFFLE(T)                                                                           \
-    inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = warpSize) {                   \
-        return kvp_emu::detail::shuffle("__shfl_sync", kvp_emu::detail::Op::ShflIdx, mask, v,        \
-                                        src_lane, width);                                            \
-    }                                                                                                \
-    inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {              \
-        return kvp_emu::detail::shuffle("__shfl_xor_sync", kvp_emu::detail::Op::ShflXor, mask, v,    \
-                                        lane_mask, width);                                           \
-    }                                                                                                \
-    inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {            \
-        return kvp_emu::detail::shuffle("__shfl_down_sync", kvp_emu::detail::Op::ShflDown, mask, v,  \
-                                        static_cast<int>(delta), width);                             \
-    }                                                                                                \
-    inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {              \
-        return kvp_emu::detail::shuffle("__shfl_up_sync", kvp_emu::detail::Op::ShflUp, mask, v,      \
-                                        static_cast<int>(delta), width);                             \
+#define KVP_EMU_SHUFFLE(T)                                                                        \
+    inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = warpSize) {                \
+        return kvp_emu::detail::shuffle("__shfl_sync", kvp_emu::detail::Op::ShflIdx, mask, v,     \
+                                        src_lane, width);                                         \
+    }                                                                                             \
+    inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {           \
+        return kvp_emu::detail::shuffle("__shfl_xor_sync", kvp_emu::detail::Op::ShflXor, mask, v, \
+                                        lane_mask, width);                                        \
+    }                                                                                             \
+    inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {         \
+        return kvp_emu::detail::shuffle("__shfl_down_sync", kvp_emu::detail::Op::ShflDown, mask,  \
+                                        v, static_cast<int>(delta), width);                       \
+    }                                                                                             \
+    inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {           \
+        return kvp_emu::detail::shuffle("__shfl_up_sync", kvp_emu::detail::Op::ShflUp, mask, v,   \
+                                        static_cast<int>(delta), width);                          \
     }
 KVP_EMU_SHUFFLE(float)
 KVP_EMU_SHUFFLE(int)
@@ -819,17 +918,21 @@ KVP_EMU_SHUFFLE(unsigned)
 #undef KVP_EMU_SHUFFLE
 
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
-    return kvp_emu::detail::wait_at("__ballot_sync", kvp_emu::detail::Op::Ballot, mask, predicate != 0, 0, 32);
+    return kvp_emu::detail::wait_at("__ballot_sync", kvp_emu::detail::Op::Ballot, mask,
+                                    predicate != 0, 0, 32);
 }
 inline int __any_sync(unsigned mask, int predicate) {
-    return static_cast<int>(kvp_emu::detail::wait_at("__any_sync", kvp_emu::detail::Op::Any, mask, predicate != 0, 0, 32));
+    return static_cast<int>(kvp_emu::detail::wait_at("__any_sync", kvp_emu::detail::Op::Any, mask,
+                                                     predicate != 0, 0, 32));
 }
 inline int __all_sync(unsigned mask, int predicate) {
-    return static_cast<int>(kvp_emu::detail::wait_at("__all_sync", kvp_emu::detail::Op::All, mask, predicate != 0, 0, 32));
+    return static_cast<int>(kvp_emu::detail::wait_at("__all_sync", kvp_emu::detail::Op::All, mask,
+                                                     predicate != 0, 0, 32));
 }
 
 /// Dynamic shared memory of the running CTA as `T* name` (16-byte aligned, 0xFF-filled).
-#define KVP_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::kvp_emu::detail::dynamic_shared())
+#define KVP_DYNAMIC_SHARED(T, name) \
+    T* name = reinterpret_cast<T*>(::kvp_emu::detail::dynamic_shared())
 
 // ---------------------------------------------------------------------------------------
 // Math and bit casts (exact host functions; the GPU's fast intrinsics are approximations)
@@ -839,8 +942,12 @@ inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline unsigned __float_as_uint(float f) { return kvp_emu::detail::to_bits(f); }
 inline float __uint_as_float(unsigned u) { return kvp_emu::detail::from_bits<float>(u); }
-inline int __float_as_int(float f) { return kvp_emu::detail::from_bits<int>(kvp_emu::detail::to_bits(f)); }
-inline float __int_as_float(int i) { return kvp_emu::detail::from_bits<float>(kvp_emu::detail::to_bits(i)); }
+inline int __float_as_int(float f) {
+    return kvp_emu::detail::from_bits<int>(kvp_emu::detail::to_bits(f));
+}
+inline float __int_as_float(int i) {
+    return kvp_emu::detail::from_bits<float>(kvp_emu::detail::to_bits(i));
+}
 
 /// Read-only cached load: a plain load on the host.
 template <class T>
