@@ -6,16 +6,18 @@
 // One CTA = (sequence, KV head, tile of R (4 or 8) query rows, context partition),
 // KVP_ATT_THREADS threads. The partition's tokens go through in chunks of
 // KVP_ATT_CHUNK with an online (running-max) softmax, f32 throughout:
-//   1. scores: TPT threads per token, each one or two 16-byte loads of the K row (for
-//      KVP_ATT_UNROLL tokens at once), dot with every row's query (each thread keeps
-//      its slice of the queries in registers), shuffle-reduced in the group;
+//   0. the chunk's block ids and rows, read from the block table once per CTA;
+//   1. scores: TPT threads per token, each one or two vector loads of the K row (16
+//      bytes; 8 for the 8-bit codes, see dtype.cuh), KVP_ATT_UNROLL tokens at once;
+//      dot with every row's query (each thread keeps its slice of the queries in
+//      registers), shuffle-reduced in the group;
 //   2. softmax: one warp per row: new max, exp, sum, rescale factor;
-//   3. values: TV threads per token, one 16-byte load of the V row each, accumulated
+//   3. values: TV threads per token, one vector load of the V row each, accumulated
 //      into per-thread registers [rows][elements of the vector] for every row.
 // At the end the token groups' partial outputs are summed in shared memory (the query
 // buffer, no longer needed) and written: normalised to `out` when the launch has one
 // partition, unnormalised with (max, sum) to the scratch otherwise.
-// Consecutive threads load consecutive 16-byte vectors of a contiguous
+// Consecutive threads load consecutive vectors of a contiguous
 // [token][head_dim] tile, so a warp's loads coalesce; K/V bytes are read once per tile
 // of rows (all query heads of a GQA group of up to 8 heads share them).
 #pragma once
@@ -38,36 +40,22 @@ template <class S, int HD> struct AttShape {
     static_assert(TV <= KVP_ATT_THREADS && KVP_ATT_THREADS % TV == 0, "value groups");
 };
 
-// Arena byte offset of the tile of absolute token `t` of the sequence whose block-table
-// row is `bt` (`tile`: the tile's element offset inside a block), and the token's row in
-// it.
-__device__ __forceinline__ uint64_t token_tile(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
-                                               uint32_t t, uint32_t &row) {
-    const uint32_t bs = p.geo.block_size;
-    const uint32_t block = __ldg(bt + t / bs);
-    row = t % bs;
-    return block_offset(p.geo, block) + tile;
-}
-
-// The K or V row of absolute token `t`, as vectors.
+// The K or V row `row` of the tile at element offset `tile` of the block starting at
+// element `block`, as vectors.
 template <class S, int HD>
-__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, const uint32_t *bt,
-                                                         uint64_t tile, uint32_t t) {
-    uint32_t row = 0;
-    const uint64_t base = token_tile(p, bt, tile, t, row);
-    const uint64_t elem = base + (uint64_t)row * HD;
+__device__ __forceinline__ const typename S::Vec *kv_row(const KvpAttentionParams &p, uint64_t block,
+                                                         uint64_t tile, uint32_t row) {
+    const uint64_t elem = block + tile + (uint64_t)row * HD;
     return reinterpret_cast<const typename S::Vec *>(static_cast<const uint8_t *>(p.arena) + elem * S::bytes);
 }
 
-// The scale of token `t`'s row of a tile (8-bit storage: one byte per element, the
-// block_size f32 scales after the block_size * HD codes); 1 for the float dtypes.
+// The scale of that row (8-bit storage: one byte per element, the block_size f32 scales
+// after the block_size * HD codes); 1 for the float dtypes.
 template <class S, int HD>
-__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, const uint32_t *bt, uint64_t tile,
-                                          uint32_t t) {
+__device__ __forceinline__ float kv_scale(const KvpAttentionParams &p, uint64_t block, uint64_t tile,
+                                          uint32_t row) {
     if constexpr (S::scaled) {
-        uint32_t row = 0;
-        const uint64_t base = token_tile(p, bt, tile, t, row);
-        const uint64_t at = base + (uint64_t)p.geo.block_size * HD + 4ull * row;
+        const uint64_t at = block + tile + (uint64_t)p.geo.block_size * HD + 4ull * row;
         return __ldg(reinterpret_cast<const float *>(static_cast<const uint8_t *>(p.arena) + at));
     } else {
         return 1.0f;
@@ -82,6 +70,8 @@ template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(
     __shared__ float s_s[R * C];      // scores, then probabilities, of the chunk
     __shared__ float m_s[R], l_s[R], a_s[R];
     __shared__ uint32_t lim_s[R];
+    __shared__ uint64_t blk_s[C]; // element offset of the block of each token of the chunk
+    __shared__ uint32_t row_s[C]; // its row in the block
     float *q_s = reinterpret_cast<float *>(q4);
 
     const KvpGeometry &g = p.geo;
@@ -104,6 +94,9 @@ template <class S, int HD, int R> __device__ __forceinline__ void attention_cta(
     uint32_t end = part_end < sq.context_len ? (uint32_t)part_end : sq.context_len;
     end = end < last_limit ? end : last_limit;
     const uint32_t tid = threadIdx.x;
+    // Rows past `rows` (a GQA group smaller than R, the last tile of a prefill) are
+    // skipped in the arithmetic; their registers stay allocated.
+    const int live = (int)rows;
 
     for (uint32_t i = tid; i < (uint32_t)(R * HD); i += KVP_ATT_THREADS) {
         const uint32_t j = i / HD, d = i % HD;
@@ -145,6 +138,14 @@ KVP_UNROLL
     // c0 + n <= end: no wrap-around, whatever the context length.
     for (uint32_t c0 = p0, n = 0; c0 < end; c0 += n) {
         n = end - c0 < (uint32_t)C ? end - c0 : (uint32_t)C;
+        // 0. Where the chunk's tokens are: one block-table read and division per token
+        // for the whole CTA (the previous chunk's last barrier freed blk_s / row_s).
+        for (uint32_t t = tid; t < n; t += KVP_ATT_THREADS) {
+            const uint32_t abs_t = c0 + t;
+            blk_s[t] = block_offset(g, __ldg(bt + abs_t / g.block_size));
+            row_s[t] = abs_t % g.block_size;
+        }
+        __syncthreads();
         // 1. Scores, U tokens per thread group and pass (their loads in flight
         // together). The loop bound is CTA-uniform, so every lane reaches the shuffles.
         for (uint32_t t0 = 0; t0 < n; t0 += A::QK_GROUPS * U) {
@@ -153,7 +154,7 @@ KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n) {
-                    const typename S::Vec *krow = kv_row<S, HD>(p, bt, k_tile, c0 + t);
+                    const typename S::Vec *krow = kv_row<S, HD>(p, blk_s[t], k_tile, row_s[t]);
 KVP_UNROLL
                     for (int v = 0; v < A::QK_VECS; ++v) raw[u][v] = __ldg(krow + qj + v * A::TPT);
                 } else {
@@ -172,17 +173,19 @@ KVP_UNROLL
                     S::unpack(raw[u][v], x);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r)
+                        if (r < live)
 KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
+                            for (int e = 0; e < A::EPV; ++e) dot[r] += qr[r][v * A::EPV + e] * x[e];
                 }
 KVP_UNROLL
                 for (int r = 0; r < R; ++r)
+                    if (r < live) // CTA-uniform: whole warps shuffle or skip together
 KVP_UNROLL
-                    for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
-                        dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
+                        for (int mask = A::TPT / 2; mask > 0; mask >>= 1)
+                            dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], mask);
                 const uint32_t t = t0 + qg + u * A::QK_GROUPS;
                 if (t < n && qj == 0) {
-                    const float ks = p.scale * kv_scale<S, HD>(p, bt, k_tile, c0 + t);
+                    const float ks = p.scale * kv_scale<S, HD>(p, blk_s[t], k_tile, row_s[t]);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r) s_s[r * C + t] = c0 + t < lim_s[r] ? dot[r] * ks : -INFINITY;
                 }
@@ -224,8 +227,8 @@ KVP_UNROLL
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
                 const uint32_t t = t0 + u * A::V_GROUPS;
-                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, bt, v_tile, c0 + t) + vv) : typename S::Vec{};
-                vs[u] = t < n ? kv_scale<S, HD>(p, bt, v_tile, c0 + t) : 0.0f;
+                raw[u] = t < n ? __ldg(kv_row<S, HD>(p, blk_s[t], v_tile, row_s[t]) + vv) : typename S::Vec{};
+                vs[u] = t < n ? kv_scale<S, HD>(p, blk_s[t], v_tile, row_s[t]) : 0.0f;
             }
 KVP_UNROLL
             for (int u = 0; u < U; ++u) {
@@ -235,9 +238,11 @@ KVP_UNROLL
                     S::unpack(raw[u], x);
 KVP_UNROLL
                     for (int r = 0; r < R; ++r) {
-                        const float pr = s_s[r * C + t] * vs[u];
+                        if (r < live) {
+                            const float pr = s_s[r * C + t] * vs[u];
 KVP_UNROLL
-                        for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                            for (int e = 0; e < A::EPV; ++e) acc[r][e] += pr * x[e];
+                        }
                     }
                 }
             }
@@ -251,11 +256,12 @@ KVP_UNROLL
         // Groups inside a warp first: lanes vv, vv + TV, ... hold the same elements.
 KVP_UNROLL
         for (int r = 0; r < R; ++r)
+            if (r < live)
 KVP_UNROLL
-            for (int e = 0; e < A::EPV; ++e)
+                for (int e = 0; e < A::EPV; ++e)
 KVP_UNROLL
-                for (int mask = A::TV; mask < 32; mask <<= 1)
-                    acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
+                    for (int mask = A::TV; mask < 32; mask <<= 1)
+                        acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], mask);
     }
     __syncthreads();
     const bool leader = A::TV >= 32 || lane < (uint32_t)A::TV;
@@ -321,8 +327,13 @@ extern "C" __global__ void __launch_bounds__(KVP_REDUCE_THREADS) kvp_attention_r
     kvp::reduce_row(p);
 }
 
+// CTAs per SM each instance must fit (the register cap ptxas derives from it): 4 for the
+// 4-row kernels (<= 128 registers), 3 for the 8-row ones (<= 168), so that a memory-bound
+// decode keeps 12-16 warps per SM in flight. Checked: no spills (kernels/README.md).
+#define KVP_ATT_MIN_CTAS(R) ((R) == 8 ? 3 : 4)
+
 #define KVP_ATTENTION_KERNEL(name, S, HD, R)                                                               \
-    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, 1) name(const KvpAttentionParams p) {     \
+    extern "C" __global__ void __launch_bounds__(KVP_ATT_THREADS, KVP_ATT_MIN_CTAS(R)) name(const KvpAttentionParams p) { \
         kvp::attention_cta<kvp::S, HD, R>(p);                                                              \
     }
 

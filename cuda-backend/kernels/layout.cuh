@@ -5,16 +5,6 @@
 #pragma once
 #include "params.h"
 
-// compat.cuh defines KVP_UNROLL (the EMU helper's change, pending on its branch); until
-// then: `#pragma unroll` under nvcc, nothing on the host (g++ warns about it).
-#ifndef KVP_UNROLL
-#if defined(__CUDACC__)
-#define KVP_UNROLL _Pragma("unroll")
-#else
-#define KVP_UNROLL
-#endif
-#endif
-
 namespace kvp {
 
 // Element offset, inside one block, of the tile of (layer, kv, kv_head): as

@@ -17,6 +17,10 @@
  *   after the tile's codes). Slots must be < num_blocks * block_size and distinct (with a
  *   duplicate slot it is unspecified which token ends up there).
  *
+ * kvp_write_kv_stored(KvpWriteParams)
+ *   As kvp_write_kv, with k and v in the storage dtype (f32, f16, bf16; not the 8-bit
+ *   ones, whose codes carry no scale): elements copied as they are.
+ *
  * kvp_copy_blocks(KvpCopyParams)
  *   grid  (num_pairs, chunks, 1) with chunks <= 65535, any chunks >= 1 (grid-stride),
  *   block (KVP_COPY_THREADS, 1, 1), no dynamic shared memory.
@@ -28,7 +32,8 @@
  *   dtype f32 | f16 | bf16 | int8 | fp8 (8-bit: block_size even, so rows are 8-aligned)
  *   grid  (kv_heads * row_tiles, num_partitions, num_seqs), num_partitions and num_seqs
  *   <= 65535; block (KVP_ATT_THREADS, 1, 1); static shared memory only (see
- *   attention.cuh: rows * (head_dim + chunk) floats, <= 10.3 KiB).
+ *   attention.cuh: rows * (head_dim + chunk) floats and the chunk's token locations,
+ *   <= 11 KiB).
  *   One CTA per (sequence, KV head, tile of R = 4 or 8 query rows, context partition);
  *   row_tiles = max over sequences of ceil(queries * group / R).
  *   Rows of a sequence are (query token, query head of the GQA group) pairs, row r =
@@ -83,6 +88,7 @@ enum {
     KVP_KERNEL_WRITE_KV = 0,
     KVP_KERNEL_COPY_BLOCKS = 1,
     KVP_KERNEL_ATTENTION_REDUCE = 2,
+    KVP_KERNEL_WRITE_KV_STORED = 3,
     KVP_KERNEL_ATTENTION_F32_HD64_R4 = 16,
     KVP_KERNEL_ATTENTION_F32_HD64_R8 = 17,
     KVP_KERNEL_ATTENTION_F32_HD128_R4 = 18,
@@ -127,11 +133,12 @@ typedef struct KvpGeometry {
     uint32_t dtype; /* KVP_DTYPE_* */
 } KvpGeometry;
 
-/* kvp_write_kv. k and v: [tokens][kv_heads][head_dim] f32; slots: [tokens]. 80 bytes. */
+/* kvp_write_kv, kvp_write_kv_stored. k and v: [tokens][kv_heads][head_dim], f32 (or the
+ * storage dtype for _stored); slots: [tokens]. 80 bytes. */
 typedef struct KvpWriteParams {
     KvpGeometry geo;
     void *arena;
-    const float *k;
+    const float *k; /* kvp_write_kv_stored: storage-dtype elements */
     const float *v;
     const uint32_t *slots;
     uint32_t tokens;

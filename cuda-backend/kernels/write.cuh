@@ -54,8 +54,37 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
     }
 }
 
+// kvp_write_kv_stored: the same scatter with k and v already in the storage dtype (f32,
+// f16 or bf16; host-std's write_kv_as): copied as they are, no rounding.
+__device__ __forceinline__ void write_row_stored(const KvpWriteParams &p) {
+    const uint32_t lane = threadIdx.x % 32u;
+    const uint32_t row = blockIdx.y * KVP_WRITE_WARPS + threadIdx.x / 32u;
+    const KvpGeometry &g = p.geo;
+    if (row >= 2u * g.kv_heads) return;
+    const uint32_t head = row / 2u, kv = row % 2u;
+    const uint32_t token = blockIdx.x;
+    const uint32_t hd = g.head_dim;
+    const uint64_t src = ((uint64_t)token * g.kv_heads + head) * hd;
+    const uint32_t slot = __ldg(p.slots + token);
+    const uint64_t at = row_offset(g, slot_block(slot, g.block_size), p.layer, kv, head, slot_offset(slot, g.block_size));
+    const void *in = kv == 0 ? static_cast<const void *>(p.k) : static_cast<const void *>(p.v);
+    if (g.dtype == KVP_DTYPE_F32) {
+        const uint32_t *from = static_cast<const uint32_t *>(in) + src;
+        uint32_t *dst = static_cast<uint32_t *>(p.arena) + at;
+        for (uint32_t d = lane; d < hd; d += 32u) dst[d] = __ldg(from + d);
+    } else {
+        const uint16_t *from = static_cast<const uint16_t *>(in) + src;
+        uint16_t *dst = static_cast<uint16_t *>(p.arena) + at;
+        for (uint32_t d = lane; d < hd; d += 32u) dst[d] = __ldg(from + d);
+    }
+}
+
 } // namespace kvp
 
 extern "C" __global__ void __launch_bounds__(KVP_WRITE_WARPS * 32) kvp_write_kv(const KvpWriteParams p) {
     kvp::write_row(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVP_WRITE_WARPS * 32) kvp_write_kv_stored(const KvpWriteParams p) {
+    kvp::write_row_stored(p);
 }

@@ -14,8 +14,8 @@ use core::fmt;
 use kvpage_core::{BlockCopy, Geometry};
 
 use crate::launch::{
-    plan_attention, plan_copy, plan_write, AttentionBuffers, AttentionCall, AttentionPlan, Buffer,
-    LaunchConfig, LaunchError, Partitioning,
+    plan_attention, plan_copy, plan_write, plan_write_stored, AttentionBuffers, AttentionCall,
+    AttentionPlan, Buffer, LaunchConfig, LaunchError, Partitioning,
 };
 use crate::params::{KvpCopyParams, KvpGeometry, KvpWriteParams};
 
@@ -71,7 +71,8 @@ extern "C" {
 pub enum EmuError {
     /// The call failed validation; nothing ran.
     Launch(LaunchError),
-    /// The arena is not 16-byte aligned (the kernels' vector loads need it); nothing ran.
+    /// The arena is not 16-byte aligned (the kernels' vector loads need it), or a
+    /// storage-dtype input is not whole elements aligned to their size; nothing ran.
     Misaligned,
     /// The emulator refused the launch or stopped it (a deadlock at a barrier, a trap):
     /// its code and message. Outputs may be partly written.
@@ -87,7 +88,7 @@ impl fmt::Display for EmuError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Launch(e) => write!(f, "invalid launch: {e}"),
-            Self::Misaligned => f.write_str("arena is not 16-byte aligned"),
+            Self::Misaligned => f.write_str("arena or input misaligned"),
             Self::Emulator { code, message } => write!(f, "emulator error {code}: {message}"),
         }
     }
@@ -188,6 +189,51 @@ pub fn write_kv(
     };
     // SAFETY: the plan validated slots, layer and the k / v lengths against the geometry,
     // and the arena length was checked: every access is inside the slices.
+    unsafe { run(&cfg, &p) }
+}
+
+/// `kvp_write_kv_stored` in emulation: as [`write_kv`] with `k` and `v` the bytes of
+/// storage-dtype elements (f32, f16 or bf16, native endian, aligned to the element size),
+/// as [`plan_write_stored`] plans it.
+///
+/// # Errors
+/// [`plan_write_stored`]'s errors (lengths counted in elements), a wrong arena length,
+/// [`EmuError::Misaligned`] for an arena or input not aligned, or the emulator's.
+pub fn write_kv_stored(
+    geometry: &Geometry,
+    num_blocks: u32,
+    arena: &mut [u8],
+    layer: u32,
+    slots: &[u32],
+    k: &[u8],
+    v: &[u8],
+) -> Result<(), EmuError> {
+    let size = geometry.dtype().size_bytes() as usize;
+    let plan = plan_write_stored(
+        geometry,
+        num_blocks,
+        layer,
+        slots,
+        k.len() / size,
+        v.len() / size,
+    )?;
+    check_arena(geometry, num_blocks, arena)?;
+    for input in [k, v] {
+        if input.len() % size != 0 || !(input.as_ptr() as usize).is_multiple_of(size) {
+            return Err(EmuError::Misaligned);
+        }
+    }
+    let Some(cfg) = plan else { return Ok(()) };
+    let p = KvpWriteParams {
+        geo: KvpGeometry::new(geometry, num_blocks),
+        arena: arena.as_mut_ptr() as u64,
+        k: k.as_ptr() as u64,
+        v: v.as_ptr() as u64,
+        slots: slots.as_ptr() as u64,
+        tokens: cfg.grid[0],
+        layer,
+    };
+    // SAFETY: as in `write_kv`; k and v hold whole, aligned storage elements.
     unsafe { run(&cfg, &p) }
 }
 

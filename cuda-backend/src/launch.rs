@@ -99,22 +99,26 @@ pub enum Kernel {
     CopyBlocks,
     /// `kvp_attention_reduce`.
     AttentionReduce,
+    /// `kvp_write_kv_stored`.
+    WriteKvStored,
     /// `kvp_attention_<dtype>_hd<dim>_r<rows>`.
     Attention(AttentionKernel),
 }
 
 impl Kernel {
     /// Number of kernels in the module.
-    pub const COUNT: usize = 33;
+    pub const COUNT: usize = 34;
 
-    /// Kernel `i` of `0..COUNT` (write, copy, reduce, then the attention instances), for
+    /// Kernel `i` of `0..COUNT` (write, copy, reduce, stored write, then the attention
+    /// instances), for
     /// loading every kernel of the module; `None` past the end. O(1).
     pub const fn nth(i: usize) -> Option<Self> {
         match i {
             0 => Some(Self::WriteKv),
             1 => Some(Self::CopyBlocks),
             2 => Some(Self::AttentionReduce),
-            3..=32 => Some(Self::Attention(AttentionKernel((i - 3) as u8))),
+            3 => Some(Self::WriteKvStored),
+            4..=33 => Some(Self::Attention(AttentionKernel((i - 4) as u8))),
             _ => None,
         }
     }
@@ -143,6 +147,7 @@ impl Kernel {
             Self::WriteKv => 0,
             Self::CopyBlocks => 1,
             Self::AttentionReduce => 2,
+            Self::WriteKvStored => 3,
             Self::Attention(a) => 16 + a.0 as u32,
         }
     }
@@ -153,6 +158,7 @@ impl Kernel {
             Self::WriteKv => "kvp_write_kv",
             Self::CopyBlocks => "kvp_copy_blocks",
             Self::AttentionReduce => "kvp_attention_reduce",
+            Self::WriteKvStored => "kvp_write_kv_stored",
             Self::Attention(a) => ATTENTION_NAMES[a.0 as usize],
         }
     }
@@ -246,6 +252,12 @@ pub enum LaunchError {
         /// Head dim of the geometry.
         head_dim: u32,
     },
+    /// A write of values already in the storage dtype into 8-bit storage (codes alone
+    /// carry no scale).
+    ScaledStorage {
+        /// Storage dtype of the geometry.
+        dtype: DType,
+    },
     /// 8-bit storage with an odd block size: its tiles (`block_size * (head_dim + 4)`
     /// bytes) would not keep the attention kernels' 8-byte loads aligned.
     OddBlockSize {
@@ -332,6 +344,10 @@ impl fmt::Display for LaunchError {
                 f,
                 "no attention kernel for head dim {head_dim} (64, 128 and 256 exist)"
             ),
+            Self::ScaledStorage { dtype } => write!(
+                f,
+                "values in the storage dtype cannot be written to {dtype:?} storage (no scale)"
+            ),
             Self::OddBlockSize { block_size } => write!(
                 f,
                 "8-bit attention needs an even block size (got {block_size})"
@@ -417,6 +433,56 @@ pub fn plan_write(
     k_len: usize,
     v_len: usize,
 ) -> Result<Option<LaunchConfig>, LaunchError> {
+    plan_scatter(
+        Kernel::WriteKv,
+        geometry,
+        num_blocks,
+        layer,
+        slots,
+        k_len,
+        v_len,
+    )
+}
+
+/// Plans `kvp_write_kv_stored`: as [`plan_write`], with `k` and `v` holding `k_len` and
+/// `v_len` elements of the storage dtype (f32, f16 or bf16), copied as they are. O(tokens).
+///
+/// # Errors
+/// [`LaunchError::ScaledStorage`] for 8-bit storage; otherwise as [`plan_write`].
+pub fn plan_write_stored(
+    geometry: &Geometry,
+    num_blocks: u32,
+    layer: u32,
+    slots: &[u32],
+    k_len: usize,
+    v_len: usize,
+) -> Result<Option<LaunchConfig>, LaunchError> {
+    if geometry.dtype().is_scaled() {
+        return Err(LaunchError::ScaledStorage {
+            dtype: geometry.dtype(),
+        });
+    }
+    plan_scatter(
+        Kernel::WriteKvStored,
+        geometry,
+        num_blocks,
+        layer,
+        slots,
+        k_len,
+        v_len,
+    )
+}
+
+/// The checks and the configuration of both writes (`kernel`).
+fn plan_scatter(
+    kernel: Kernel,
+    geometry: &Geometry,
+    num_blocks: u32,
+    layer: u32,
+    slots: &[u32],
+    k_len: usize,
+    v_len: usize,
+) -> Result<Option<LaunchConfig>, LaunchError> {
     if layer >= geometry.layers() {
         return Err(LaunchError::LayerOutOfRange {
             layer,
@@ -444,7 +510,7 @@ pub fn plan_write(
         return Ok(None);
     }
     Ok(Some(LaunchConfig {
-        kernel: Kernel::WriteKv,
+        kernel,
         grid: [tokens, y, 1],
         block: [32 * WRITE_WARPS, 1, 1],
         shared_bytes: 0,
@@ -899,6 +965,15 @@ mod tests {
                 layer: 2,
                 layers: 2
             })
+        );
+        let stored = plan_write_stored(&g, 10, 1, &[3], row, row)
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored.kernel.name(), "kvp_write_kv_stored");
+        let g8 = Geometry::new(2, 4, 64, 16, DType::Int8).unwrap();
+        assert_eq!(
+            plan_write_stored(&g8, 10, 0, &[0], row, row),
+            Err(LaunchError::ScaledStorage { dtype: DType::Int8 })
         );
         assert!(matches!(
             plan_write(&g, 10, 0, &[0], row, row - 1),

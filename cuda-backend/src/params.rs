@@ -175,4 +175,61 @@ mod tests {
             assert_eq!(dtype_code(d), c);
         }
     }
+
+    /// The C++ compiler's layout of every params struct (through the emulation library)
+    /// equals the Rust mirror's, field by field.
+    #[cfg(feature = "emulation")]
+    #[test]
+    fn abi_layout_matches_the_rust_mirror() {
+        use super::{
+            KvpAttentionParams as A, KvpCopyParams as C, KvpGeometry as G, KvpSeqDesc as S,
+            KvpWriteParams as W,
+        };
+        use core::mem::offset_of;
+        let rust: Vec<u64> = [
+            size_of::<G>(),
+            offset_of!(G, tile_elems),
+            offset_of!(G, layers),
+            offset_of!(G, kv_heads),
+            offset_of!(G, head_dim),
+            offset_of!(G, block_size),
+            offset_of!(G, num_blocks),
+            offset_of!(G, dtype),
+            size_of::<W>(),
+            offset_of!(W, arena),
+            offset_of!(W, k),
+            offset_of!(W, v),
+            offset_of!(W, slots),
+            offset_of!(W, tokens),
+            offset_of!(W, layer),
+            size_of::<C>(),
+            offset_of!(C, pairs),
+            offset_of!(C, bytes_per_block),
+            offset_of!(C, num_pairs),
+            size_of::<S>(),
+            offset_of!(S, context_len),
+            offset_of!(S, queries),
+            offset_of!(S, q_start),
+            size_of::<A>(),
+            offset_of!(A, arena),
+            offset_of!(A, q),
+            offset_of!(A, out),
+            offset_of!(A, block_table),
+            offset_of!(A, seqs),
+            offset_of!(A, scratch),
+            offset_of!(A, table_stride),
+            offset_of!(A, num_seqs),
+            offset_of!(A, layer),
+            offset_of!(A, q_heads),
+            offset_of!(A, scale),
+            offset_of!(A, partition_tokens),
+            offset_of!(A, num_partitions),
+            offset_of!(A, row_tiles),
+            offset_of!(A, scratch_rows),
+        ]
+        .into_iter()
+        .map(|x| x as u64)
+        .collect();
+        assert_eq!(crate::emulation::abi_layout(), rust);
+    }
 }

@@ -132,6 +132,68 @@ fn write_is_bit_exact_for_every_dtype() {
     }
 }
 
+/// The bytes of `x` (plain old data without padding: f32, f16, bf16).
+fn bytes_of<T: Element>(x: &[T]) -> &[u8] {
+    // SAFETY: the storage elements are plain old data of their size, no padding; u8 has
+    // alignment 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+}
+
+fn check_write_stored<T: Element>(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let layout = KvLayout::new(g, num_blocks).unwrap();
+    let mut slots: Vec<u32> = (0..num_blocks * g.block_size()).collect();
+    rng.shuffle(&mut slots);
+    slots.truncate(tokens as usize);
+    let n = tokens as usize * (g.kv_heads() * g.head_dim()) as usize;
+    let k: Vec<T> = (0..n).map(|_| T::from_f32(rng.value())).collect();
+    let v: Vec<T> = (0..n).map(|_| T::from_f32(rng.value() * 2.0)).collect();
+    let layer = rng.below(g.layers());
+    let mut cpu = poisoned(&layout);
+    kernels::write_kv_as::<T>(&layout, cpu.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap();
+    let mut gpu = poisoned(&layout);
+    emu::set_seed(seed);
+    emu::write_kv_stored(
+        &g,
+        num_blocks,
+        gpu.as_bytes_mut(),
+        layer,
+        &slots,
+        bytes_of(&k),
+        bytes_of(&v),
+    )
+    .unwrap();
+    if let Some(i) = first_difference(cpu.as_bytes(), gpu.as_bytes()) {
+        panic!("{g:?} tokens {tokens}: byte {i} differs");
+    }
+}
+
+#[test]
+fn stored_dtype_write_is_bit_exact() {
+    let mut seed = 50;
+    for (hd, bs, heads, tokens) in [
+        (64, 8, 2, 11),
+        (128, 16, 1, 30),
+        (256, 32, 3, 5),
+        (20, 3, 2, 9),
+    ] {
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let g = Geometry::new(2, heads, hd, bs, dtype).unwrap();
+            with_element!(dtype, T => check_write_stored::<T>(g, 6, tokens, seed));
+            seed += 1;
+        }
+    }
+    let g = Geometry::new(1, 1, 64, 8, DType::Fp8E4m3).unwrap();
+    let layout = KvLayout::new(g, 1).unwrap();
+    let mut a = poisoned(&layout);
+    assert_eq!(
+        emu::write_kv_stored(&g, 1, a.as_bytes_mut(), 0, &[0], &[0; 64], &[0; 64]),
+        Err(EmuError::Launch(LaunchError::ScaledStorage {
+            dtype: DType::Fp8E4m3
+        }))
+    );
+}
+
 #[test]
 fn write_rejects_bad_calls_before_running() {
     let g = Geometry::new(1, 2, 64, 8, DType::F16).unwrap();
@@ -416,6 +478,23 @@ fn decode_4k_context_auto_partitions() {
 }
 
 #[test]
+fn decode_32k_context_split_128_ways() {
+    // The split-K case: one sequence of 32k tokens fills a 132-SM GPU only through
+    // partitions (128 of 256 tokens), combined by the reduce.
+    check_attention(&Case {
+        dtype: DType::Bf16,
+        head_dim: 128,
+        block_size: 32,
+        kv_heads: 1,
+        q_heads: 4,
+        seqs: vec![(32_768, 1)],
+        shared_blocks: 0,
+        partitioning: Partitioning::Auto { sm_count: 132 },
+        seed: 2600,
+    });
+}
+
+#[test]
 fn decode_long_contexts_with_many_partitions() {
     // A few long contexts (the case partitions are for), GQA 4 and MQA with 16 query
     // heads (two row tiles per KV head).
@@ -683,60 +762,6 @@ fn eight_bit_codes_match_the_cpu_codec() {
             code.encode(f32::NAN, 1.0)
         );
     }
-}
-
-#[test]
-fn abi_layout_matches_the_rust_mirror() {
-    use core::mem::{offset_of, size_of};
-    use kvpage_cuda::params::{
-        KvpAttentionParams as A, KvpCopyParams as C, KvpGeometry as G, KvpSeqDesc as S,
-        KvpWriteParams as W,
-    };
-    let rust: Vec<u64> = [
-        size_of::<G>(),
-        offset_of!(G, tile_elems),
-        offset_of!(G, layers),
-        offset_of!(G, kv_heads),
-        offset_of!(G, head_dim),
-        offset_of!(G, block_size),
-        offset_of!(G, num_blocks),
-        offset_of!(G, dtype),
-        size_of::<W>(),
-        offset_of!(W, arena),
-        offset_of!(W, k),
-        offset_of!(W, v),
-        offset_of!(W, slots),
-        offset_of!(W, tokens),
-        offset_of!(W, layer),
-        size_of::<C>(),
-        offset_of!(C, pairs),
-        offset_of!(C, bytes_per_block),
-        offset_of!(C, num_pairs),
-        size_of::<S>(),
-        offset_of!(S, context_len),
-        offset_of!(S, queries),
-        offset_of!(S, q_start),
-        size_of::<A>(),
-        offset_of!(A, arena),
-        offset_of!(A, q),
-        offset_of!(A, out),
-        offset_of!(A, block_table),
-        offset_of!(A, seqs),
-        offset_of!(A, scratch),
-        offset_of!(A, table_stride),
-        offset_of!(A, num_seqs),
-        offset_of!(A, layer),
-        offset_of!(A, q_heads),
-        offset_of!(A, scale),
-        offset_of!(A, partition_tokens),
-        offset_of!(A, num_partitions),
-        offset_of!(A, row_tiles),
-        offset_of!(A, scratch_rows),
-    ]
-    .into_iter()
-    .map(|x| x as u64)
-    .collect();
-    assert_eq!(emu::abi_layout(), rust);
 }
 
 #[test]

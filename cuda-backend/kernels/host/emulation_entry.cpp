@@ -33,6 +33,7 @@ int kvpage_emu_launch(uint32_t id, uint32_t gx, uint32_t gy, uint32_t gz, uint32
     case KVP_KERNEL_WRITE_KV: return run(kvp_write_kv, grid, block, shared_bytes, params);
     case KVP_KERNEL_COPY_BLOCKS: return run(kvp_copy_blocks, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_REDUCE: return run(kvp_attention_reduce, grid, block, shared_bytes, params);
+    case KVP_KERNEL_WRITE_KV_STORED: return run(kvp_write_kv_stored, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_F32_HD64_R4: return run(kvp_attention_f32_hd64_r4, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_F32_HD64_R8: return run(kvp_attention_f32_hd64_r8, grid, block, shared_bytes, params);
     case KVP_KERNEL_ATTENTION_F32_HD128_R4: return run(kvp_attention_f32_hd128_r4, grid, block, shared_bytes, params);
