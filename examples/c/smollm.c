@@ -349,6 +349,12 @@ int main(int argc, char **argv) {
       exit(1);
     }
     free(text);
+    if (o.print_ids) {
+      size_t t;
+      printf("prompt-ids %zu:", i);
+      for (t = 0; t < prompt_len[i]; t++) printf(" %u", prompts[i][t]);
+      printf("\n");
+    }
     longest = prompt_len[i] > longest ? prompt_len[i] : longest;
   }
   /* Sequences hold their prompt and generation; the arena holds every sequence whole. */
