@@ -20,7 +20,7 @@
 #   examples/c/check_smollm.sh [MODEL.gguf]
 #
 # Exit status 77 (skipped, with a message) when the model file is missing: run
-# examples/smollm/fetch-model.sh first.
+# examples/smollm/fetch-model.sh first (with KVPAGE_REQUIRE_MODEL=1, as in CI: 1, a failure).
 set -eu
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,6 +29,10 @@ min_agree=${SMOLLM_MIN_AGREE:-16}
 tokens=64
 
 if [ ! -f "$model" ]; then
+  if [ "${KVPAGE_REQUIRE_MODEL:-0}" = 1 ]; then
+    echo "check_smollm: FAIL: model file $model not found (KVPAGE_REQUIRE_MODEL=1); run examples/smollm/fetch-model.sh" >&2
+    exit 1
+  fi
   echo "check_smollm: SKIPPED: model file $model not found; run examples/smollm/fetch-model.sh" >&2
   exit 77
 fi
