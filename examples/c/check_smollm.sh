@@ -6,9 +6,11 @@
 #      (cargo build --release -p kvpage) and the Rust `generate`;
 #   2. tokenizes a text of digits, contractions, runs of spaces, newlines and
 #      punctuation with both: the prompt token ids must be identical;
-#   3. generates greedily (64 tokens) for three chat-template prompts with both (the
-#      C program through kvpage's C API, the Rust one through its Rust API): the prompt
-#      ids must be identical, and the generated ids are compared token by token.
+#   3. generates greedily (64 tokens) for three chat-template prompts with both, two
+#      samples each (the second a fork after the first token: the prefix cache, forks,
+#      chunked prefill mixed with decode; the C program through kvpage's C API, the Rust
+#      one through its Rust API): the prompt ids must be identical, and the six
+#      generations are compared token by token.
 #
 # Both compute in f32 with the same weights, but sum the matrix products in different
 # orders (candle's gemm kernels, the C program's 8-way dot product), so logits differ in
@@ -64,7 +66,7 @@ fi
 echo "tokenizer: identical ids ($(wc -w < "$work/c_tok_ids.txt") words) for the mixed ASCII text"
 
 # 3. Greedy generation.
-set -- --chat-template --max-tokens "$tokens" --print-ids \
+set -- --chat-template --max-tokens "$tokens" --samples 2 --print-ids \
   --prompt "What is the capital of France?" \
   --prompt "Write a haiku about memory pages." \
   --prompt "Give me three tips for better sleep."
@@ -88,7 +90,7 @@ if ! cmp -s "$work/c_prompt.txt" "$work/rust_prompt.txt"; then
 fi
 
 status=0
-for key in "0 0" "1 0" "2 0"; do
+for key in "0 0" "1 0" "2 0" "0 1" "1 1" "2 1"; do
   c_ids=$(grep "^ids $key:" "$work/c.txt" | cut -d: -f2)
   r_ids=$(grep "^ids $key:" "$work/rust.txt" | cut -d: -f2)
   set -- $r_ids
@@ -101,9 +103,9 @@ for key in "0 0" "1 0" "2 0"; do
   done
   c_total=$(echo $c_ids | wc -w)
   if [ "$agree" -eq "$total" ] && [ "$agree" -eq "$c_total" ]; then
-    echo "prompt ${key%% *}: identical, $agree tokens"
+    echo "prompt ${key%% *} sample ${key##* }: identical, $agree tokens"
   else
-    echo "prompt ${key%% *}: $agree of $total (Rust) / $c_total (C) tokens agree before the first difference"
+    echo "prompt ${key%% *} sample ${key##* }: $agree of $total (Rust) / $c_total (C) tokens agree before the first difference"
     if [ "$agree" -lt "$min_agree" ]; then status=1; fi
   fi
 done
