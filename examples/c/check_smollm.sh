@@ -46,7 +46,8 @@ cd "$root"
 cargo build --release --locked -p kvpage --lib
 lib=${CARGO_TARGET_DIR:-$root/target}/release/libkvpage.a
 cc -std=c11 -O2 -Wall -Wextra -Werror -pedantic -I host-std/include -o "$work/smollm_c" \
-  examples/c/smollm.c examples/c/smollm/gguf.c examples/c/smollm/quant.c \
+  examples/c/smollm.c examples/c/smollm/error.c examples/c/smollm/gguf.c \
+  examples/c/smollm/quant.c \
   examples/c/smollm/bpe.c examples/c/smollm/llama.c \
   "$lib" -lgcc_s -lutil -lrt -lpthread -lm -ldl
 cargo build --release --manifest-path examples/smollm/Cargo.toml --bin generate

@@ -397,7 +397,8 @@ int main(int argc, char **argv) {
 
   n_completions = max_seqs;
   completions = xcalloc(n_completions, sizeof *completions);
-  for (i = 0; i < n_completions; i++) completions[i].tokens = xcalloc(o.max_tokens, sizeof(uint32_t));
+  for (i = 0; i < n_completions; i++)
+    completions[i].tokens = xcalloc(o.max_tokens, sizeof(uint32_t));
   n_live_slots = max_seqs;
   lives = xcalloc(n_live_slots, sizeof *lives);
   seqs = xcalloc(max_seqs, sizeof *seqs);
@@ -420,7 +421,8 @@ int main(int argc, char **argv) {
     double t0;
     /* The first prompt runs one step ahead (unless --all-at-once), so the others find
      * its system turn in the prefix cache; an idle engine takes the next at once. */
-    while (arrived < o.n_prompts && (o.all_at_once || arrived == 0 || steps >= 1 || in_flight == 0)) {
+    while (arrived < o.n_prompts &&
+           (o.all_at_once || arrived == 0 || steps >= 1 || in_flight == 0)) {
       kvpage_request id;
       check(kvpage_engine_add_request(srv.engine, 0, prompts[arrived], prompt_len[arrived],
                                       o.max_tokens, &id, &err),
@@ -577,8 +579,10 @@ int main(int argc, char **argv) {
   }
   printf("prefill: %llu tokens, %.1f tokens/s; decode: %llu tokens, %.1f tokens/s; %llu engine "
          "steps; model load %.1f s\n",
-         (unsigned long long)prefill_tokens, (double)prefill_tokens / (prefill_time > 0 ? prefill_time : 1e-9),
-         (unsigned long long)decode_tokens, (double)decode_tokens / (decode_time > 0 ? decode_time : 1e-9),
+         (unsigned long long)prefill_tokens,
+         (double)prefill_tokens / (prefill_time > 0 ? prefill_time : 1e-9),
+         (unsigned long long)decode_tokens,
+         (double)decode_tokens / (decode_time > 0 ? decode_time : 1e-9),
          (unsigned long long)steps, t_load);
 
   check(kvpage_engine_free(srv.engine, &err), &err, "kvpage_engine_free");

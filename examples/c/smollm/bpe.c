@@ -1,20 +1,14 @@
 /* Byte-level BPE: see bpe.h. */
 #include "bpe.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "error.h"
+
 enum { CONTROL_TYPE = 3, MAX_PIECE = 4096 };
 
-static int fail(char *err, size_t err_len, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  if (err_len > 0) vsnprintf(err, err_len, fmt, ap);
-  va_end(ap);
-  return 1;
-}
 
 /* ---- string map ---- */
 
@@ -98,15 +92,15 @@ int bpe_load(bpe *b, const gguf_file *f, char *err, size_t err_len) {
   memset(b, 0, sizeof *b);
   if (gguf_get_str(f, "tokenizer.ggml.model", &model, err, err_len)) return 1;
   if (!gguf_str_eq(model, "gpt2"))
-    return fail(err, err_len, "tokenizer %.*s, not gpt2 (byte-level BPE)", (int)model.len,
-                model.ptr);
+    return smollm_fail(err, err_len, "tokenizer %.*s, not gpt2 (byte-level BPE)", (int)model.len,
+                       model.ptr);
   if (gguf_get_array(f, "tokenizer.ggml.tokens", GGUF_STRING, &tokens, err, err_len) ||
       gguf_get_array(f, "tokenizer.ggml.merges", GGUF_STRING, &merges, err, err_len) ||
       gguf_get_u32(f, "tokenizer.ggml.eos_token_id", &b->eos, err, err_len))
     return 1;
   if (tokens->count == 0 || tokens->count > UINT32_MAX / 2 || merges->count > UINT32_MAX / 2)
-    return fail(err, err_len, "vocabulary of %llu tokens and %llu merges",
-                (unsigned long long)tokens->count, (unsigned long long)merges->count);
+    return smollm_fail(err, err_len, "vocabulary of %llu tokens and %llu merges",
+                       (unsigned long long)tokens->count, (unsigned long long)merges->count);
   b->n_vocab = (uint32_t)tokens->count;
   b->tokens = calloc(b->n_vocab, sizeof *b->tokens);
   b->is_control = calloc(b->n_vocab, 1);
@@ -114,7 +108,7 @@ int bpe_load(bpe *b, const gguf_file *f, char *err, size_t err_len) {
   if (!b->tokens || !b->is_control || !b->controls || map_init(&b->vocab, b->n_vocab) ||
       map_init(&b->merges, (size_t)merges->count)) {
     bpe_free(b);
-    return fail(err, err_len, "out of memory for the tokenizer");
+    return smollm_fail(err, err_len, "out of memory for the tokenizer");
   }
   for (p = tokens->value, i = 0; i < tokens->count; i++) {
     b->tokens[i] = gguf_next_string(&p);
@@ -137,7 +131,7 @@ int bpe_load(bpe *b, const gguf_file *f, char *err, size_t err_len) {
   }
   if (b->eos >= b->n_vocab) {
     bpe_free(b);
-    return fail(err, err_len, "end-of-sequence id past the vocabulary");
+    return smollm_fail(err, err_len, "end-of-sequence id past the vocabulary");
   }
   return 0;
 }
@@ -202,8 +196,8 @@ static int encode_chunk(const bpe *b, const char *s, size_t n, ids_buf *o, char 
   for (i = 0; i < syms; i++) {
     uint32_t id;
     if (!map_get(&b->vocab, text + start[i], len[i], &id))
-      return fail(err, err_len, "no token for \"%.*s\"", (int)len[i], text + start[i]);
-    if (push(o, id)) return fail(err, err_len, "out of memory");
+      return smollm_fail(err, err_len, "no token for \"%.*s\"", (int)len[i], text + start[i]);
+    if (push(o, id)) return smollm_fail(err, err_len, "out of memory");
   }
   return 0;
 }
@@ -292,7 +286,7 @@ int bpe_encode(const bpe *b, const char *text, size_t len, uint32_t **ids, size_
       if (encode_text(b, (const uint8_t *)text + plain, i - plain, &o, err, err_len)) goto fail;
       if (i == len) break;
       if (push(&o, best)) {
-        fail(err, err_len, "out of memory");
+        smollm_fail(err, err_len, "out of memory");
         goto fail;
       }
       i += best_len;

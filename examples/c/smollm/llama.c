@@ -2,20 +2,13 @@
 #include "llama.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "error.h"
 #include "quant.h"
 
-static int fail(char *err, size_t err_len, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  if (err_len > 0) vsnprintf(err, err_len, fmt, ap);
-  va_end(ap);
-  return 1;
-}
 
 /* The f32 values of tensor `name`, which must be [cols] (rows 0) or [rows][cols]. */
 static float *load_tensor(const gguf_file *f, const char *name, uint64_t rows, uint64_t cols,
@@ -23,23 +16,23 @@ static float *load_tensor(const gguf_file *f, const char *name, uint64_t rows, u
   const gguf_tensor *t = gguf_tensor_find(f, name);
   float *out;
   if (!t) {
-    fail(err, err_len, "tensor %s missing", name);
+    smollm_fail(err, err_len, "tensor %s missing", name);
     return NULL;
   }
   if (t->dims[0] != cols || (rows ? t->n_dims != 2 || t->dims[1] != rows : t->n_dims != 1)) {
-    fail(err, err_len, "tensor %s has shape %llux%llu, expected %llux%llu", name,
-         (unsigned long long)t->dims[0], (unsigned long long)t->dims[1],
-         (unsigned long long)cols, (unsigned long long)(rows ? rows : 1));
+    smollm_fail(err, err_len, "tensor %s has shape %llux%llu, expected %llux%llu", name,
+                (unsigned long long)t->dims[0], (unsigned long long)t->dims[1],
+                (unsigned long long)cols, (unsigned long long)(rows ? rows : 1));
     return NULL;
   }
   out = malloc((size_t)t->elements * sizeof *out);
   if (!out) {
-    fail(err, err_len, "out of memory for tensor %s", name);
+    smollm_fail(err, err_len, "out of memory for tensor %s", name);
     return NULL;
   }
   if (dequantize(t, out)) {
     free(out);
-    fail(err, err_len, "tensor %s: unsupported type %u", name, t->type);
+    smollm_fail(err, err_len, "tensor %s: unsupported type %u", name, t->type);
     return NULL;
   }
   return out;
@@ -51,7 +44,7 @@ static int read_hparams(llama_hparams *hp, const gguf_file *f, char *err, size_t
   const gguf_tensor *embed = gguf_tensor_find(f, "token_embd.weight");
   if (gguf_get_str(f, "general.architecture", &arch, err, err_len)) return 1;
   if (!gguf_str_eq(arch, "llama"))
-    return fail(err, err_len, "architecture %.*s, not llama", (int)arch.len, arch.ptr);
+    return smollm_fail(err, err_len, "architecture %.*s, not llama", (int)arch.len, arch.ptr);
   if (gguf_get_u32(f, "llama.block_count", &hp->layers, err, err_len) ||
       gguf_get_u32(f, "llama.attention.head_count", &hp->heads, err, err_len) ||
       gguf_get_u32(f, "llama.attention.head_count_kv", &hp->kv_heads, err, err_len) ||
@@ -66,18 +59,19 @@ static int read_hparams(llama_hparams *hp, const gguf_file *f, char *err, size_t
   if (hp->layers == 0 || hp->layers > 1024 || hp->heads == 0 || hp->kv_heads == 0 ||
       hp->heads % hp->kv_heads != 0 || hp->hidden % hp->heads != 0 || hp->ffn == 0 ||
       hp->hidden > 65536 || hp->ffn > 262144)
-    return fail(err, err_len, "unsupported shape: %u layers, %u heads, %u KV heads, width %u",
-                hp->layers, hp->heads, hp->kv_heads, hp->hidden);
+    return smollm_fail(err, err_len,
+                       "unsupported shape: %u layers, %u heads, %u KV heads, width %u",
+                       hp->layers, hp->heads, hp->kv_heads, hp->hidden);
   hp->head_dim = hp->hidden / hp->heads;
-  if (hp->head_dim % 2 != 0) return fail(err, err_len, "odd head dim %u", hp->head_dim);
+  if (hp->head_dim % 2 != 0) return smollm_fail(err, err_len, "odd head dim %u", hp->head_dim);
   if (gguf_find(f, "llama.rope.dimension_count")) {
     if (gguf_get_u32(f, "llama.rope.dimension_count", &rope_dims, err, err_len)) return 1;
-    if (rope_dims != hp->head_dim) return fail(err, err_len, "partial rotary embedding");
+    if (rope_dims != hp->head_dim) return smollm_fail(err, err_len, "partial rotary embedding");
   }
   if (!(hp->rope_base > 1.0f) || !(hp->rms_eps >= 0.0f))
-    return fail(err, err_len, "bad rope base or rms epsilon");
+    return smollm_fail(err, err_len, "bad rope base or rms epsilon");
   if (!embed || embed->n_dims != 2 || embed->dims[1] > UINT32_MAX)
-    return fail(err, err_len, "token_embd.weight missing or not a matrix");
+    return smollm_fail(err, err_len, "token_embd.weight missing or not a matrix");
   hp->vocab = (uint32_t)embed->dims[1];
   return 0;
 }
@@ -133,7 +127,7 @@ int llama_load(llama *m, const gguf_file *f, uint32_t max_positions, size_t max_
   m->up = malloc(max_rows * hp->ffn * sizeof(float));
   if (!m->cos || !m->sin || !m->h || !m->x || !m->q || !m->att || !m->k || !m->v || !m->gate ||
       !m->up) {
-    fail(err, err_len, "out of memory for the rotary tables and scratch");
+    smollm_fail(err, err_len, "out of memory for the rotary tables and scratch");
     goto fail;
   }
   for (i = 0; i < half; i++) {
@@ -208,7 +202,8 @@ static void rms_norm(float *out, const float *x, const float *alpha, size_t rows
 static void rope(const llama *m, float *x, const uint32_t *positions, size_t rows, size_t width) {
   size_t half = m->hp.head_dim / 2, r, h, i;
   for (r = 0; r < rows; r++) {
-    const float *c = m->cos + (size_t)positions[r] * half, *s = m->sin + (size_t)positions[r] * half;
+    const float *c = m->cos + (size_t)positions[r] * half;
+    const float *s = m->sin + (size_t)positions[r] * half;
     for (h = 0; h < width; h += m->hp.head_dim) {
       float *head = x + r * width + h;
       for (i = 0; i < half; i++) {

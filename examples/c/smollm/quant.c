@@ -36,7 +36,10 @@ int dequantize(const gguf_tensor *t, float *out) {
   case GGUF_T_Q8_0:
     for (i = 0; i < blocks; i++, p += 34) {
       float d = f16_to_f32(le16(p));
-      for (j = 0; j < 32; j++) out[32 * i + (uint64_t)j] = d * (float)((int)p[2 + j] - (p[2 + j] & 0x80 ? 256 : 0));
+      for (j = 0; j < 32; j++) {
+        int q = p[2 + j] & 0x80 ? (int)p[2 + j] - 256 : (int)p[2 + j]; /* int8 */
+        out[32 * i + (uint64_t)j] = d * (float)q;
+      }
     }
     return 0;
   case GGUF_T_Q4_1:
