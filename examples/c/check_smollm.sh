@@ -5,7 +5,8 @@
 #   1. builds smollm.c with -O2 against the release static library
 #      (cargo build --release -p kvpage) and the Rust `generate`;
 #   2. tokenizes a text of digits, contractions, runs of spaces, newlines and
-#      punctuation with both: the prompt token ids must be identical;
+#      punctuation, and one of accented letters, CJK, Unicode punctuation, numbers,
+#      symbols and emoji, with both: the prompt token ids must be identical;
 #   3. generates greedily (64 tokens) for three chat-template prompts with both, two
 #      samples each (the second a fork after the first token: the prefix cache, forks,
 #      chunked prefill mixed with decode; the C program through kvpage's C API, the Rust
@@ -55,8 +56,11 @@ rust() { cargo run --quiet --release --manifest-path examples/smollm/Cargo.toml 
 
 # 2. The tokenizer on ASCII text with every kind of piece.
 tricky=$(printf "I'm 42 years old, aren't you?  It's 3.14159...\n\nNew  line's END!! (x+y)=z; we'll see--they'd DONE it'S\tok   ")
-"$work/smollm_c" "$model" --print-ids --max-tokens 1 --prompt "$tricky" > "$work/c_tok.txt"
-rust "$model" --dequantize --print-ids --max-tokens 1 --prompt "$tricky" > "$work/rust_tok.txt"
+unicode="Café naïve — “quotes” 日本語です。 ½ x² 🙂👍🏽 ok… ¿Qué? 10€ ٣٤ Ⅻ ① µs × ÷ «§1» → ∑ ≤ ∞"
+"$work/smollm_c" "$model" --print-ids --max-tokens 1 --prompt "$tricky" --prompt "$unicode" \
+  > "$work/c_tok.txt"
+rust "$model" --dequantize --print-ids --max-tokens 1 --prompt "$tricky" --prompt "$unicode" \
+  > "$work/rust_tok.txt"
 grep '^prompt-ids' "$work/c_tok.txt" > "$work/c_tok_ids.txt"
 grep '^prompt-ids' "$work/rust_tok.txt" > "$work/rust_tok_ids.txt"
 if ! cmp -s "$work/c_tok_ids.txt" "$work/rust_tok_ids.txt"; then
@@ -64,7 +68,7 @@ if ! cmp -s "$work/c_tok_ids.txt" "$work/rust_tok_ids.txt"; then
   diff "$work/rust_tok_ids.txt" "$work/c_tok_ids.txt" >&2 || true
   exit 1
 fi
-echo "tokenizer: identical ids ($(wc -w < "$work/c_tok_ids.txt") words) for the mixed ASCII text"
+echo "tokenizer: identical ids for the ASCII and the Unicode texts ($(wc -w < "$work/c_tok_ids.txt") words)"
 
 # 3. Greedy generation.
 set -- --chat-template --max-tokens "$tokens" --samples 2 --print-ids \

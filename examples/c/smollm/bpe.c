@@ -214,14 +214,80 @@ static int encode_piece(const bpe *b, const char *s, size_t n, ids_buf *o, char 
   return 0;
 }
 
-static int is_space(uint8_t c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
-static int is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
-static int is_letter(uint8_t c) { return (c | 0x20) >= 'a' && (c | 0x20) <= 'z' ? 1 : c >= 0x80; }
-static int is_other(uint8_t c) { return !is_space(c) && !is_digit(c) && !is_letter(c); }
+/* Character classes of the pre-tokenizer's regular expression: \s, \p{L}, \p{N} and the
+ * rest (punctuation, symbols, marks). */
+enum cls { C_SPACE, C_LETTER, C_NUMBER, C_OTHER };
 
-/* Length of the GPT-2 pre-tokenizer's match at the start of s[0..n) (n > 0). */
+/* The code point at s[0..n) (n > 0) and its length in `*len`; a byte that does not start
+ * a valid sequence is taken alone, as a letter-like code point 0x80000 + byte. */
+static uint32_t next_cp(const uint8_t *s, size_t n, size_t *len) {
+  uint32_t c = s[0];
+  size_t want = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3
+              : (c & 0xf8) == 0xf0 ? 4 : 0;
+  size_t i;
+  if (want == 0 || want > n) {
+    *len = 1;
+    return 0x80000 + c;
+  }
+  c &= want == 1 ? 0x7f : want == 2 ? 0x1f : want == 3 ? 0x0f : 0x07;
+  for (i = 1; i < want; i++) {
+    if ((s[i] & 0xc0) != 0x80) {
+      *len = 1;
+      return 0x80000 + s[0];
+    }
+    c = c << 6 | (s[i] & 0x3f);
+  }
+  *len = want;
+  return c;
+}
+
+static int in(uint32_t c, uint32_t lo, uint32_t hi) { return c >= lo && c <= hi; }
+
+/* ASCII exactly; beyond it the common Unicode spaces, numbers, punctuation, symbols,
+ * marks and emoji, and letters otherwise (an approximation of the Unicode tables). */
+static enum cls classify(uint32_t c) {
+  if (c < 0x80) {
+    if (c == ' ' || in(c, '\t', '\r')) return C_SPACE;
+    if (in(c, '0', '9')) return C_NUMBER;
+    if (in(c | 0x20, 'a', 'z')) return C_LETTER;
+    return C_OTHER;
+  }
+  if (c == 0x85 || c == 0xa0 || c == 0x1680 || in(c, 0x2000, 0x200a) || c == 0x2028 ||
+      c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000)
+    return C_SPACE;
+  if (c == 0xb2 || c == 0xb3 || c == 0xb9 || in(c, 0xbc, 0xbe) || in(c, 0x660, 0x669) ||
+      in(c, 0x6f0, 0x6f9) || in(c, 0x966, 0x96f) || c == 0x2070 || in(c, 0x2074, 0x2079) ||
+      in(c, 0x2080, 0x2089) || in(c, 0x2150, 0x2189) || in(c, 0x2460, 0x249b) ||
+      in(c, 0x2776, 0x2793) || c == 0x3007 || in(c, 0xff10, 0xff19))
+    return C_NUMBER;
+  if (c == 0xaa || c == 0xb5 || c == 0xba) return C_LETTER;
+  if (in(c, 0xa1, 0xbf) || c == 0xd7 || c == 0xf7 || in(c, 0x300, 0x36f) ||
+      in(c, 0x2010, 0x2027) || in(c, 0x2030, 0x205e) || in(c, 0x20a0, 0x20ff) ||
+      in(c, 0x2190, 0x245f) || in(c, 0x2500, 0x2775) || in(c, 0x2794, 0x2bff) ||
+      in(c, 0x3001, 0x3006) || in(c, 0x3008, 0x3020) || c == 0x3030 || c == 0x200d ||
+      in(c, 0xfe00, 0xfe0f) || in(c, 0xff01, 0xff0f) || in(c, 0xff1a, 0xff20) ||
+      in(c, 0xff3b, 0xff40) || in(c, 0xff5b, 0xff65) || in(c, 0x1f000, 0x1faff))
+    return C_OTHER;
+  return C_LETTER;
+}
+
+/* The class of the code point at s[0..n) (n > 0), its length in `*len`. */
+static enum cls class_at(const uint8_t *s, size_t n, size_t *len) {
+  return classify(next_cp(s, n, len));
+}
+
+/* End of the run of class `k` starting at `i`. */
+static size_t run_end(const uint8_t *s, size_t n, size_t i, enum cls k) {
+  size_t len;
+  while (i < n && class_at(s + i, n - i, &len) == k) i += len;
+  return i;
+}
+
+/* Length of the GPT-2 pre-tokenizer's match at the start of s[0..n) (n > 0):
+ * 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ */
 static size_t gpt2_match(const uint8_t *s, size_t n) {
-  size_t j = 0, k;
+  size_t j = 0, k, len, last = 0;
+  enum cls c;
   if (s[0] == '\'' && n >= 2) {
     if (s[1] == 's' || s[1] == 't' || s[1] == 'm' || s[1] == 'd') return 2;
     if (n >= 3 && ((s[1] == 'r' && s[2] == 'e') || (s[1] == 'v' && s[2] == 'e') ||
@@ -229,35 +295,28 @@ static size_t gpt2_match(const uint8_t *s, size_t n) {
       return 3;
   }
   if (s[0] == ' ') j = 1;
-  if (j < n) {
-    int (*cls)(uint8_t) = is_letter(s[j]) ? is_letter : is_digit(s[j]) ? is_digit
-                          : is_other(s[j]) ? is_other : NULL;
-    if (cls) {
-      for (k = j; k < n && cls(s[k]); k++) {
-      }
-      return k;
-    }
-  }
-  for (k = 0; k < n && is_space(s[k]); k++) {
-  }
-  /* \s+(?!\S): a run that ends the text, or all of it but its last character before a
-   * non-space; a single space before a non-space: \s+. */
-  if (k == n || k == 1) return k;
-  return k - 1;
+  if (j < n && (c = class_at(s + j, n - j, &len)) != C_SPACE) return run_end(s, n, j, c);
+  /* A whitespace run: \s+(?!\S) takes all of it when it ends the text, else all but its
+   * last character (which goes with the next word); a single one before a non-space:
+   * \s+. */
+  for (k = 0; k < n && class_at(s + k, n - k, &len) == C_SPACE; k += len) last = k;
+  if (k == n || last == 0) return k;
+  return last;
 }
 
-/* Pre-tokenizes and encodes text without control tokens. */
+/* Pre-tokenizes and encodes text without control tokens: every number character alone
+ * (SmolLM2's Digits pre-tokenizer), then the GPT-2 split of the text between them. */
 static int encode_text(const bpe *b, const uint8_t *s, size_t n, ids_buf *o, char *err,
                        size_t err_len) {
-  size_t i = 0;
+  size_t i = 0, len;
   while (i < n) {
     size_t end, m;
-    if (is_digit(s[i])) {
-      if (encode_piece(b, (const char *)s + i, 1, o, err, err_len)) return 1;
-      i++;
+    if (class_at(s + i, n - i, &len) == C_NUMBER) {
+      if (encode_piece(b, (const char *)s + i, len, o, err, err_len)) return 1;
+      i += len;
       continue;
     }
-    for (end = i; end < n && !is_digit(s[end]); end++) {
+    for (end = i; end < n && class_at(s + end, n - end, &len) != C_NUMBER; end += len) {
     }
     while (i < end) {
       m = gpt2_match(s + i, end - i);

@@ -1,10 +1,11 @@
 /*
  * The byte-level BPE tokenizer of a GGUF `gpt2` vocabulary (tokenizer.ggml.tokens,
  * .merges, .token_type): control tokens (`<|im_start|>`, ...) are matched whole in the
- * text; the rest is pre-tokenized as SmolLM2's tokenizer does (every digit alone, then
- * GPT-2's split into contractions, words, numbers, punctuation runs and whitespace;
- * non-ASCII bytes count as letters), each piece's bytes become GPT-2's printable
- * characters and are merged by rank.
+ * text; the rest is pre-tokenized as SmolLM2's tokenizer does (every number character
+ * alone, then GPT-2's split into contractions, words, numbers, punctuation runs and
+ * whitespace; exact for ASCII, and for the common Unicode spaces, numbers, punctuation,
+ * symbols and emoji, other code points counting as letters), each piece's bytes become
+ * GPT-2's printable characters and are merged by rank.
  */
 #ifndef SMOLLM_BPE_H
 #define SMOLLM_BPE_H
