@@ -158,8 +158,8 @@ static int attend(void *ctx, uint32_t layer, const float *q, const float *k, con
 
 /* ---- command line ---- */
 
-static void usage(void) {
-  fprintf(stderr,
+static void usage(FILE *to) {
+  fprintf(to,
           "usage: smollm_c [MODEL.gguf] [--prompt TEXT]... [--chat-template] [--system TEXT]\n"
           "       [--max-tokens N] [--samples N] [--seed N] [--temperature T] [--all-at-once]\n"
           "       [--block-size N] [--blocks N] [--max-seq-len N] [--token-budget N] "
@@ -311,8 +311,12 @@ int main(int argc, char **argv) {
   kvpage_engine_counters counters;
   kvpage_stats stats;
 
+  if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+    usage(stdout);
+    return 0;
+  }
   if (parse_args(argc, argv, &o)) {
-    usage();
+    usage(stderr);
     return EXIT_USAGE;
   }
   path = model_path(&o);
@@ -427,7 +431,11 @@ int main(int argc, char **argv) {
       check(kvpage_engine_add_request(srv.engine, 0, prompts[arrived], prompt_len[arrived],
                                       o.max_tokens, &id, &err),
             &err, "kvpage_engine_add_request");
-      for (slot = 0; lives[slot].used; slot++) {
+      for (slot = 0; slot < n_live_slots && lives[slot].used; slot++) {
+      }
+      if (slot == n_live_slots) {
+        fprintf(stderr, "smollm: more requests in flight than sequences\n");
+        exit(1);
       }
       lives[slot].used = 1;
       lives[slot].request = id;
@@ -529,7 +537,11 @@ int main(int argc, char **argv) {
         completion *c = &completions[n_completions];
         check(kvpage_engine_fork(srv.engine, q->request, 1, token, &child, &err), &err,
               "kvpage_engine_fork");
-        for (child_slot = 0; lives[child_slot].used; child_slot++) {
+        for (child_slot = 0; child_slot < n_live_slots && lives[child_slot].used; child_slot++) {
+        }
+        if (child_slot == n_live_slots || n_completions == max_seqs) {
+          fprintf(stderr, "smollm: more forks than sequences\n");
+          exit(1);
         }
         lives[child_slot].used = 1;
         lives[child_slot].request = child;
