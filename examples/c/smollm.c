@@ -276,10 +276,13 @@ static char *input_text(const options *o, const char *p) {
   return text;
 }
 
+/* The first 32 bytes of a prompt for the table, cut at a character boundary. */
 static void print_row_text(const char *s) {
   int i;
   char buf[33];
   for (i = 0; i < 32 && s[i]; i++) buf[i] = (s[i] == '\n' || s[i] == '\t') ? ' ' : s[i];
+  if (i == 32)
+    while (i > 0 && ((unsigned char)s[i] & 0xc0) == 0x80) i--; /* inside a UTF-8 sequence */
   buf[i] = '\0';
   printf("%-32s", buf);
 }
