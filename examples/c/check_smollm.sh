@@ -51,8 +51,8 @@ cc -std=c11 -O2 -Wall -Wextra -Werror -pedantic -I host-std/include -o "$work/sm
   examples/c/smollm/quant.c \
   examples/c/smollm/bpe.c examples/c/smollm/llama.c \
   "$lib" -lgcc_s -lutil -lrt -lpthread -lm -ldl
-cargo build --release --manifest-path examples/smollm/Cargo.toml --bin generate
-rust() { cargo run --quiet --release --manifest-path examples/smollm/Cargo.toml --bin generate -- "$@"; }
+cargo build --release --locked --manifest-path examples/smollm/Cargo.toml --bin generate
+rust() { cargo run --quiet --release --locked --manifest-path examples/smollm/Cargo.toml --bin generate -- "$@"; }
 
 # 2. The tokenizer on ASCII text with every kind of piece.
 tricky=$(printf "I'm 42 years old, aren't you?  It's 3.14159...\n\nNew  line's END!! (x+y)=z; we'll see--they'd DONE it'S\tok   ")
@@ -68,7 +68,7 @@ if ! cmp -s "$work/c_tok_ids.txt" "$work/rust_tok_ids.txt"; then
   diff "$work/rust_tok_ids.txt" "$work/c_tok_ids.txt" >&2 || true
   exit 1
 fi
-echo "tokenizer: identical ids for the ASCII and the Unicode texts ($(wc -w < "$work/c_tok_ids.txt") words)"
+echo "tokenizer: identical ids for the ASCII and the Unicode texts ($(cut -d: -f2 "$work/c_tok_ids.txt" | wc -w) tokens)"
 
 # 3. Greedy generation.
 set -- --chat-template --max-tokens "$tokens" --samples 2 --print-ids \
