@@ -82,6 +82,11 @@ struct Args {
     /// and more kernel threads only compete with candle's for the cores.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Also print each prompt's token ids (`prompt-ids PROMPT: id id ...`) and each
+    /// generation's (`ids PROMPT SAMPLE: id id ...`), as examples/c/smollm.c prints them
+    /// (examples/c/check_smollm.sh compares the two).
+    #[arg(long)]
+    print_ids: bool,
 }
 
 fn prompts(args: &Args) -> Result<Vec<String>, Error> {
@@ -151,6 +156,12 @@ fn run(args: &Args) -> Result<(), Error> {
         eos: Some(tokenizer.eos),
         keep_logits: false,
     };
+    if args.print_ids {
+        for (i, r) in requests.iter().enumerate() {
+            let ids: Vec<String> = r.prompt.iter().map(u32::to_string).collect();
+            println!("prompt-ids {i}: {}", ids.join(" "));
+        }
+    }
     let report = serve(&model, config, &requests, &mut Sampler::new(sampling))?;
     for c in &report.completions {
         println!(
@@ -160,6 +171,10 @@ fn run(args: &Args) -> Result<(), Error> {
             texts[c.request],
             tokenizer.decode(&c.tokens)?
         );
+        if args.print_ids {
+            let ids: Vec<String> = c.tokens.iter().map(u32::to_string).collect();
+            println!("ids {} {}: {}\n", c.request, c.sample, ids.join(" "));
+        }
     }
     print_table(&texts, &report, args.max_seq_len);
     Ok(())
