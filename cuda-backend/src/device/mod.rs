@@ -4,7 +4,8 @@
 //!   [`Event`]s, the kernels' [`Module`] and [`Kernels`];
 //! - [`StepBuffers`]: the per-step metadata, preallocated, uploaded in few copies;
 //! - [`HostTier`]: the pinned host arena and the swaps' copy stream;
-//! - [`DeviceCache`]: the core's manager over a device arena, with the CPU cache's API.
+//! - [`DeviceKv`]: the device half of a paged KV cache (arena, kernels, step buffers,
+//!   host tier), driven by the caller's block manager (`kvpage::KvCache`'s CUDA backend).
 //!
 //! Every resource holds an `Arc` of its [`Context`] and makes it current before its
 //! driver calls, so it can be used and dropped from any thread, and the context (the
@@ -12,18 +13,18 @@
 //! it. Drops never panic: a failing free (only possible after a sticky device error,
 //! when the context is lost anyway) is ignored.
 
-mod cache;
 mod context;
 mod kernels;
+mod kv;
 mod memory;
 mod module;
 mod step;
 mod stream;
 mod tier;
 
-pub use cache::{DeviceCache, DeviceCacheConfig, DeviceCacheError, DeviceSlice};
 pub use context::{Context, DeviceInfo};
 pub use kernels::{Kernels, KernelsError};
+pub use kv::{DeviceKv, DeviceKvConfig, DeviceKvError, DeviceSlice, SeqSpan};
 pub use memory::{DeviceMemory, PinnedMemory};
 pub use module::{DeviceCopy, Function, Module};
 pub use step::{StepBuffers, StepError, MAX_UPLOAD_COPIES, MERGE_GAP_BYTES};

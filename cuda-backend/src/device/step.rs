@@ -147,6 +147,11 @@ impl StepBuffers {
         self.device.ptr() + section.offset as u64
     }
 
+    /// The limits the buffers were sized for. O(1).
+    pub fn limits(&self) -> &StepLimits {
+        &self.limits
+    }
+
     /// Waits until the previous upload has read the staging buffer. O(1) when it has.
     ///
     /// # Errors

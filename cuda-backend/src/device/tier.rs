@@ -93,6 +93,11 @@ impl HostTier {
         })
     }
 
+    /// Blocks the host arena holds. O(1).
+    pub fn blocks(&self) -> u32 {
+        u32::try_from(self.arena.len() as u64 / self.bytes_per_block.max(1)).unwrap_or(u32::MAX)
+    }
+
     /// The host arena (read it only when no swap is in flight: after
     /// [`HostTier::synchronize`]). O(1).
     pub fn arena(&self) -> &PinnedMemory {
