@@ -40,10 +40,9 @@ use kvpage_core::{
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
 use crate::dtype::{for_dtype, Element};
 use crate::error::KernelError;
-use crate::kernels::{
-    self, AttentionParams, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool,
-};
+use crate::kernels::{self, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool};
 use crate::persist::PersistError;
+use crate::storage::{Backend, DeviceFault, Storage};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
 /// Instance tags handed to caches; 0 is never used.
@@ -190,6 +189,19 @@ pub enum CacheError {
     },
     /// Saving or restoring a sequence failed (see [`crate::persist`]).
     Persist(PersistError),
+    /// The cache's backend cannot do this operation yet (e.g. row moves of edits,
+    /// re-rotating keys or persistence on a CUDA device). Checked before anything
+    /// changes.
+    Unsupported {
+        /// The operation (`"remove_range"`, `"rotate_keys"`, ...).
+        op: &'static str,
+        /// The backend (`"cuda"`).
+        backend: &'static str,
+    },
+    /// The CUDA backend failed or is not available (see [`DeviceFault`]). A driver
+    /// failure of work already queued leaves the device cache unusable (CUDA errors are
+    /// sticky): drop it.
+    Device(DeviceFault),
 }
 
 impl core::fmt::Display for CacheError {
@@ -231,6 +243,10 @@ impl core::fmt::Display for CacheError {
                 if *registered { "" } else { "not " }
             ),
             Self::Persist(e) => e.fmt(f),
+            Self::Unsupported { op, backend } => {
+                write!(f, "{op} is not supported on the {backend} backend yet")
+            }
+            Self::Device(e) => write!(f, "CUDA backend: {e}"),
         }
     }
 }
@@ -297,12 +313,11 @@ const _: fn() = || {
 /// calls bit for bit (tested in `tests/concurrent_kernels.rs`).
 pub struct KvCache {
     pub(crate) tables: Tables,
-    pub(crate) arena: Arena,
+    /// The K/V: the CPU arena (and an engine's host tier) or a CUDA device.
+    pub(crate) storage: Storage,
     /// The arena's layout; its geometry is the configured one.
     pub(crate) layout: KvLayout,
-    /// The host tier of an engine with swap space: its layout and arena.
-    pub(crate) host: Option<(KvLayout, Arena)>,
-    /// The attention kernels' workers.
+    /// The attention kernels' workers (none started for a device cache).
     pool: WorkerPool,
     /// Per block-table row: start of the range K/V may be written to.
     pending: Vec<u32>,
@@ -339,18 +354,36 @@ impl KvCache {
     /// [`CacheError::TablesAlloc`] if memory for the core's tables or the small buffers
     /// is refused, [`CacheError::Alloc`] if memory for the arena is refused.
     pub fn new(config: CacheConfig) -> Result<Self, CacheError> {
-        Self::build(config, None)
+        Self::build(config, None, Backend::Cpu)
+    }
+
+    /// [`KvCache::new`] on `backend`: the CPU, or a CUDA device whose arena takes the
+    /// configured capacity (or a fraction of its free memory: [`crate::CudaOptions`]).
+    /// A device cache has the same API; what the device cannot do yet is
+    /// [`CacheError::Unsupported`] (edits, [`KvCache::rotate_keys`], persistence), and
+    /// [`KvCache::arena`] is empty (its K/V lives on the device). O(arena bytes +
+    /// tables).
+    ///
+    /// # Errors
+    /// As [`KvCache::new`]; for CUDA, [`CacheError::Device`]: [`DeviceFault::NotCompiled`]
+    /// in a build without the `cuda` feature, [`DeviceFault::NoDriver`] on a machine
+    /// without an NVIDIA driver, [`DeviceFault::NoKernels`], [`DeviceFault::Driver`],
+    /// [`DeviceFault::Refused`] (an unsupported dtype or head dim, `q_heads` not a
+    /// multiple of the KV heads, zero sizes).
+    pub fn with_backend(config: CacheConfig, backend: Backend) -> Result<Self, CacheError> {
+        Self::build(config, None, backend)
     }
 
     /// [`KvCache::new`], with the host tier and the request engine of an
     /// [`crate::Engine`] when `engine` is given. O(arena bytes + host arena + tables).
     ///
     /// # Errors
-    /// As [`KvCache::new`], plus [`CacheError::Engine`] from the engine's sizes and
-    /// [`CacheError::Alloc`] for the host arena.
+    /// As [`KvCache::with_backend`], plus [`CacheError::Engine`] from the engine's sizes
+    /// and [`CacheError::Alloc`] for the host arena.
     pub(crate) fn build(
         config: CacheConfig,
         engine: Option<EngineParts>,
+        backend: Backend,
     ) -> Result<Self, CacheError> {
         let g = config.geometry;
         let num_blocks = match config.capacity {
@@ -361,6 +394,18 @@ impl KvCache {
         if num_blocks == 0 || config.max_seq_len == 0 {
             return Err(CacheError::BadConfig);
         }
+        let host_blocks = engine.map_or(0, |e| e.host_blocks);
+        // A device arena is reserved first: its block count sizes the manager.
+        let device = match backend {
+            Backend::Cpu => None,
+            Backend::Cuda(options) => {
+                Some(Storage::cuda(&config, num_blocks, host_blocks, options)?)
+            }
+        };
+        let num_blocks = device
+            .as_ref()
+            .and_then(Storage::device_blocks)
+            .unwrap_or(num_blocks);
         let layout = KvLayout::new(g, num_blocks)?;
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
         let core_config = Config {
@@ -372,14 +417,9 @@ impl KvCache {
         .with_hash_key(config.hash_key.unwrap_or_else(|| random_hash_key(instance)));
         core_config.validate().map_err(CacheError::Init)?;
         let tables = Tables::new(core_config, engine)?;
-        let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
-        let host = match engine.map_or(0, |e| e.host_blocks) {
-            0 => None,
-            blocks => {
-                let host_layout = KvLayout::new(g, blocks)?;
-                let host_arena = Arena::for_layout(&host_layout).map_err(CacheError::Alloc)?;
-                Some((host_layout, host_arena))
-            }
+        let storage = match device {
+            Some(device) => device,
+            None => Storage::cpu(&layout, host_blocks)?,
         };
         let max_seqs = config.max_seqs as usize;
         let max_tokens = core_config.max_tokens_per_seq() as usize;
@@ -391,13 +431,18 @@ impl KvCache {
         )?;
         let max_moves = usize::try_from(core_config.max_row_moves()).unwrap_or(usize::MAX);
         let edit_moves = try_filled(max_moves, RowMove::default())?;
-        // Last: no thread is started for a construction that fails.
-        let pool = WorkerPool::new(config.threads);
+        // Last: no thread is started for a construction that fails; a device cache
+        // runs no CPU kernel.
+        let threads = match storage {
+            Storage::Cpu { .. } => config.threads,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda { .. } => 1,
+        };
+        let pool = WorkerPool::new(threads);
         Ok(Self {
             tables,
-            arena,
+            storage,
             layout,
-            host,
             pool,
             pending,
             slots,
@@ -439,8 +484,28 @@ impl KvCache {
     }
 
     /// The arena, read-only (e.g. to swap or upload blocks). O(1).
+    ///
+    /// For a cache on a CUDA device ([`KvCache::with_backend`]) this is an empty arena:
+    /// its K/V lives in device memory.
     pub fn arena(&self) -> &Arena {
-        &self.arena
+        self.storage.arena()
+    }
+
+    /// Copies the K/V bytes of arena block `block` (the block-major layout of
+    /// [`KvCache::layout`], as [`KvCache::arena`] holds it on the CPU) into `out`,
+    /// which must be exactly one block long: on either backend (a device cache reads
+    /// it back after every launch so far). O(bytes per block).
+    ///
+    /// # Errors
+    /// [`KernelError::BlockOutOfRange`], [`KernelError::BufferLength`] (nothing
+    /// written); [`CacheError::Device`] for a driver error.
+    pub fn read_block(&mut self, block: u32, out: &mut [u8]) -> Result<(), CacheError> {
+        self.storage.read_block(&self.layout, block, out)
+    }
+
+    /// The backend the cache runs on: `"cpu"` or `"cuda"`. O(1).
+    pub fn backend(&self) -> &'static str {
+        self.storage.backend()
     }
 
     /// Counters of the pool and the sequences. O(1).
@@ -493,7 +558,7 @@ impl KvCache {
             m.create_with_prompt_at(namespace, priority, prompt, slots)
         })?;
         // A new sequence's last block is never shared (the core computes >= 1 token).
-        self.execute_copy(start.appended.copy);
+        self.execute_copy(start.appended.copy)?;
         self.pending[start.seq.index() as usize] = start.reused_tokens;
         Ok(PromptSeq {
             seq: Seq(start.seq),
@@ -537,21 +602,25 @@ impl KvCache {
             let len = m.len(seq.0)?;
             append(m, slots).map(|a| (len, a))
         })?;
-        self.execute_copy(done.copy);
+        self.execute_copy(done.copy)?;
         let p = &mut self.pending[seq.0.index() as usize];
         *p = (*p).min(len);
         Ok(())
     }
 
     /// Performs a copy-on-write the core reported. The core's block ids are always in
-    /// range and distinct, so this cannot fail.
-    fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) {
-        if let Some(c) = copy {
-            let done = for_dtype!(self.layout.geometry().dtype(), T => {
-                kernels::copy_blocks(&self.layout, self.arena.as_mut_slice::<T>(), &[c])
-            });
-            debug_assert!(done.is_ok(), "core reported an invalid copy: {done:?}");
-        }
+    /// range and distinct, so this cannot fail on the CPU; on a device only a driver
+    /// error can ([`CacheError::Device`]: the device cache is then unusable).
+    fn execute_copy(&mut self, copy: Option<kvpage_core::BlockCopy>) -> Result<(), CacheError> {
+        let Some(c) = copy else {
+            return Ok(());
+        };
+        let done = self.storage.copy_blocks(&self.layout, &[c]);
+        debug_assert!(
+            !matches!(done, Err(CacheError::Kernel(_))),
+            "core reported an invalid copy: {done:?}"
+        );
+        done
     }
 
     /// Declares the K/V of every token of `seq` written in every layer: its full blocks
@@ -638,10 +707,7 @@ impl KvCache {
     ) -> Result<(), CacheError> {
         let tokens = self.writable_slots(seq, first, k.len())?;
         let (layout, slots) = (&self.layout, &self.slots[..tokens]);
-        for_dtype!(layout.geometry().dtype(), T => {
-            kernels::write_kv(layout, self.arena.as_mut_slice::<T>(), layer, slots, k, v)
-        })?;
-        Ok(())
+        self.storage.write_kv(layout, layer, slots, k, v)
     }
 
     /// [`KvCache::write_kv`] with `k` and `v` already in the storage dtype `T` (e.g. an
@@ -662,9 +728,8 @@ impl KvCache {
     ) -> Result<(), CacheError> {
         self.layout.check_element::<T>()?;
         let tokens = self.writable_slots(seq, first, k.len())?;
-        let arena = self.arena.as_mut_slice::<T>();
-        kernels::write_kv_as(&self.layout, arena, layer, &self.slots[..tokens], k, v)?;
-        Ok(())
+        let (layout, slots) = (&self.layout, &self.slots[..tokens]);
+        self.storage.write_kv_as(layout, layer, slots, k, v)
     }
 
     /// Checks that the tokens of `elems` K elements (`[tokens][kv_heads][head_dim]`)
@@ -726,6 +791,7 @@ impl KvCache {
         delta: i64,
         rope: RopeParams,
     ) -> Result<(), CacheError> {
+        self.storage.cpu_only("rotate_keys")?;
         let m = self.tables.manager();
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
@@ -764,7 +830,7 @@ impl KvCache {
         }];
         let (layout, pool) = (&self.layout, &self.pool);
         for_dtype!(g.dtype(), T => {
-            let arena = self.arena.as_mut_slice::<T>();
+            let arena = self.storage.arena_mut().as_mut_slice::<T>();
             kernels::rotate_keys(layout, arena, table, &shift, rope, Some(pool))
         })?;
         Ok(())
@@ -832,28 +898,27 @@ impl KvCache {
     }
 
     pub(crate) fn run_attention(
-        &self,
+        &mut self,
         layer: u32,
         q: &[f32],
         out: &mut [f32],
         q_heads: u32,
         scale: f32,
     ) -> Result<(), CacheError> {
-        let m = self.manager();
+        let m = self.tables.manager();
         let table = BlockTable {
             table: m.block_table(),
             stride: m.config().max_blocks_per_seq,
         };
-        let params = AttentionParams {
-            q_heads,
-            scale,
-            pool: Some(&self.pool),
-        };
-        for_dtype!(self.layout.geometry().dtype(), T => {
-            let arena = self.arena.as_slice::<T>();
-            kernels::paged_attention(&self.layout, arena, layer, table, &self.batch, q, out, params)
-        })?;
-        Ok(())
+        self.storage.attention(
+            &self.layout,
+            layer,
+            table,
+            &self.batch,
+            (q, out),
+            (q_heads, scale),
+            &self.pool,
+        )
     }
 }
 

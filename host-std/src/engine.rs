@@ -21,8 +21,8 @@ use kvpage_core::{
 };
 
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
-use crate::dtype::for_dtype;
-use crate::kernels::{self, SeqQuery};
+use crate::kernels::SeqQuery;
+use crate::storage::Backend;
 use crate::tables::{EngineParts, Tables};
 
 /// What an [`Engine`] is built from.
@@ -54,6 +54,16 @@ impl Engine {
     /// than `u32::MAX` blocks; [`CacheError::Engine`] for a zero `max_requests` or token
     /// budget.
     pub fn new(config: EngineConfig) -> Result<Self, CacheError> {
+        Self::with_backend(config, Backend::Cpu)
+    }
+
+    /// [`Engine::new`] on `backend` (see [`KvCache::with_backend`]): on a CUDA device
+    /// the host tier is pinned host memory and swaps run on the device's copy stream.
+    /// O(arena bytes + host arena + tables).
+    ///
+    /// # Errors
+    /// As [`Engine::new`] and [`KvCache::with_backend`].
+    pub fn with_backend(config: EngineConfig, backend: Backend) -> Result<Self, CacheError> {
         let host_blocks = match config.host_capacity {
             Capacity::Blocks(n) => u64::from(n),
             Capacity::Bytes(bytes) => config.cache.geometry.blocks_in(bytes),
@@ -68,7 +78,7 @@ impl Engine {
             },
         };
         Ok(Self {
-            cache: KvCache::build(config.cache, Some(parts))?,
+            cache: KvCache::build(config.cache, Some(parts), backend)?,
         })
     }
 
@@ -183,15 +193,10 @@ impl Engine {
         let (engine, manager, host) = core_parts(&mut cache.tables);
         let step = engine.step(manager, host)?;
         let layout = &cache.layout;
-        for_dtype!(layout.geometry().dtype(), T => {
-            let arena = cache.arena.as_mut_slice::<T>();
-            if let Some((host_layout, host_arena)) = cache.host.as_mut() {
-                let host_arena = host_arena.as_mut_slice::<T>();
-                kernels::copy_blocks_between(layout, arena, host_layout, host_arena, step.swap_out())?;
-                kernels::copy_blocks_between(host_layout, host_arena, layout, arena, step.swap_in())?;
-            }
-            kernels::copy_blocks(layout, arena, step.copies())?;
-        });
+        cache
+            .storage
+            .swap(layout, step.swap_out(), step.swap_in())?;
+        cache.storage.copy_blocks(layout, step.copies())?;
         Ok(step)
     }
 
@@ -212,17 +217,15 @@ impl Engine {
         let step = core_engine(&cache.tables)
             .pending_step()
             .ok_or(EngineError::NoStepInProgress)?;
-        let layout = &cache.layout;
-        for_dtype!(layout.geometry().dtype(), T => {
-            kernels::write_kv(layout, cache.arena.as_mut_slice::<T>(), layer, step.slots(), k, v)
-        })?;
-        Ok(())
+        cache
+            .storage
+            .write_kv(&cache.layout, layer, step.slots(), k, v)
     }
 
     /// Attention of layer `layer` for every sequence of the pending step: its new tokens
     /// are the queries, causal over its whole context (cached positions and this step's,
     /// whose K/V [`Engine::write_kv`] stored). `q` and `out` are `[step tokens][q_heads]
-    /// [head_dim]` in [`Step`] order. See [`kernels::paged_attention`] for the cost.
+    /// [head_dim]` in [`Step`] order. See [`crate::kernels::paged_attention`] for the cost.
     ///
     /// # Errors
     /// [`EngineError::NoStepInProgress`]; the kernel's errors. Nothing is written on

@@ -72,6 +72,7 @@ pub mod persist;
 pub mod publish;
 pub mod quant;
 mod shared;
+mod storage;
 mod tables;
 
 pub use arena::{Arena, ArenaAllocError, KvLayout};
@@ -94,3 +95,4 @@ pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,
 };
 pub use shared::SharedManager;
+pub use storage::{Backend, CudaOptions, DeviceFault};

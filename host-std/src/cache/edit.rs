@@ -26,19 +26,31 @@ fn pending_after_removal(pending: u32, first: u32, end: u32) -> u32 {
 impl KvCache {
     /// Executes what an edit reported, from the cache's edit buffers: the block copies,
     /// then the row moves in order. The core's ids are in range and its moves stay within
-    /// blocks, so this cannot fail.
-    fn execute_edit(&mut self, edited: Edited) {
+    /// blocks, so this cannot fail on the CPU; on a device only a driver error can (the
+    /// edits that move rows are refused there before they start: [`KvCache::row_edit`]).
+    fn execute_edit(&mut self, edited: Edited) -> Result<(), CacheError> {
         let (layout, copies, moves) = (
             &self.layout,
             &self.edit_copies[..edited.copies as usize],
             &self.edit_moves[..edited.moves as usize],
         );
-        let done = for_dtype!(layout.geometry().dtype(), T => {
-            let arena = self.arena.as_mut_slice::<T>();
-            kernels::copy_blocks(layout, arena, copies)
-                .and_then(|()| kernels::move_rows(layout, arena, moves))
+        let done = self.storage.copy_blocks(layout, copies).and_then(|()| {
+            let arena = self.storage.arena_mut();
+            Ok(for_dtype!(layout.geometry().dtype(), T => {
+                kernels::move_rows(layout, arena.as_mut_slice::<T>(), moves)
+            })?)
         });
-        debug_assert!(done.is_ok(), "core reported an invalid edit: {done:?}");
+        debug_assert!(
+            !matches!(done, Err(CacheError::Kernel(_))),
+            "core reported an invalid edit: {done:?}"
+        );
+        done
+    }
+
+    /// `Ok` when the backend can execute row moves (the CPU); otherwise
+    /// [`CacheError::Unsupported`] naming `op`, before anything changes. O(1).
+    fn row_edit(&self, op: &'static str) -> Result<(), CacheError> {
+        self.storage.cpu_only(op)
     }
 
     /// Runs a core edit on `seq` with the cache's copy and move buffers, executes what it
@@ -57,7 +69,7 @@ impl KvCache {
     ) -> Result<R, CacheError> {
         let (copies, moves) = (&mut self.edit_copies, &mut self.edit_moves);
         let done = Self::with_manager(&mut self.tables, |m| edit(m, copies, moves))?;
-        self.execute_edit(edited(&done));
+        self.execute_edit(edited(&done))?;
         let p = &mut self.pending[seq.0.index() as usize];
         *p = pending_after_removal(*p, first, end);
         Ok(done)
@@ -71,8 +83,10 @@ impl KvCache {
     /// # Errors
     /// The core's ([`SeqError::StaleHandle`], [`SeqError::ForeignHandle`],
     /// [`SeqError::BadRange`], [`SeqError::OutOfBlocks`],
-    /// [`SeqError::TooManyPositionRuns`]). Nothing changes on error.
+    /// [`SeqError::TooManyPositionRuns`]); [`CacheError::Unsupported`] on a CUDA
+    /// device (row moves). Nothing changes on error.
     pub fn remove_range(&mut self, seq: Seq, first: u32, end: u32) -> Result<Edited, CacheError> {
+        self.row_edit("remove_range")?;
         self.edit_with(
             seq,
             (first, end),
@@ -97,6 +111,7 @@ impl KvCache {
         n_keep: u32,
         n_discard: u32,
     ) -> Result<ContextShift, CacheError> {
+        self.row_edit("context_shift")?;
         self.edit_with(
             seq,
             (n_keep, n_keep.saturating_add(n_discard)),
@@ -126,6 +141,7 @@ impl KvCache {
         n_discard: u32,
         rope: RopeParams,
     ) -> Result<ContextShift, CacheError> {
+        self.row_edit("context_shift_rotated")?;
         rope.check(self.layout.geometry().head_dim())
             .map_err(KernelError::Rope)?;
         let shift = self.context_shift(seq, n_keep, n_discard)?;
@@ -195,12 +211,13 @@ impl KvCache {
         end: u32,
         namespace: u64,
     ) -> Result<Seq, CacheError> {
+        self.row_edit("copy_range")?;
         let moves = &mut self.edit_moves;
         let (copied, len) = Self::with_manager(&mut self.tables, |m| {
             let copied = m.copy_range(seq.0, first, end, namespace, moves)?;
             m.len(seq.0).map(|len| (copied, len))
         })?;
-        self.execute_edit(copied.edited);
+        self.execute_edit(copied.edited)?;
         self.pending[seq.0.index() as usize] = len;
         self.pending[copied.seq.index() as usize] = end - first;
         Ok(Seq(copied.seq))

@@ -12,6 +12,7 @@ use crate::cache::CacheError;
 use crate::error::KernelError;
 use crate::kernels::RopeError;
 use crate::persist::{PersistError, Section};
+use crate::storage::DeviceFault;
 
 /// What a call of the C API did. `KVPAGE_OK` (0) is success; every other code is a
 /// failure that changed nothing, and its number never changes between versions (new
@@ -133,12 +134,19 @@ pub enum kvpage_result {
     /// (`needed`, `available` = free).
     KVPAGE_ERR_QUOTA_REFUSED = 47,
     /// This build of the library lacks the feature the call needs (e.g. the KV event
-    /// publisher without `events-zmq`).
+    /// publisher without `events-zmq`, a CUDA backend without `cuda`), or the cache's
+    /// backend cannot do the operation yet (e.g. an edit that moves rows on a CUDA
+    /// device).
     KVPAGE_ERR_UNSUPPORTED = 48,
+    /// The CUDA device failed or is not available: no NVIDIA driver, no such device, no
+    /// kernels in this build, a driver error (`value` = the driver's result code), or
+    /// sizes the device backend refuses. A driver error of queued work leaves the
+    /// object unusable: free it.
+    KVPAGE_ERR_DEVICE = 49,
 }
 
 /// The highest result code (for tables of messages and tests that walk every code).
-pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_UNSUPPORTED as u32;
+pub const KVPAGE_RESULT_LAST: u32 = KVPAGE_ERR_DEVICE as u32;
 
 use kvpage_result::*;
 
@@ -197,6 +205,7 @@ pub extern "C" fn kvpage_result_str(code: u32) -> *const c_char {
         46 => c"namespace quota exceeded",
         47 => c"namespace quota refused",
         48 => c"not supported by this build",
+        49 => c"CUDA device failed or unavailable",
         _ => c"unknown result code",
     };
     s.as_ptr()
@@ -447,6 +456,13 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(block),
         ),
         CacheError::Persist(p) => classify_persist(p),
+        CacheError::Unsupported { .. } | CacheError::Device(DeviceFault::NotCompiled) => {
+            (KVPAGE_ERR_UNSUPPORTED, 0, 0, 0)
+        }
+        CacheError::Device(DeviceFault::Driver { code }) => {
+            (KVPAGE_ERR_DEVICE, 0, 0, u64::from(code as u32))
+        }
+        CacheError::Device(_) => (KVPAGE_ERR_DEVICE, 0, 0, 0),
     }
 }
 

@@ -312,6 +312,7 @@ impl KvCache {
         fingerprint: &ModelFingerprint,
         out: &mut [u8],
     ) -> Result<SavedPrefixCache, CacheError> {
+        self.storage.cpu_only("save_prefix_cache")?;
         let order = self.prefix_blocks_in_order();
         let header = self.prefix_header(order.len() as u32, fingerprint);
         let size = header.file_len();
@@ -343,6 +344,7 @@ impl KvCache {
         fingerprint: &ModelFingerprint,
         path: impl AsRef<Path>,
     ) -> Result<SavedPrefixCache, CacheError> {
+        self.storage.cpu_only("save_prefix_cache")?;
         let order = self.prefix_blocks_in_order();
         let header = self.prefix_header(order.len() as u32, fingerprint);
         file::write_atomically(path.as_ref(), |sink| {
@@ -414,6 +416,7 @@ impl KvCache {
         bytes: &[u8],
         fingerprint: &ModelFingerprint,
     ) -> Result<PrefixLoadReport, CacheError> {
+        self.storage.cpu_only("load_prefix_cache")?;
         let header = PrefixHeader::decode(bytes)?;
         self.check_origin(
             header.dtype_code,
@@ -504,7 +507,12 @@ impl KvCache {
             Ok(i) if i.fresh => {
                 let bpb = record.kv.len();
                 let start = i.block as usize * bpb;
-                if let Some(dst) = self.arena.as_bytes_mut().get_mut(start..start + bpb) {
+                if let Some(dst) = self
+                    .storage
+                    .arena_mut()
+                    .as_bytes_mut()
+                    .get_mut(start..start + bpb)
+                {
                     copy_elems_from_le(dst, record.kv, esize);
                 }
                 report.loaded += 1;

@@ -179,6 +179,7 @@ impl KvCache {
         tokens: Option<usize>,
         fingerprint: &ModelFingerprint,
     ) -> Result<BlobHeader, CacheError> {
+        self.storage.cpu_only("save_seq")?;
         let m = self.block_manager();
         let blocks = m.blocks(seq.id())?.len() as u32;
         let len = m.len(seq.id())?;
@@ -391,6 +392,7 @@ impl KvCache {
         namespace: u64,
         fingerprint: &ModelFingerprint,
     ) -> Result<(Seq, RestoredInfo<'b>), CacheError> {
+        self.storage.cpu_only("restore_seq")?;
         let header = BlobHeader::decode(blob)?;
         self.check_origin(
             header.dtype_code,
@@ -491,7 +493,7 @@ impl KvCache {
         let esize = g.dtype().size_bytes() as usize;
         let bpb = g.bytes_per_block() as usize;
         let blocks = self.tables.manager().blocks(seq.id()).unwrap_or(&[]);
-        let arena = self.arena.as_bytes_mut();
+        let arena = self.storage.arena_mut().as_bytes_mut();
         for (&b, src) in blocks.iter().zip(blob.sections.kv.chunks_exact(bpb)) {
             let start = b as usize * bpb;
             if let Some(dst) = arena.get_mut(start..start + bpb) {

@@ -1,0 +1,424 @@
+//! Where a [`crate::KvCache`] keeps its K/V and runs its kernels: the CPU arena (with
+//! the host tier of an engine) or, with the `cuda` feature, a CUDA device
+//! ([`kvpage_cuda::device::DeviceKv`]). The cache's bookkeeping (the core's manager,
+//! pending ranges, slots) is the same for both; every access to K/V bytes goes through
+//! [`Storage`], so the two backends share one cache type.
+//!
+//! What the device cannot do yet is refused before anything changes, with
+//! [`CacheError::Unsupported`].
+
+#[cfg(feature = "cuda")]
+use kvpage_cuda::device::{DeviceKv, DeviceKvError, Direction, SeqSpan};
+
+use kvpage_core::BlockCopy;
+
+use crate::arena::{Arena, KvLayout};
+use crate::cache::CacheError;
+use crate::dtype::{for_dtype, Element};
+use crate::error::{Buffer, KernelError};
+use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
+
+/// Which backend a cache or engine runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Backend {
+    /// The CPU kernels over a host arena (the default).
+    #[default]
+    Cpu,
+    /// A CUDA device (needs the `cuda` feature; without it, asking for it is
+    /// [`CacheError::Device`] with [`DeviceFault::NotCompiled`]).
+    Cuda(CudaOptions),
+}
+
+/// How a CUDA-backed cache is sized. The arena's size is the cache config's
+/// [`crate::Capacity`] unless `memory_fraction` is set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CudaOptions {
+    /// The device's ordinal.
+    pub device: u32,
+    /// `Some(f)`: the arena takes this fraction (in `(0, 1]`) of the device's free
+    /// memory, less `reserve_bytes`, instead of the configured capacity.
+    pub memory_fraction: Option<f64>,
+    /// Bytes of device memory to leave free with `memory_fraction`.
+    pub reserve_bytes: u64,
+    /// Query heads of the model (every attention call must pass this many): the
+    /// device's query and output buffers and its kernel are sized for it.
+    pub q_heads: u32,
+    /// Query tokens one attention call may carry (writes are split at this size).
+    pub max_step_tokens: u32,
+}
+
+/// Why the CUDA backend failed, summarised (the cache's errors are `Copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceFault {
+    /// kvpage was built without the `cuda` feature.
+    NotCompiled,
+    /// The CUDA kernels were not built (no `nvcc` at build time) or were refused.
+    NoKernels,
+    /// No NVIDIA driver could be loaded (or it lacks an entry point kvpage calls).
+    NoDriver,
+    /// A driver call failed with this result code.
+    Driver {
+        /// The driver's raw result code (0 when the call was not made).
+        code: i32,
+    },
+    /// The device backend refused the configuration or the call's sizes or shapes
+    /// (an unsupported dtype or head dim, more than it was sized for, a device arena
+    /// of zero blocks, ...).
+    Refused,
+}
+
+impl core::fmt::Display for DeviceFault {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::NotCompiled => f.write_str("kvpage was built without the `cuda` feature"),
+            Self::NoKernels => f.write_str("the CUDA kernels were not built or not loaded"),
+            Self::NoDriver => f.write_str("no usable NVIDIA driver"),
+            Self::Driver { code } => write!(f, "a CUDA driver call failed (code {code})"),
+            Self::Refused => f.write_str("the CUDA backend refused the sizes or shapes"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<DeviceKvError> for CacheError {
+    fn from(e: DeviceKvError) -> Self {
+        use kvpage_cuda::device::KernelsError;
+        use kvpage_cuda::driver::DriverError;
+        let fault = match e {
+            DeviceKvError::Kernels(KernelsError::Driver(d)) | DeviceKvError::Driver(d) => match d {
+                DriverError::NotInstalled { .. } | DriverError::MissingEntryPoint { .. } => {
+                    DeviceFault::NoDriver
+                }
+                other => DeviceFault::Driver {
+                    code: other.code().map_or(0, |c| c.0),
+                },
+            },
+            DeviceKvError::Kernels(_) => DeviceFault::NoKernels,
+            _ => DeviceFault::Refused,
+        };
+        Self::Device(fault)
+    }
+}
+
+/// The K/V storage of a cache. See the module docs.
+pub(crate) enum Storage {
+    /// The CPU arena and, for an engine with swap space, the host tier.
+    Cpu {
+        arena: Arena,
+        host: Option<(KvLayout, Arena)>,
+    },
+    /// A CUDA device; `empty` is what [`crate::KvCache::arena`] returns.
+    #[cfg(feature = "cuda")]
+    Cuda { kv: Box<DeviceKv>, empty: Arena },
+}
+
+impl Storage {
+    /// The CPU arena of `layout`, zeroed, and a host tier of `host_blocks` blocks (0:
+    /// none). O(arena bytes + host arena).
+    ///
+    /// # Errors
+    /// [`CacheError::Alloc`] if memory is refused; [`CacheError::Kernel`] for a host
+    /// layout that does not fit.
+    pub(crate) fn cpu(layout: &KvLayout, host_blocks: u32) -> Result<Self, CacheError> {
+        let arena = Arena::for_layout(layout).map_err(CacheError::Alloc)?;
+        let host = match host_blocks {
+            0 => None,
+            blocks => {
+                let host_layout = KvLayout::new(*layout.geometry(), blocks)?;
+                let host_arena = Arena::for_layout(&host_layout).map_err(CacheError::Alloc)?;
+                Some((host_layout, host_arena))
+            }
+        };
+        Ok(Self::Cpu { arena, host })
+    }
+
+    /// A device storage for `config` on the CUDA device of `options`: an arena of
+    /// `num_blocks` blocks (or `options.memory_fraction` of the free memory) and a
+    /// pinned host tier of `host_blocks` blocks. O(device buffers + host tier).
+    ///
+    /// # Errors
+    /// [`CacheError::Device`]: [`DeviceFault::NotCompiled`] without the `cuda` feature,
+    /// otherwise the device's errors summarised.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn cuda(
+        config: &crate::CacheConfig,
+        num_blocks: u32,
+        host_blocks: u32,
+        options: CudaOptions,
+    ) -> Result<Self, CacheError> {
+        #[cfg(feature = "cuda")]
+        {
+            use kvpage_cuda::device::DeviceKvConfig;
+            use kvpage_cuda::sizing::ArenaSize;
+            let arena = match options.memory_fraction {
+                Some(f) => ArenaSize::FractionOfFree(f),
+                None => ArenaSize::Blocks(num_blocks),
+            };
+            let kv = DeviceKv::new(DeviceKvConfig {
+                geometry: config.geometry,
+                device: options.device,
+                arena,
+                reserve_bytes: options.reserve_bytes,
+                max_seqs: config.max_seqs,
+                max_seq_len: config.max_seq_len,
+                max_step_tokens: options.max_step_tokens,
+                q_heads: options.q_heads,
+                host_blocks,
+            })?;
+            let empty = Arena::new(0).map_err(CacheError::Alloc)?;
+            Ok(Self::Cuda {
+                kv: Box::new(kv),
+                empty,
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(CacheError::Device(DeviceFault::NotCompiled))
+    }
+
+    /// Blocks of a device arena (`None` on the CPU, where the config decides). O(1).
+    pub(crate) fn device_blocks(&self) -> Option<u32> {
+        match self {
+            Self::Cpu { .. } => None,
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => Some(kv.num_blocks()),
+        }
+    }
+
+    /// The backend's name, for [`CacheError::Unsupported`]. O(1).
+    pub(crate) fn backend(&self) -> &'static str {
+        match self {
+            Self::Cpu { .. } => "cpu",
+            #[cfg(feature = "cuda")]
+            Self::Cuda { .. } => "cuda",
+        }
+    }
+
+    /// `Ok` on the CPU; [`CacheError::Unsupported`] naming `op` on a device. O(1).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn cpu_only(&self, op: &'static str) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { .. } => Ok(()),
+            #[cfg(feature = "cuda")]
+            Self::Cuda { .. } => Err(CacheError::Unsupported {
+                op,
+                backend: self.backend(),
+            }),
+        }
+    }
+
+    /// The CPU arena; an empty one for a device cache. O(1).
+    pub(crate) fn arena(&self) -> &Arena {
+        match self {
+            Self::Cpu { arena, .. } => arena,
+            #[cfg(feature = "cuda")]
+            Self::Cuda { empty, .. } => empty,
+        }
+    }
+
+    /// The CPU arena, mutable; an empty one for a device cache. O(1).
+    pub(crate) fn arena_mut(&mut self) -> &mut Arena {
+        match self {
+            Self::Cpu { arena, .. } => arena,
+            #[cfg(feature = "cuda")]
+            Self::Cuda { empty, .. } => empty,
+        }
+    }
+
+    /// Copies the bytes of `block` (the block-major layout) into `out`, which must be
+    /// one block long. O(bytes per block).
+    ///
+    /// # Errors
+    /// [`KernelError::BlockOutOfRange`], [`KernelError::BufferLength`] (nothing
+    /// written); the device's.
+    pub(crate) fn read_block(
+        &mut self,
+        layout: &KvLayout,
+        block: u32,
+        out: &mut [u8],
+    ) -> Result<(), CacheError> {
+        let bpb = layout.geometry().bytes_per_block();
+        if block >= layout.num_blocks() {
+            return Err(KernelError::BlockOutOfRange {
+                block,
+                blocks: layout.num_blocks(),
+            }
+            .into());
+        }
+        if out.len() as u64 != bpb {
+            return Err(KernelError::BufferLength {
+                buffer: Buffer::Arena,
+                expected: bpb as usize,
+                actual: out.len(),
+            }
+            .into());
+        }
+        match self {
+            Self::Cpu { arena, .. } => {
+                // The layout's invariant: every byte offset of the arena fits a `usize`.
+                let start = block as usize * out.len();
+                out.copy_from_slice(&arena.as_bytes()[start..start + out.len()]);
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => kv.read_block(block, out)?,
+        }
+        Ok(())
+    }
+
+    /// Writes f32 K/V of `layer` into `slots`. O(tokens × kv_heads × head_dim).
+    ///
+    /// # Errors
+    /// The kernel's (lengths, layer, slots) or the device's; nothing is written.
+    pub(crate) fn write_kv(
+        &mut self,
+        layout: &KvLayout,
+        layer: u32,
+        slots: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => for_dtype!(layout.geometry().dtype(), T => {
+                kernels::write_kv(layout, arena.as_mut_slice::<T>(), layer, slots, k, v)
+            })?,
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => kv.write_kv(layer, slots, k, v)?,
+        }
+        Ok(())
+    }
+
+    /// Writes K/V already in the storage dtype `T` (checked by the caller).
+    /// O(tokens × kv_heads × head_dim).
+    ///
+    /// # Errors
+    /// As [`Storage::write_kv`], and the kernels' refusal of 8-bit storage.
+    pub(crate) fn write_kv_as<T: Element>(
+        &mut self,
+        layout: &KvLayout,
+        layer: u32,
+        slots: &[u32],
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => {
+                kernels::write_kv_as(layout, arena.as_mut_slice::<T>(), layer, slots, k, v)?;
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => {
+                // As the CPU kernel: codes carry no scale.
+                if T::DTYPE.is_scaled() {
+                    return Err(KernelError::ScaledStorage { dtype: T::DTYPE }.into());
+                }
+                // The device's layout is little-endian, as every host kvpage supports.
+                let (k, v) = (crate::dtype::bytes_of(k), crate::dtype::bytes_of(v));
+                kv.write_kv_stored(layer, slots, k, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies whole blocks (copy-on-write, edits). O(copies × bytes per block).
+    ///
+    /// # Errors
+    /// A block out of range (an internal bug: the core's copies are valid) or the
+    /// device's errors; nothing is copied on a range error.
+    pub(crate) fn copy_blocks(
+        &mut self,
+        layout: &KvLayout,
+        copies: &[BlockCopy],
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => for_dtype!(layout.geometry().dtype(), T => {
+                kernels::copy_blocks(layout, arena.as_mut_slice::<T>(), copies)
+            })?,
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => kv.copy_blocks(copies)?,
+        }
+        Ok(())
+    }
+
+    /// Executes an engine step's swaps: `out` moves device blocks to the host tier,
+    /// then `into` moves host blocks back. Nothing to do without a host tier (the
+    /// core plans no swap then). O(moved blocks × bytes per block).
+    ///
+    /// # Errors
+    /// A block out of range (an internal bug) or the device's errors.
+    pub(crate) fn swap(
+        &mut self,
+        layout: &KvLayout,
+        out: &[BlockCopy],
+        into: &[BlockCopy],
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, host } => {
+                let Some((host_layout, host_arena)) = host.as_mut() else {
+                    return Ok(());
+                };
+                for_dtype!(layout.geometry().dtype(), T => {
+                    let arena = arena.as_mut_slice::<T>();
+                    let host_arena = host_arena.as_mut_slice::<T>();
+                    kernels::copy_blocks_between(layout, arena, host_layout, host_arena, out)?;
+                    kernels::copy_blocks_between(host_layout, host_arena, layout, arena, into)?;
+                });
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => {
+                if kv.host_blocks() > 0 {
+                    kv.swap(Direction::Out, out)?;
+                    kv.swap(Direction::In, into)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of `layer` over `batch` through `table`. See
+    /// [`kernels::paged_attention`] for the computation and cost.
+    ///
+    /// # Errors
+    /// The kernel's or the device's; nothing is written.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention(
+        &mut self,
+        layout: &KvLayout,
+        layer: u32,
+        table: BlockTable<'_>,
+        batch: &[SeqQuery],
+        (q, out): (&[f32], &mut [f32]),
+        (q_heads, scale): (u32, f32),
+        pool: &WorkerPool,
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => {
+                let params = AttentionParams {
+                    q_heads,
+                    scale,
+                    pool: Some(pool),
+                };
+                for_dtype!(layout.geometry().dtype(), T => {
+                    let arena = arena.as_slice::<T>();
+                    kernels::paged_attention(layout, arena, layer, table, batch, q, out, params)
+                })?;
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => {
+                // The device copies the spans into its own descriptors.
+                let spans = batch.iter().map(|s| SeqSpan {
+                    row: s.row,
+                    context_len: s.context_len,
+                    queries: s.queries,
+                });
+                kv.attention(
+                    layer,
+                    (table.table, table.stride),
+                    spans,
+                    q,
+                    out,
+                    q_heads,
+                    scale,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,418 @@
+//! One cache type, two backends: a CPU [`KvCache`] and a CUDA one driven through the
+//! same API must agree — stored bytes bit for bit (every block read back with
+//! [`KvCache::read_block`]), attention within a tolerance (the accumulation order
+//! differs), engine steps with swaps and copy-on-write in lockstep. Every test needs a
+//! GPU: `#[ignore = "needs a CUDA device"]`, run by `cuda-backend/gpu-check.sh run`.
+//! The typed errors without one are in `tests/backend.rs`.
+//!
+//! The core allocates deterministically, so both caches get the same block tables.
+
+#![cfg(feature = "cuda")]
+
+use kvpage::{
+    Backend, CacheConfig, CacheError, Capacity, CudaOptions, DType, Engine, EngineConfig, Geometry,
+    KvCache, Preemption, RopeParams, Sampled, SchedulerConfig, Seq,
+};
+
+/// xorshift64*: deterministic inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn fill(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            .collect()
+    }
+}
+
+fn config(g: Geometry, blocks: u32, max_seq_len: u32) -> CacheConfig {
+    CacheConfig {
+        geometry: g,
+        capacity: Capacity::Blocks(blocks),
+        max_seqs: 16,
+        max_seq_len,
+        threads: 1,
+        event_capacity: 0,
+        hash_key: Some(7),
+    }
+}
+
+fn cuda(q_heads: u32) -> Backend {
+    Backend::Cuda(CudaOptions {
+        device: 0,
+        memory_fraction: None,
+        reserve_bytes: 0,
+        q_heads,
+        max_step_tokens: 512,
+    })
+}
+
+/// `got` within the tolerance of the CPU's `want` for `dtype`.
+fn assert_close(want: &[f32], got: &[f32], dtype: DType) {
+    let max = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let tol = 1e-5 + max * if dtype == DType::F32 { 2e-5 } else { 1e-4 };
+    for (i, (a, b)) in want.iter().zip(got).enumerate() {
+        assert!(
+            (a - b).abs() <= tol,
+            "out[{i}]: cpu {a} gpu {b} (tol {tol})"
+        );
+    }
+}
+
+/// Every block of both caches equal, byte for byte.
+fn assert_blocks_equal(cpu: &mut KvCache, gpu: &mut KvCache) {
+    let bpb = cpu.geometry().bytes_per_block() as usize;
+    let (mut a, mut b) = (vec![0u8; bpb], vec![0u8; bpb]);
+    for block in 0..cpu.layout().num_blocks() {
+        cpu.read_block(block, &mut a).unwrap();
+        gpu.read_block(block, &mut b).unwrap();
+        assert!(a == b, "block {block} differs");
+    }
+}
+
+struct Pair {
+    cpu: KvCache,
+    gpu: KvCache,
+    seqs: Vec<Seq>,
+    q_heads: u32,
+}
+
+impl Pair {
+    fn new(g: Geometry, blocks: u32, max_seq_len: u32, q_heads: u32) -> Self {
+        let gpu = KvCache::with_backend(config(g, blocks, max_seq_len), cuda(q_heads))
+            .expect("CUDA cache");
+        Self {
+            cpu: KvCache::new(config(g, blocks, max_seq_len)).unwrap(),
+            gpu,
+            seqs: Vec::new(),
+            q_heads,
+        }
+    }
+
+    fn create(&mut self) -> usize {
+        let c = self.cpu.create(0).unwrap();
+        assert_eq!(self.gpu.create(0).unwrap(), c, "same handles");
+        self.seqs.push(c);
+        self.seqs.len() - 1
+    }
+
+    fn append(&mut self, i: usize, n: u32) {
+        let s = self.seqs[i];
+        self.cpu.append(s, n).unwrap();
+        self.gpu.append(s, n).unwrap();
+        assert_eq!(
+            self.cpu.block_manager().block_table(),
+            self.gpu.block_manager().block_table()
+        );
+    }
+
+    fn write(&mut self, rng: &mut Rng, i: usize, first: u32, end: u32) {
+        let s = self.seqs[i];
+        let g = *self.cpu.geometry();
+        let row = (g.kv_heads() * g.head_dim()) as usize;
+        for layer in 0..g.layers() {
+            let mut at = first;
+            while at < end {
+                let n = (end - at).min(97); // odd chunks
+                let (k, v) = (rng.fill(n as usize * row), rng.fill(n as usize * row));
+                self.cpu.write_kv(s, layer, at, &k, &v).unwrap();
+                self.gpu.write_kv(s, layer, at, &k, &v).unwrap();
+                at += n;
+            }
+        }
+        self.cpu.commit(s).unwrap();
+        self.gpu.commit(s).unwrap();
+    }
+
+    fn attention(&mut self, rng: &mut Rng, layer: u32, queries: &[u32]) {
+        let g = *self.cpu.geometry();
+        let per = (self.q_heads * g.head_dim()) as usize;
+        let total: u32 = queries.iter().sum();
+        let q = rng.fill(total as usize * per);
+        let (mut want, mut got) = (vec![0f32; q.len()], vec![f32::NAN; q.len()]);
+        let scale = 1.0 / (g.head_dim() as f32).sqrt();
+        let h = self.q_heads;
+        if queries.iter().all(|&n| n == 1) {
+            let seqs = &self.seqs[..queries.len()];
+            self.cpu
+                .decode(layer, seqs, &q, &mut want, h, scale)
+                .unwrap();
+            self.gpu
+                .decode(layer, seqs, &q, &mut got, h, scale)
+                .unwrap();
+        } else {
+            let seqs: Vec<(Seq, u32)> = self
+                .seqs
+                .iter()
+                .copied()
+                .zip(queries.iter().copied())
+                .collect();
+            self.cpu
+                .prefill(layer, &seqs, &q, &mut want, h, scale)
+                .unwrap();
+            self.gpu
+                .prefill(layer, &seqs, &q, &mut got, h, scale)
+                .unwrap();
+        }
+        assert_close(&want, &got, g.dtype());
+    }
+}
+
+/// Both caches through one scenario: a fragmented pool, odd-length sequences written
+/// in chunks, a fork whose append copies a shared partial block, decode and prefill.
+fn scenario(dtype: DType, head_dim: u32, block_size: u32, group: u32, contexts: &[u32]) {
+    let g = Geometry::new(2, 2, head_dim, block_size, dtype).unwrap();
+    let max_len = contexts.iter().max().copied().unwrap_or(1) + 8;
+    let blocks = contexts
+        .iter()
+        .map(|c| c.div_ceil(block_size) + 2)
+        .sum::<u32>()
+        + 64;
+    let mut pair = Pair::new(g, blocks, max_len, 2 * group);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(head_dim * block_size * group));
+    for _ in 0..8 {
+        let i = pair.create();
+        let n = 1 + (rng.next() % (4 * u64::from(block_size))) as u32;
+        pair.append(i, n);
+    }
+    for i in (0..8).step_by(2).rev() {
+        let s = pair.seqs.remove(i);
+        pair.cpu.release(s).unwrap();
+        pair.gpu.release(s).unwrap();
+    }
+    pair.seqs.clear();
+    for &ctx in contexts {
+        let i = pair.create();
+        pair.append(i, ctx);
+        pair.write(&mut rng, i, 0, ctx);
+    }
+    let parent = pair.seqs[0];
+    let child = pair.cpu.fork(parent).unwrap();
+    assert_eq!(pair.gpu.fork(parent).unwrap(), child);
+    pair.seqs.push(child);
+    let last = pair.seqs.len() - 1;
+    let len = pair.gpu.len(child).unwrap();
+    pair.append(last, 1);
+    pair.write(&mut rng, last, len, len + 1);
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+    let n = pair.seqs.len();
+    pair.attention(&mut rng, 1, &vec![1; n]);
+    let queries: Vec<u32> = pair
+        .seqs
+        .iter()
+        .map(|&s| pair.gpu.len(s).unwrap().min(7))
+        .collect();
+    pair.attention(&mut rng, 0, &queries);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn matrix_of_dtypes_head_dims_block_sizes_and_groups() {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Int8,
+        DType::Fp8E4m3,
+    ] {
+        for head_dim in [64, 128, 256] {
+            for block_size in [8, 16, 32] {
+                for group in [1, 4] {
+                    scenario(dtype, head_dim, block_size, group, &[1, 13, 100, 257]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn long_contexts_use_partitions() {
+    for dtype in [DType::F16, DType::Bf16] {
+        scenario(dtype, 128, 16, 4, &[32_768, 4_097, 1]);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn stored_dtype_writes_match() {
+    let g = Geometry::new(2, 2, 64, 16, DType::F16).unwrap();
+    let mut pair = Pair::new(g, 32, 256, 4);
+    let i = pair.create();
+    pair.append(i, 40);
+    let s = pair.seqs[i];
+    let mut rng = Rng(11);
+    let k: Vec<kvpage::f16> = rng
+        .fill(40 * 128)
+        .into_iter()
+        .map(kvpage::f16::from_f32)
+        .collect();
+    for layer in 0..2 {
+        pair.cpu.write_kv_as(s, layer, 0, &k, &k).unwrap();
+        pair.gpu.write_kv_as(s, layer, 0, &k, &k).unwrap();
+    }
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+    // The wrong dtype: refused alike, nothing written.
+    let wrong = vec![0f32; 128];
+    assert_eq!(
+        pair.cpu.write_kv_as(s, 0, 0, &wrong, &wrong).unwrap_err(),
+        pair.gpu.write_kv_as(s, 0, 0, &wrong, &wrong).unwrap_err()
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn what_the_device_cannot_do_yet_is_refused_and_changes_nothing() {
+    let g = Geometry::new(2, 2, 64, 16, DType::F16).unwrap();
+    let mut pair = Pair::new(g, 32, 256, 4);
+    let i = pair.create();
+    pair.append(i, 40);
+    let mut rng = Rng(13);
+    pair.write(&mut rng, i, 0, 40);
+    let s = pair.seqs[i];
+    let stats = pair.gpu.stats();
+    let table = pair.gpu.block_manager().block_table().to_vec();
+    let unsupported = |e: CacheError| {
+        assert!(
+            matches!(
+                e,
+                CacheError::Unsupported {
+                    backend: "cuda",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    };
+    unsupported(pair.gpu.remove_range(s, 3, 9).unwrap_err());
+    unsupported(pair.gpu.copy_range(s, 3, 9, 0).unwrap_err());
+    unsupported(pair.gpu.context_shift(s, 4, 4).unwrap_err());
+    let rope = RopeParams {
+        base: 10_000.0,
+        rotary_dims: 64,
+        pairing: kvpage::RopePairing::Interleaved,
+    };
+    unsupported(pair.gpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err());
+    let fp = kvpage::ModelFingerprint::default();
+    unsupported(pair.gpu.save_seq(s, None, &fp, &mut [0u8; 16]).unwrap_err());
+    assert_eq!(pair.gpu.stats(), stats);
+    assert_eq!(pair.gpu.block_manager().block_table(), &table[..]);
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+}
+
+/// The same requests through a CPU and a CUDA engine with too little memory for all of
+/// them (swaps), prompts sharing a prefix (copy-on-write at the fork): in lockstep,
+/// both sampling the CPU's argmax.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn engine_steps_with_swaps_match() {
+    let g = Geometry::new(2, 2, 64, 8, DType::Bf16).unwrap();
+    let q_heads = 4;
+    let config = EngineConfig {
+        cache: CacheConfig {
+            max_seqs: 5,
+            ..config(g, 14, 40)
+        },
+        max_requests: 8,
+        scheduler: SchedulerConfig {
+            token_budget: 12,
+            max_running: 4,
+            watermark_blocks: 0,
+            preemption: Preemption::Swap,
+        },
+        host_capacity: Capacity::Blocks(40),
+    };
+    let mut cpu = Engine::new(config).unwrap();
+    let mut gpu = Engine::with_backend(config, cuda(q_heads)).expect("CUDA engine");
+    let shared = [3u32, 17, 5, 5, 22, 9, 31, 0, 12];
+    let mut requests = Vec::new();
+    for i in 0..6u32 {
+        let mut prompt = if i % 2 == 0 {
+            shared.to_vec()
+        } else {
+            vec![1 + i, 2, 3]
+        };
+        prompt.extend([i, i * 7]);
+        let r = cpu.add_request(&prompt, 1, Some(10)).unwrap();
+        assert_eq!(gpu.add_request(&prompt, 1, Some(10)).unwrap(), r);
+        requests.push(r);
+    }
+    let mut rng = Rng(17);
+    let row = (g.kv_heads() * g.head_dim()) as usize;
+    let per = (q_heads * g.head_dim()) as usize;
+    let mut forked = false;
+    for _ in 0..400 {
+        if cpu.in_flight() == 0 {
+            break;
+        }
+        let step = cpu.step().unwrap();
+        let (tokens, emits): (usize, Vec<_>) = (
+            step.slots().len(),
+            step.seqs()
+                .filter(|s| s.emits)
+                .map(|s| (s.request, s.offset + s.tokens - 1))
+                .collect(),
+        );
+        let gstep = gpu.step().unwrap();
+        assert_eq!(gstep.slots().len(), tokens);
+        let mut outs = Vec::new();
+        for layer in 0..g.layers() {
+            let (k, v) = (rng.fill(tokens * row), rng.fill(tokens * row));
+            let q = rng.fill(tokens * per);
+            cpu.write_kv(layer, &k, &v).unwrap();
+            gpu.write_kv(layer, &k, &v).unwrap();
+            let (mut want, mut got) = (vec![0f32; q.len()], vec![f32::NAN; q.len()]);
+            cpu.attention(layer, &q, &mut want, q_heads, 0.125).unwrap();
+            gpu.attention(layer, &q, &mut got, q_heads, 0.125).unwrap();
+            assert_close(&want, &got, g.dtype());
+            outs = want;
+        }
+        let samples: Vec<Sampled> = emits
+            .iter()
+            .map(|&(request, at)| {
+                let o = &outs[at as usize * per..][..per];
+                let token = o
+                    .iter()
+                    .enumerate()
+                    .fold(0, |m, (i, &x)| if x > o[m] { i } else { m });
+                Sampled {
+                    request,
+                    token: token as u32 % 40,
+                    stop: false,
+                }
+            })
+            .collect();
+        let a: Vec<_> = cpu
+            .commit_step(&samples)
+            .unwrap()
+            .iter()
+            .map(|f| f.request)
+            .collect();
+        let b: Vec<_> = gpu
+            .commit_step(&samples)
+            .unwrap()
+            .iter()
+            .map(|f| f.request)
+            .collect();
+        assert_eq!(a, b);
+        if !forked && cpu.tokens(requests[0]).is_ok_and(|t| t.len() > 11) {
+            let child = cpu.fork(requests[0], Some(1)).unwrap();
+            assert_eq!(gpu.fork(requests[0], Some(1)).unwrap(), child);
+            forked = true;
+        }
+    }
+    assert_eq!(cpu.in_flight(), 0);
+    assert_eq!(cpu.stats(), gpu.stats());
+    assert!(
+        cpu.stats().swap_outs > 0 && cpu.stats().swap_ins > 0,
+        "{:?}",
+        cpu.stats()
+    );
+    assert!(forked);
+}
