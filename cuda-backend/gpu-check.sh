@@ -23,14 +23,16 @@ build() {
   [ -f "$stub/lib64/libcuda.so" ] || cuda-backend/tools/libcuda-stub.sh "$stub" "$(dirname "$NVCC")/../include/cuda.h"
   export CUDA_PATH=$stub CUDA_LIBRARY_PATH=$stub KVPAGE_CUDA_STRICT=1
   rm -rf "$out"; mkdir -p "$out"
-  cargo build --release -p kvpage-cuda --features cuda --benches --tests --message-format=json \
+  { cargo build --release -p kvpage-cuda --features cuda --benches --tests --message-format=json
+    # One cache type on both backends: host-std's CPU-vs-CUDA comparison.
+    cargo build --release -p kvpage --features cuda --test cuda --message-format=json; } \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") != "compiler-artifact" or not m.get("executable"):
         continue
-    if m["package_id"].find("cuda-backend") < 0:
+    if m["package_id"].find("cuda-backend") < 0 and m["target"]["name"] != "cuda":
         continue
     kind = "bench" if "bench" in m["target"]["kind"] else "test"
     if m["profile"]["test"] or kind == "bench":

@@ -1110,6 +1110,42 @@ static void cache_retention_calls(void) {
   section("cache retention calls", before);
 }
 
+/* The backend selection of the cache and engine parameters: this library is built
+ * without the cuda feature, so asking for CUDA is KVPAGE_ERR_UNSUPPORTED (a build with
+ * it on a machine without a driver answers KVPAGE_ERR_DEVICE); bad selections are
+ * KVPAGE_ERR_INVALID_ARGUMENT either way, and nothing is written on failure. */
+static void backend_calls(void) {
+  unsigned before = checks;
+  kvpage_cache_params p = cache_params(16);
+  kvpage_engine_params ep = engine_params();
+  kvpage_cache *c = NULL;
+  kvpage_engine *e = NULL;
+  EXPECT_TRUE(p.backend == KVPAGE_BACKEND_CPU && p.device == 0 && p.device_q_heads == 0);
+  EXPECT_TRUE(p.device_memory_fraction == 0.0 && p.device_max_step_tokens == 0);
+  p.backend = 7;
+  EXPECT_TRUE(kvpage_cache_new(&p, &c, &err) == KVPAGE_ERR_INVALID_ARGUMENT && err.value == 7);
+  memset(&err, 0, sizeof err);
+  p.backend = KVPAGE_BACKEND_CUDA; /* device_q_heads not set */
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_new(&p, &c, &err));
+  p.device_q_heads = Q_HEADS;
+  p.device_memory_fraction = 1.5;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_cache_new(&p, &c, &err));
+  p.device_memory_fraction = 0.5;
+  EXPECT(KVPAGE_ERR_UNSUPPORTED, kvpage_cache_new(&p, &c, &err));
+  EXPECT_TRUE(c == NULL);
+  ep.cache.backend = 7;
+  EXPECT(KVPAGE_ERR_INVALID_ARGUMENT, kvpage_engine_new(&ep, &e, &err));
+  ep.cache.backend = KVPAGE_BACKEND_CUDA;
+  ep.cache.device_q_heads = Q_HEADS;
+  EXPECT(KVPAGE_ERR_UNSUPPORTED, kvpage_engine_new(&ep, &e, &err));
+  EXPECT_TRUE(e == NULL);
+  EXPECT_TRUE(strcmp(kvpage_result_str(KVPAGE_ERR_DEVICE), "CUDA device failed or unavailable") == 0);
+  p.backend = KVPAGE_BACKEND_CPU; /* the device fields are ignored */
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  section("backend selection", before);
+}
+
 /* The KV event publisher: this library is built without the events-zmq feature, so
  * starting one is KVPAGE_ERR_UNSUPPORTED; bad arguments still get their codes. */
 static void publisher_calls(void) {
@@ -1156,6 +1192,7 @@ int main(void) {
   manager_seq_calls();
   manager_retention_calls();
   cache_retention_calls();
+  backend_calls();
   publisher_calls();
   if (failures) {
     printf("%u of %u checks failed\n", failures, checks);

@@ -36,6 +36,15 @@ typedef struct kvpage_scheduler kvpage_scheduler;
 /* The KV event publisher (kvpage_publisher_start / _free). */
 typedef struct kvpage_publisher kvpage_publisher;
 
+// `backend` of `kvpage_cache_params`: the CPU kernels over a host arena.
+#define KVPAGE_BACKEND_CPU 0
+
+// `backend` of `kvpage_cache_params`: a CUDA device (feature `cuda`).
+#define KVPAGE_BACKEND_CUDA 1
+
+// `device_max_step_tokens` when 0.
+#define KVPAGE_DEVICE_DEFAULT_STEP_TOKENS 2048
+
 // Default arena size of `kvpage_cache_default_params`: 256 MiB.
 #define KVPAGE_CACHE_DEFAULT_BYTES (256 << 20)
 
@@ -114,7 +123,7 @@ typedef struct kvpage_publisher kvpage_publisher;
 #define KVPAGE_WIRE_POSITIONAL_ARRAY 1
 
 // The highest result code (for tables of messages and tests that walk every code).
-#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_UNSUPPORTED
+#define KVPAGE_RESULT_LAST (uint32_t)KVPAGE_ERR_DEVICE
 
 // Bytes of `kvpage_error.message`, the terminating NUL included.
 #define KVPAGE_ERROR_MESSAGE_LEN 160
@@ -269,8 +278,15 @@ enum kvpage_result
   // (`needed`, `available` = free).
   KVPAGE_ERR_QUOTA_REFUSED = 47,
   // This build of the library lacks the feature the call needs (e.g. the KV event
-  // publisher without `events-zmq`).
+  // publisher without `events-zmq`, a CUDA backend without `cuda`), or the cache's
+  // backend cannot do the operation yet (e.g. an edit that moves rows on a CUDA
+  // device).
   KVPAGE_ERR_UNSUPPORTED = 48,
+  // The CUDA device failed or is not available: no NVIDIA driver, no such device, no
+  // kernels in this build, a driver error (`value` = the driver's result code), or
+  // sizes the device backend refuses. A driver error of queued work leaves the
+  // object unusable: free it.
+  KVPAGE_ERR_DEVICE = 49,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -323,6 +339,21 @@ typedef struct kvpage_cache_params {
   // cache. A fixed key makes block hashes (in KV events and persisted caches) the
   // same on every run and machine; keep it secret in a multi-tenant service.
   uint64_t hash_key;
+  // Where the K/V lives and attention runs: `KVPAGE_BACKEND_CPU` (0, the default) or
+  // `KVPAGE_BACKEND_CUDA` (1; a library built without the `cuda` feature refuses it
+  // with `KVPAGE_ERR_UNSUPPORTED`). An engine's cache takes it from here too. The
+  // `device_*` fields below are read for CUDA only.
+  uint32_t backend;
+  // CUDA: the device's ordinal.
+  uint32_t device;
+  // CUDA: the arena takes this fraction of the device's free memory, in `(0, 1]`;
+  // 0 (the default) = the capacity above.
+  double device_memory_fraction;
+  // CUDA: query heads of the model (every attention call passes this many); needed
+  // for CUDA (0 is refused).
+  uint32_t device_q_heads;
+  // CUDA: query tokens one attention call may carry; 0 (the default) = 2048.
+  uint32_t device_max_step_tokens;
 } kvpage_cache_params;
 
 // Details of a failure, written by a function that fails when the caller passes a
@@ -452,7 +483,8 @@ typedef struct kvpage_scheduler_params {
   uint32_t preemption;
 } kvpage_scheduler_params;
 
-// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`.
+// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`. The
+// backend is the cache's (`cache.backend`).
 typedef struct kvpage_engine_params {
   // The cache: geometry, device capacity, sequences (forks included), longest
   // sequence (prompt plus generated), kernel threads.
@@ -762,8 +794,9 @@ extern "C" {
 // (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
-// KV events and a random hash key (`event_capacity` and `hash_key` 0). The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
-// fail; thread-safe.
+// KV events and a random hash key (`event_capacity` and `hash_key` 0), the CPU backend
+// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0). The geometry is copied as
+// given and checked by `kvpage_cache_new`. O(1); cannot fail; thread-safe.
 struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry geometry);
 
 // Builds a cache from `params` and writes it to `*out_cache`: allocates the arena
@@ -777,7 +810,10 @@ struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry ge
 // (unknown dtype, both or neither capacity set); `KVPAGE_ERR_BAD_CONFIG` (zero
 // dimension or limit, capacity under one block or over 2^32-1 blocks, head dim over
 // the kernels' maximum, lengths that overflow); `KVPAGE_ERR_OUT_OF_MEMORY` (`needed`
-// bytes of tables when known).
+// bytes of tables when known); for `backend`: `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
+// backend, `value` = it; CUDA with `device_q_heads` 0 or a fraction outside
+// `(0, 1]`), `KVPAGE_ERR_UNSUPPORTED` (CUDA in a build without the `cuda` feature),
+// `KVPAGE_ERR_DEVICE` (no NVIDIA driver, no such device, a driver error).
 //
 // # Safety
 // `params` is null or readable; `out_cache` is null or writable.
@@ -1453,7 +1489,8 @@ struct kvpage_engine_params kvpage_engine_default_params(struct kvpage_geometry 
 // `KVPAGE_ERR_NULL_POINTER`; `KVPAGE_ERR_INVALID_ARGUMENT` (unknown dtype or
 // preemption mode); `KVPAGE_ERR_BAD_CONFIG` (zero geometry, both or neither capacity,
 // zero `max_seqs`, `max_seq_len`, `max_requests`, `token_budget` or `max_running`,
-// head dim over the kernels' maximum); `KVPAGE_ERR_OUT_OF_MEMORY`.
+// head dim over the kernels' maximum); `KVPAGE_ERR_OUT_OF_MEMORY`; the backend's
+// errors as `kvpage_cache_new`'s.
 //
 // # Safety
 // `params` is null or readable; `out_engine` is null or writable.

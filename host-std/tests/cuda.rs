@@ -9,27 +9,16 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{random_vec, rng};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
 use kvpage::{
     Backend, CacheConfig, CacheError, Capacity, CudaOptions, DType, Engine, EngineConfig, Geometry,
     KvCache, Preemption, RopeParams, Sampled, SchedulerConfig, Seq,
 };
-
-/// xorshift64*: deterministic inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn fill(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-            .collect()
-    }
-}
 
 fn config(g: Geometry, blocks: u32, max_seq_len: u32) -> CacheConfig {
     CacheConfig {
@@ -112,7 +101,7 @@ impl Pair {
         );
     }
 
-    fn write(&mut self, rng: &mut Rng, i: usize, first: u32, end: u32) {
+    fn write(&mut self, rng: &mut StdRng, i: usize, first: u32, end: u32) {
         let s = self.seqs[i];
         let g = *self.cpu.geometry();
         let row = (g.kv_heads() * g.head_dim()) as usize;
@@ -120,7 +109,10 @@ impl Pair {
             let mut at = first;
             while at < end {
                 let n = (end - at).min(97); // odd chunks
-                let (k, v) = (rng.fill(n as usize * row), rng.fill(n as usize * row));
+                let (k, v) = (
+                    random_vec(rng, n as usize * row),
+                    random_vec(rng, n as usize * row),
+                );
                 self.cpu.write_kv(s, layer, at, &k, &v).unwrap();
                 self.gpu.write_kv(s, layer, at, &k, &v).unwrap();
                 at += n;
@@ -130,11 +122,11 @@ impl Pair {
         self.gpu.commit(s).unwrap();
     }
 
-    fn attention(&mut self, rng: &mut Rng, layer: u32, queries: &[u32]) {
+    fn attention(&mut self, rng: &mut StdRng, layer: u32, queries: &[u32]) {
         let g = *self.cpu.geometry();
         let per = (self.q_heads * g.head_dim()) as usize;
         let total: u32 = queries.iter().sum();
-        let q = rng.fill(total as usize * per);
+        let q = random_vec(rng, total as usize * per);
         let (mut want, mut got) = (vec![0f32; q.len()], vec![f32::NAN; q.len()]);
         let scale = 1.0 / (g.head_dim() as f32).sqrt();
         let h = self.q_heads;
@@ -175,10 +167,10 @@ fn scenario(dtype: DType, head_dim: u32, block_size: u32, group: u32, contexts: 
         .sum::<u32>()
         + 64;
     let mut pair = Pair::new(g, blocks, max_len, 2 * group);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(head_dim * block_size * group));
+    let mut rng = rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(head_dim * block_size * group));
     for _ in 0..8 {
         let i = pair.create();
-        let n = 1 + (rng.next() % (4 * u64::from(block_size))) as u32;
+        let n = 1 + rng.random_range(0..4 * block_size);
         pair.append(i, n);
     }
     for i in (0..8).step_by(2).rev() {
@@ -247,9 +239,8 @@ fn stored_dtype_writes_match() {
     let i = pair.create();
     pair.append(i, 40);
     let s = pair.seqs[i];
-    let mut rng = Rng(11);
-    let k: Vec<kvpage::f16> = rng
-        .fill(40 * 128)
+    let mut rng = rng(11);
+    let k: Vec<kvpage::f16> = random_vec(&mut rng, 40 * 128)
         .into_iter()
         .map(kvpage::f16::from_f32)
         .collect();
@@ -273,7 +264,7 @@ fn what_the_device_cannot_do_yet_is_refused_and_changes_nothing() {
     let mut pair = Pair::new(g, 32, 256, 4);
     let i = pair.create();
     pair.append(i, 40);
-    let mut rng = Rng(13);
+    let mut rng = rng(13);
     pair.write(&mut rng, i, 0, 40);
     let s = pair.seqs[i];
     let stats = pair.gpu.stats();
@@ -343,7 +334,7 @@ fn engine_steps_with_swaps_match() {
         assert_eq!(gpu.add_request(&prompt, 1, Some(10)).unwrap(), r);
         requests.push(r);
     }
-    let mut rng = Rng(17);
+    let mut rng = rng(17);
     let row = (g.kv_heads() * g.head_dim()) as usize;
     let per = (q_heads * g.head_dim()) as usize;
     let mut forked = false;
@@ -363,8 +354,11 @@ fn engine_steps_with_swaps_match() {
         assert_eq!(gstep.slots().len(), tokens);
         let mut outs = Vec::new();
         for layer in 0..g.layers() {
-            let (k, v) = (rng.fill(tokens * row), rng.fill(tokens * row));
-            let q = rng.fill(tokens * per);
+            let (k, v) = (
+                random_vec(&mut rng, tokens * row),
+                random_vec(&mut rng, tokens * row),
+            );
+            let q = random_vec(&mut rng, tokens * per);
             cpu.write_kv(layer, &k, &v).unwrap();
             gpu.write_kv(layer, &k, &v).unwrap();
             let (mut want, mut got) = (vec![0f32; q.len()], vec![f32::NAN; q.len()]);

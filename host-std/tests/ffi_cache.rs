@@ -1696,3 +1696,59 @@ fn sequence_edits_through_c() {
         assert_eq!(kvpage_cache_free(c, &mut e), KVPAGE_OK);
     }
 }
+
+/// The backend selection of the parameters: CPU by default, unknown backends and
+/// incomplete CUDA selections refused as invalid, and CUDA itself refused with a typed
+/// code where it cannot run (`KVPAGE_ERR_UNSUPPORTED` in a build without the `cuda`
+/// feature, `KVPAGE_ERR_DEVICE` with it on a machine without a driver); nothing written.
+#[test]
+fn backend_selection_is_checked() {
+    let good = params(DType::F16, 16);
+    assert_eq!(
+        (good.backend, good.device, good.device_q_heads),
+        (KVPAGE_BACKEND_CPU, 0, 0)
+    );
+    let sentinel = 0x40 as *mut kvpage_cache;
+    let try_new = |p: &kvpage_cache_params| {
+        let (mut out, mut e) = (sentinel, err());
+        // SAFETY: valid pointers.
+        let got = unsafe { kvpage_cache_new(p, &mut out, &mut e) };
+        (got, e, out)
+    };
+    let mut p = good;
+    p.backend = 7;
+    let (got, e, out) = try_new(&p);
+    assert_eq!(
+        (got, e.value, out),
+        (KVPAGE_ERR_INVALID_ARGUMENT, 7, sentinel)
+    );
+    p.backend = KVPAGE_BACKEND_CUDA;
+    let (got, e, out) = try_new(&p);
+    assert_eq!((got, out), (KVPAGE_ERR_INVALID_ARGUMENT, sentinel));
+    assert!(message(&e).contains("device_q_heads"), "{}", message(&e));
+    p.device_q_heads = 4;
+    for bad in [-0.5, 1.5, f64::NAN] {
+        p.device_memory_fraction = bad;
+        assert_eq!(try_new(&p).0, KVPAGE_ERR_INVALID_ARGUMENT, "{bad}");
+    }
+    p.device_memory_fraction = 0.0;
+    let (got, e, out) = try_new(&p);
+    if cfg!(feature = "cuda") {
+        if got == KVPAGE_OK {
+            free(out); // a GPU machine
+        } else {
+            assert_eq!((got, out), (KVPAGE_ERR_DEVICE, sentinel), "{}", message(&e));
+        }
+    } else {
+        assert_eq!(
+            (got, out),
+            (KVPAGE_ERR_UNSUPPORTED, sentinel),
+            "{}",
+            message(&e)
+        );
+        assert!(message(&e).contains("cuda"), "{}", message(&e));
+    }
+    // The device fields are ignored on the CPU.
+    p.backend = KVPAGE_BACKEND_CPU;
+    free(new_cache(&p));
+}

@@ -14,6 +14,7 @@ use core::ffi::c_void;
 
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache, Seq};
 use crate::dtype::for_dtype;
+use crate::storage::{Backend, CudaOptions};
 use crate::tables::try_with_capacity;
 
 use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
@@ -26,7 +27,7 @@ use super::stats::kvpage_stats;
 /// What a cache is built from; start from `kvpage_cache_default_params` and change
 /// fields.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct kvpage_cache_params {
     /// The model's KV geometry and storage dtype.
     pub geometry: kvpage_geometry,
@@ -51,7 +52,29 @@ pub struct kvpage_cache_params {
     /// cache. A fixed key makes block hashes (in KV events and persisted caches) the
     /// same on every run and machine; keep it secret in a multi-tenant service.
     pub hash_key: u64,
+    /// Where the K/V lives and attention runs: `KVPAGE_BACKEND_CPU` (0, the default) or
+    /// `KVPAGE_BACKEND_CUDA` (1; a library built without the `cuda` feature refuses it
+    /// with `KVPAGE_ERR_UNSUPPORTED`). An engine's cache takes it from here too. The
+    /// `device_*` fields below are read for CUDA only.
+    pub backend: u32,
+    /// CUDA: the device's ordinal.
+    pub device: u32,
+    /// CUDA: the arena takes this fraction of the device's free memory, in `(0, 1]`;
+    /// 0 (the default) = the capacity above.
+    pub device_memory_fraction: f64,
+    /// CUDA: query heads of the model (every attention call passes this many); needed
+    /// for CUDA (0 is refused).
+    pub device_q_heads: u32,
+    /// CUDA: query tokens one attention call may carry; 0 (the default) = 2048.
+    pub device_max_step_tokens: u32,
 }
+
+/// `backend` of `kvpage_cache_params`: the CPU kernels over a host arena.
+pub const KVPAGE_BACKEND_CPU: u32 = 0;
+/// `backend` of `kvpage_cache_params`: a CUDA device (feature `cuda`).
+pub const KVPAGE_BACKEND_CUDA: u32 = 1;
+/// `device_max_step_tokens` when 0.
+pub const KVPAGE_DEVICE_DEFAULT_STEP_TOKENS: u32 = 2048;
 
 /// Default arena size of `kvpage_cache_default_params`: 256 MiB.
 pub const KVPAGE_CACHE_DEFAULT_BYTES: u64 = 256 << 20;
@@ -78,6 +101,37 @@ pub(crate) fn capacity_from_c(
 }
 
 impl kvpage_cache_params {
+    /// The checked backend selection.
+    pub(crate) fn backend(&self) -> Result<Backend, Fail> {
+        match self.backend {
+            KVPAGE_BACKEND_CPU => Ok(Backend::Cpu),
+            KVPAGE_BACKEND_CUDA => {
+                let f = self.device_memory_fraction;
+                if !(f == 0.0 || (f > 0.0 && f <= 1.0)) {
+                    return Err(Fail::invalid(
+                        "device_memory_fraction is not 0 or in (0, 1]",
+                    ));
+                }
+                if self.device_q_heads == 0 {
+                    return Err(Fail::invalid(
+                        "device_q_heads must be set for the CUDA backend",
+                    ));
+                }
+                Ok(Backend::Cuda(CudaOptions {
+                    device: self.device,
+                    memory_fraction: (f > 0.0).then_some(f),
+                    reserve_bytes: 0,
+                    q_heads: self.device_q_heads,
+                    max_step_tokens: match self.device_max_step_tokens {
+                        0 => KVPAGE_DEVICE_DEFAULT_STEP_TOKENS,
+                        n => n,
+                    },
+                }))
+            }
+            other => Err(Fail::invalid("unknown backend").with_value(u64::from(other))),
+        }
+    }
+
     /// The checked Rust configuration.
     pub(crate) fn to_rust(self) -> Result<CacheConfig, Fail> {
         Ok(CacheConfig {
@@ -183,8 +237,9 @@ fn head_mut<'a, T>(
 /// (`KVPAGE_CACHE_DEFAULT_BYTES`, `capacity_blocks` 0), 64 sequences
 /// (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
 /// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
-/// KV events and a random hash key (`event_capacity` and `hash_key` 0). The geometry is copied as given and checked by `kvpage_cache_new`. O(1); cannot
-/// fail; thread-safe.
+/// KV events and a random hash key (`event_capacity` and `hash_key` 0), the CPU backend
+/// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0). The geometry is copied as
+/// given and checked by `kvpage_cache_new`. O(1); cannot fail; thread-safe.
 #[no_mangle]
 pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpage_cache_params {
     kvpage_cache_params {
@@ -196,6 +251,11 @@ pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpa
         threads: 0,
         event_capacity: 0,
         hash_key: 0,
+        backend: KVPAGE_BACKEND_CPU,
+        device: 0,
+        device_memory_fraction: 0.0,
+        device_q_heads: 0,
+        device_max_step_tokens: 0,
     }
 }
 
@@ -210,7 +270,10 @@ pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpa
 /// (unknown dtype, both or neither capacity set); `KVPAGE_ERR_BAD_CONFIG` (zero
 /// dimension or limit, capacity under one block or over 2^32-1 blocks, head dim over
 /// the kernels' maximum, lengths that overflow); `KVPAGE_ERR_OUT_OF_MEMORY` (`needed`
-/// bytes of tables when known).
+/// bytes of tables when known); for `backend`: `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
+/// backend, `value` = it; CUDA with `device_q_heads` 0 or a fraction outside
+/// `(0, 1]`), `KVPAGE_ERR_UNSUPPORTED` (CUDA in a build without the `cuda` feature),
+/// `KVPAGE_ERR_DEVICE` (no NVIDIA driver, no such device, a driver error).
 ///
 /// # Safety
 /// `params` is null or readable; `out_cache` is null or writable.
@@ -223,10 +286,11 @@ pub unsafe extern "C" fn kvpage_cache_new(
     // SAFETY: pointers checked by `obj` / `out`.
     unsafe {
         run(err, || {
-            let config = obj(params, "params")?.to_rust()?;
+            let params = obj(params, "params")?;
+            let (config, backend) = (params.to_rust()?, params.backend()?);
             let dst = out(out_cache, "out_cache")?;
             // The cache first: it validates `max_seqs` before anything is sized by it.
-            let cache = KvCache::new(config)?;
+            let cache = KvCache::with_backend(config, backend)?;
             let max = config.max_seqs as usize;
             let (decode, prefill) = (try_with_capacity(max)?, try_with_capacity(max)?);
             dst.set(Box::into_raw(Box::new(kvpage_cache {

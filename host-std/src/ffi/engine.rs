@@ -33,9 +33,10 @@ use super::step::{
 use crate::engine::{Engine, EngineConfig};
 use crate::tables::try_filled;
 
-/// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`.
+/// What `kvpage_engine_new` builds. Start from `kvpage_engine_default_params`. The
+/// backend is the cache's (`cache.backend`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct kvpage_engine_params {
     /// The cache: geometry, device capacity, sequences (forks included), longest
     /// sequence (prompt plus generated), kernel threads.
@@ -120,7 +121,8 @@ unsafe impl Tagged for kvpage_engine {
 /// `KVPAGE_ERR_NULL_POINTER`; `KVPAGE_ERR_INVALID_ARGUMENT` (unknown dtype or
 /// preemption mode); `KVPAGE_ERR_BAD_CONFIG` (zero geometry, both or neither capacity,
 /// zero `max_seqs`, `max_seq_len`, `max_requests`, `token_budget` or `max_running`,
-/// head dim over the kernels' maximum); `KVPAGE_ERR_OUT_OF_MEMORY`.
+/// head dim over the kernels' maximum); `KVPAGE_ERR_OUT_OF_MEMORY`; the backend's
+/// errors as `kvpage_cache_new`'s.
 ///
 /// # Safety
 /// `params` is null or readable; `out_engine` is null or writable.
@@ -133,10 +135,11 @@ pub unsafe extern "C" fn kvpage_engine_new(
     // SAFETY: pointers checked by `obj` / `out`.
     unsafe {
         run(err, || {
-            let config = obj(params, "params")?.to_rust()?;
+            let params = obj(params, "params")?;
+            let (config, backend) = (params.to_rust()?, params.cache.backend()?);
             let dst = out(out_engine, "out_engine")?;
             let samples = try_filled(config.max_requests as usize, NO_SAMPLE)?;
-            let engine = Engine::new(config)?;
+            let engine = Engine::with_backend(config, backend)?;
             dst.set(Box::into_raw(Box::new(kvpage_engine {
                 magic: MAGIC,
                 engine,
