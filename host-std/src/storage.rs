@@ -94,10 +94,65 @@ impl From<DeviceKvError> for CacheError {
                 },
             },
             DeviceKvError::Kernels(_) => DeviceFault::NoKernels,
+            DeviceKvError::Launch(l) => match kernel_error_of(l) {
+                Some(k) => return Self::Kernel(k),
+                None => DeviceFault::Refused,
+            },
             _ => DeviceFault::Refused,
         };
         Self::Device(fault)
     }
+}
+
+/// The CPU kernels' error for a refusal of the device's planner that has one, so a
+/// cache gives the same error on both backends (a wrong layer, buffer length, query
+/// count). O(1).
+#[cfg(feature = "cuda")]
+fn kernel_error_of(e: kvpage_cuda::launch::LaunchError) -> Option<KernelError> {
+    use kvpage_cuda::launch::{Buffer as B, LaunchError as L};
+    let len = |x: u64| usize::try_from(x).unwrap_or(usize::MAX);
+    Some(match e {
+        L::BufferLength {
+            buffer,
+            expected,
+            actual,
+        } => KernelError::BufferLength {
+            buffer: match buffer {
+                B::Keys => Buffer::Keys,
+                B::Values => Buffer::Values,
+                B::Query => Buffer::Query,
+                B::Output => Buffer::Output,
+                B::Arena => Buffer::Arena,
+                B::Seqs | B::Scratch => return None,
+            },
+            expected: len(expected),
+            actual: len(actual),
+        },
+        L::LayerOutOfRange { layer, layers } => KernelError::LayerOutOfRange { layer, layers },
+        L::SlotOutOfRange { slot, slots } => KernelError::SlotOutOfRange { slot, slots },
+        L::BlockOutOfRange { block, blocks } => KernelError::BlockOutOfRange { block, blocks },
+        L::CopyOntoItself { block } => KernelError::CopyOntoItself { block },
+        L::HeadsNotDivisible { q_heads, kv_heads } => {
+            KernelError::HeadsNotDivisible { q_heads, kv_heads }
+        }
+        L::ScaledStorage { dtype } => KernelError::ScaledStorage { dtype },
+        L::BadScale => KernelError::BadScale,
+        L::ContextTooLong {
+            context_len,
+            capacity,
+        } => KernelError::ContextTooLong {
+            context_len,
+            capacity,
+        },
+        L::QueriesExceedContext {
+            queries,
+            context_len,
+        } => KernelError::QueriesExceedContext {
+            queries,
+            context_len,
+        },
+        _ => return None,
+    })
 }
 
 /// The K/V storage of a cache. See the module docs.

@@ -410,3 +410,39 @@ fn engine_steps_with_swaps_match() {
     );
     assert!(forked);
 }
+
+/// Bad input gives the same typed error on both backends, and changes nothing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bad_input_gives_the_same_errors() {
+    let g = Geometry::new(2, 2, 64, 16, DType::F16).unwrap();
+    let mut pair = Pair::new(g, 32, 256, 4);
+    let i = pair.create();
+    pair.append(i, 20);
+    let s = pair.seqs[i];
+    let kv = vec![0.5f32; 20 * 128];
+    let q = vec![0.5f32; 4 * 64];
+    let mut out = vec![0f32; q.len()];
+    type Call = fn(&mut KvCache, Seq, &[f32], &[f32], &mut [f32]) -> Result<(), CacheError>;
+    let calls: [(&str, Call); 4] = [
+        ("layer 9", |c, s, kv, _, _| c.write_kv(s, 9, 0, kv, kv)),
+        ("short v", |c, s, kv, _, _| {
+            c.write_kv(s, 0, 0, kv, &kv[1..])
+        }),
+        ("short out", |c, s, _, q, out| {
+            c.decode(0, &[s], q, &mut out[1..], 4, 0.1)
+        }),
+        ("too many queries", |c, s, _, _, _| {
+            let q = vec![0.5f32; 21 * 4 * 64];
+            let mut out = vec![0f32; q.len()];
+            c.prefill(0, &[(s, 21)], &q, &mut out, 4, 0.1)
+        }),
+    ];
+    for (what, call) in calls {
+        let want = call(&mut pair.cpu, s, &kv, &q, &mut out).unwrap_err();
+        let got = call(&mut pair.gpu, s, &kv, &q, &mut out).unwrap_err();
+        assert_eq!(got, want, "{what}");
+    }
+    assert_eq!(pair.gpu.stats(), pair.cpu.stats());
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+}
