@@ -17,6 +17,13 @@ use crate::cache::CacheError;
 use crate::dtype::{for_dtype, Element};
 use crate::error::{Buffer, KernelError};
 use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
+use crate::persist::format::copy_elems_from_le;
+use crate::persist::{PersistError, Section};
+
+// The device's arena is little-endian; the persistence code reads block bytes as the
+// host's native elements, which are the same bytes only on a little-endian host.
+#[cfg(all(feature = "cuda", target_endian = "big"))]
+compile_error!("the CUDA backend needs a little-endian host");
 
 /// Which backend a cache or engine runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -286,7 +293,7 @@ impl Storage {
     /// [`KernelError::BlockOutOfRange`], [`KernelError::BufferLength`] (nothing
     /// written); the device's.
     pub(crate) fn read_block(
-        &mut self,
+        &self,
         layout: &KvLayout,
         block: u32,
         out: &mut [u8],
@@ -315,6 +322,72 @@ impl Storage {
             }
             #[cfg(feature = "cuda")]
             Self::Cuda { kv, .. } => kv.read_block(block, out)?,
+        }
+        Ok(())
+    }
+
+    /// The bytes of `block` for a save (the block-major layout, native = little-endian
+    /// elements): a view of the CPU arena, or the block read back from the device into
+    /// `buf` (resized to one block). O(bytes per block) on a device, O(1) on the CPU.
+    ///
+    /// # Errors
+    /// [`PersistError::Corrupt`] for a block outside the arena (not reachable for a
+    /// sequence's blocks), [`PersistError::Device`] for a driver error.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables, clippy::ptr_arg))]
+    pub(crate) fn block_bytes<'a>(
+        &'a self,
+        layout: &KvLayout,
+        block: u32,
+        buf: &'a mut Vec<u8>,
+    ) -> Result<&'a [u8], PersistError> {
+        let corrupt = PersistError::Corrupt {
+            section: Section::Kv,
+        };
+        // The layout's invariant: every byte offset of the arena fits a `usize`.
+        let bpb = layout.geometry().bytes_per_block() as usize;
+        match self {
+            Self::Cpu { arena, .. } => {
+                let start = block as usize * bpb;
+                arena.as_bytes().get(start..start + bpb).ok_or(corrupt)
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => {
+                buf.resize(bpb, 0);
+                kv.read_block(block, buf)
+                    .map_err(|e| match CacheError::from(e) {
+                        CacheError::Device(f) => PersistError::Device(f),
+                        _ => corrupt,
+                    })?;
+                Ok(buf)
+            }
+        }
+    }
+
+    /// Writes one block's bytes `src` (little-endian elements of `esize` bytes, as a
+    /// saved blob holds them) into `block`. O(bytes per block).
+    ///
+    /// # Errors
+    /// [`CacheError::Device`] for a driver error; a block outside the arena is ignored
+    /// on the CPU (not reachable: the core's blocks) and refused on a device.
+    pub(crate) fn write_block_le(
+        &mut self,
+        layout: &KvLayout,
+        block: u32,
+        src: &[u8],
+        esize: usize,
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => {
+                let bpb = layout.geometry().bytes_per_block() as usize;
+                let start = block as usize * bpb;
+                let dst = arena.as_bytes_mut().get_mut(start..start + bpb);
+                if let Some(dst) = dst.filter(|d| d.len() == src.len()) {
+                    copy_elems_from_le(dst, src, esize);
+                }
+            }
+            // Little-endian already: the device's layout.
+            #[cfg(feature = "cuda")]
+            Self::Cuda { kv, .. } => kv.write_block(block, src)?,
         }
         Ok(())
     }

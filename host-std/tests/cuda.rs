@@ -290,8 +290,6 @@ fn what_the_device_cannot_do_yet_is_refused_and_changes_nothing() {
         pairing: kvpage::RopePairing::Interleaved,
     };
     unsupported(pair.gpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err());
-    let fp = kvpage::ModelFingerprint::default();
-    unsupported(pair.gpu.save_seq(s, None, &fp, &mut [0u8; 16]).unwrap_err());
     assert_eq!(pair.gpu.stats(), stats);
     assert_eq!(pair.gpu.block_manager().block_table(), &table[..]);
     assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
@@ -445,4 +443,41 @@ fn bad_input_gives_the_same_errors() {
     }
     assert_eq!(pair.gpu.stats(), pair.cpu.stats());
     assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+}
+
+/// A sequence saved from either backend is the same blob, byte for byte, and restores
+/// into either backend with the same blocks; a prefix-cache file too.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn save_and_restore_across_backends() {
+    for dtype in [DType::F16, DType::Int8] {
+        let g = Geometry::new(2, 2, 64, 16, dtype).unwrap();
+        let mut pair = Pair::new(g, 64, 256, 4);
+        let mut rng = rng(19);
+        let i = pair.create();
+        let tokens: Vec<u32> = (0..45).collect();
+        let s = pair.seqs[i];
+        pair.cpu.append_tokens(s, &tokens).unwrap();
+        pair.gpu.append_tokens(s, &tokens).unwrap();
+        pair.write(&mut rng, i, 0, 45);
+        let fp = kvpage::ModelFingerprint::from_u64(5);
+        let size = pair.cpu.saved_seq_size(s, true).unwrap();
+        let (mut a, mut b) = (vec![0u8; size], vec![0u8; size]);
+        pair.cpu.save_seq(s, Some(&tokens), &fp, &mut a).unwrap();
+        pair.gpu.save_seq(s, Some(&tokens), &fp, &mut b).unwrap();
+        assert!(a == b, "{dtype:?}: blobs differ");
+        // Each backend restores the other's blob.
+        let (rc, _) = pair.cpu.restore_seq(&b, 3, &fp).unwrap();
+        let (rg, _) = pair.gpu.restore_seq(&a, 3, &fp).unwrap();
+        assert_eq!(rc, rg);
+        assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+        pair.seqs.push(rc);
+        pair.attention(&mut rng, 1, &[1, 1]);
+        // The prefix cache (the committed full blocks) saves the same file.
+        let n = usize::try_from(pair.cpu.saved_prefix_cache_size()).unwrap();
+        let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+        pair.cpu.save_prefix_cache(&fp, &mut a).unwrap();
+        pair.gpu.save_prefix_cache(&fp, &mut b).unwrap();
+        assert!(a == b, "{dtype:?}: prefix files differ");
+    }
 }

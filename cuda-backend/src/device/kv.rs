@@ -839,20 +839,18 @@ impl DeviceKv {
     }
 
     /// Reads the bytes of `block` (the block-major layout, little-endian) into `dst`
-    /// (exactly one block long), after every launch queued so far. Synchronous.
-    /// O(bytes per block).
+    /// (exactly one block long, ordinary host memory), after every launch queued so
+    /// far. Takes `&self`: concurrent reads of a cache are fine (each waits for the
+    /// cache's stream). Synchronous. O(bytes per block).
     ///
     /// # Errors
     /// [`DeviceKvError::BadBlock`]; driver errors.
-    pub fn read_block(&mut self, block: u32, dst: &mut [u8]) -> Result<(), DeviceKvError> {
+    pub fn read_block(&self, block: u32, dst: &mut [u8]) -> Result<(), DeviceKvError> {
         let src = self.block_range(block, dst.len())?;
         let stream = self.stream.as_ref();
         self.steps.after_last_step(stream)?;
-        // SAFETY: one block fits the pinned buffer (sized for it) and lies in the
-        // arena (checked); waited for below.
-        unsafe { stream.copy_to_host(&mut self.io.pinned, 0, src, dst.len()) }?;
-        stream.synchronize()?;
-        dst.copy_from_slice(&self.io.pinned.as_slice()[..dst.len()]);
+        // SAFETY: the range lies in the arena (checked), which lives as long as `self`.
+        unsafe { stream.read_to_host(dst, src) }?;
         Ok(())
     }
 

@@ -190,6 +190,29 @@ impl<'a> StreamRef<'a> {
         }
     }
 
+    /// Copies `dst.len()` bytes from device address `src` into `dst` (ordinary, pageable
+    /// host memory), after the work queued on this stream so far, and waits for the
+    /// stream. For occasional reads (a block to save); steps use pinned buffers.
+    /// O(bytes).
+    ///
+    /// # Errors
+    /// The driver's (an earlier asynchronous error of the stream included).
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` is device memory of this context that stays allocated
+    /// until the call returns.
+    pub unsafe fn read_to_host(&self, dst: &mut [u8], src: CuDevicePtr) -> Result<(), DriverError> {
+        self.ctx.make_current()?;
+        // SAFETY: `dst` is writable for its length and outlives the copy (waited for
+        // below, before the borrow ends); the device range is the caller's.
+        unsafe {
+            self.ctx
+                .driver()
+                .memcpy_dtoh_async(dst.as_mut_ptr().cast(), src, dst.len(), self.raw)
+        }?;
+        self.synchronize()
+    }
+
     /// Queues a device-to-device copy of `bytes` bytes.
     ///
     /// # Errors

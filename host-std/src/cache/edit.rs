@@ -203,7 +203,8 @@ impl KvCache {
     ///
     /// # Errors
     /// The core's ([`SeqError::BadRange`], [`SeqError::NoFreeSequence`],
-    /// [`SeqError::OutOfBlocks`], handle errors). Nothing changes on error.
+    /// [`SeqError::OutOfBlocks`], handle errors); [`CacheError::Unsupported`] on a CUDA
+    /// device (row moves). Nothing changes on error.
     pub fn copy_range(
         &mut self,
         seq: Seq,

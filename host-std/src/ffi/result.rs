@@ -470,6 +470,7 @@ fn classify_persist(e: PersistError) -> (kvpage_result, u64, u64, u64) {
     let n = |x: usize| x as u64;
     match e {
         PersistError::BadMagic => (KVPAGE_ERR_BLOB_FORMAT, 0, 0, 0),
+        PersistError::Device(f) => classify(&CacheError::Device(f)),
         PersistError::UnsupportedVersion { found } => {
             (KVPAGE_ERR_BLOB_VERSION, 0, 0, u64::from(found))
         }

@@ -113,6 +113,9 @@ pub enum PersistError {
         /// Ids given.
         got: usize,
     },
+    /// The CUDA device failed reading or writing a block (see
+    /// [`crate::DeviceFault`]); a device cache is unusable after a driver error.
+    Device(crate::DeviceFault),
     /// Save: the output buffer is shorter than the blob.
     BufferTooSmall {
         /// Bytes of the blob.
@@ -149,6 +152,7 @@ impl fmt::Display for PersistError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::BadMagic => f.write_str("not a kvpage sequence blob (bad magic)"),
+            Self::Device(e) => write!(f, "CUDA backend: {e}"),
             Self::UnsupportedVersion { found } => {
                 write!(f, "unsupported sequence blob version {found}")
             }

@@ -312,7 +312,6 @@ impl KvCache {
         fingerprint: &ModelFingerprint,
         out: &mut [u8],
     ) -> Result<SavedPrefixCache, CacheError> {
-        self.storage.cpu_only("save_prefix_cache")?;
         let order = self.prefix_blocks_in_order();
         let header = self.prefix_header(order.len() as u32, fingerprint);
         let size = header.file_len();
@@ -344,7 +343,6 @@ impl KvCache {
         fingerprint: &ModelFingerprint,
         path: impl AsRef<Path>,
     ) -> Result<SavedPrefixCache, CacheError> {
-        self.storage.cpu_only("save_prefix_cache")?;
         let order = self.prefix_blocks_in_order();
         let header = self.prefix_header(order.len() as u32, fingerprint);
         file::write_atomically(path.as_ref(), |sink| {
@@ -366,8 +364,8 @@ impl KvCache {
         let m = self.block_manager();
         let g = self.geometry();
         let esize = g.dtype().size_bytes() as usize;
-        let bpb = g.bytes_per_block() as usize;
-        let arena = self.arena().as_bytes();
+        // A device cache reads each block back into this buffer (one block).
+        let mut buf = Vec::new();
         let mut ids = vec![0u8; 4 * g.block_size() as usize];
         for &(b, parent) in order {
             let r = m.registered_block(b).ok_or(PersistError::Corrupt {
@@ -381,10 +379,7 @@ impl KvCache {
             for (d, t) in ids.chunks_exact_mut(4).zip(r.tokens) {
                 d.copy_from_slice(&t.to_le_bytes());
             }
-            let start = b as usize * bpb;
-            let kv = arena.get(start..start + bpb).ok_or(PersistError::Corrupt {
-                section: Section::Kv,
-            })?;
+            let kv = self.storage.block_bytes(&self.layout, b, &mut buf)?;
             let mut crc = Hasher::new();
             crc.update(&head);
             crc.update(&ids);
@@ -416,7 +411,6 @@ impl KvCache {
         bytes: &[u8],
         fingerprint: &ModelFingerprint,
     ) -> Result<PrefixLoadReport, CacheError> {
-        self.storage.cpu_only("load_prefix_cache")?;
         let header = PrefixHeader::decode(bytes)?;
         self.check_origin(
             header.dtype_code,
@@ -505,15 +499,13 @@ impl KvCache {
         );
         match imported {
             Ok(i) if i.fresh => {
-                let bpb = record.kv.len();
-                let start = i.block as usize * bpb;
-                if let Some(dst) = self
+                let written = self
                     .storage
-                    .arena_mut()
-                    .as_bytes_mut()
-                    .get_mut(start..start + bpb)
-                {
-                    copy_elems_from_le(dst, record.kv, esize);
+                    .write_block_le(&self.layout, i.block, record.kv, esize);
+                if written.is_err() {
+                    // A device's driver error (never on the CPU): the device cache is
+                    // unusable; the record counts as not loaded.
+                    return Err(Skipped::Damaged);
                 }
                 report.loaded += 1;
                 Ok(i.block)

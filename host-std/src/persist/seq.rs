@@ -18,8 +18,8 @@ use kvpage_core::{DType, SeqError};
 use super::error::{BlobGeometry, PersistError, Section};
 use super::file;
 use super::format::{
-    blob_geometry, copy_elems_from_le, dtype_code, read_sections, u32s, write_header, BlobHeader,
-    ModelFingerprint, SectionWriter, Sections, Sink, SliceSink,
+    blob_geometry, dtype_code, read_sections, u32s, write_header, BlobHeader, ModelFingerprint,
+    SectionWriter, Sections, Sink, SliceSink,
 };
 use super::positions::{self, BlobRuns};
 
@@ -179,7 +179,6 @@ impl KvCache {
         tokens: Option<usize>,
         fingerprint: &ModelFingerprint,
     ) -> Result<BlobHeader, CacheError> {
-        self.storage.cpu_only("save_seq")?;
         let m = self.block_manager();
         let blocks = m.blocks(seq.id())?.len() as u32;
         let len = m.len(seq.id())?;
@@ -299,18 +298,14 @@ impl KvCache {
     ) -> Result<(), PersistError> {
         let g = self.geometry();
         let esize = g.dtype().size_bytes() as usize;
-        // The layout's invariant: every byte offset of the arena fits a `usize`.
-        let bpb = g.bytes_per_block() as usize;
         let bs = g.block_size() as usize;
         let (tile, parts) = tile_parts(g.dtype(), g.head_dim() as usize, bs);
         let used = (len % g.block_size()) as usize;
         let blocks = self.block_manager().blocks(seq.id()).unwrap_or(&[]);
-        let arena = self.arena().as_bytes();
+        // A device cache reads each block back into this buffer (one block).
+        let mut buf = Vec::new();
         for (i, &b) in blocks.iter().enumerate() {
-            let start = b as usize * bpb;
-            let block = arena.get(start..start + bpb).ok_or(PersistError::Corrupt {
-                section: Section::Kv,
-            })?;
+            let block = self.storage.block_bytes(&self.layout, b, &mut buf)?;
             if i + 1 < blocks.len() || used == 0 {
                 w.put_elems(block, esize)?;
                 continue;
@@ -392,7 +387,6 @@ impl KvCache {
         namespace: u64,
         fingerprint: &ModelFingerprint,
     ) -> Result<(Seq, RestoredInfo<'b>), CacheError> {
-        self.storage.cpu_only("restore_seq")?;
         let header = BlobHeader::decode(blob)?;
         self.check_origin(
             header.dtype_code,
@@ -434,7 +428,11 @@ impl KvCache {
             let _ = self.release(seq);
             return Err(e);
         }
-        self.copy_restored_blocks(seq, &blob);
+        if let Err(e) = self.copy_restored_blocks(seq, &blob) {
+            // A device's driver error: the sequence goes (the device cache is unusable).
+            let _ = self.release(seq);
+            return Err(e);
+        }
         self.mark_written(seq);
         Ok((
             seq,
@@ -488,18 +486,18 @@ impl KvCache {
     }
 
     /// Copies the blob's blocks into the blocks of `seq` (appended: as many, exclusive).
-    fn copy_restored_blocks(&mut self, seq: Seq, blob: &SeqBlob<'_>) {
+    ///
+    /// # Errors
+    /// [`CacheError::Device`] for a driver error (never on the CPU).
+    fn copy_restored_blocks(&mut self, seq: Seq, blob: &SeqBlob<'_>) -> Result<(), CacheError> {
         let g = *self.geometry();
         let esize = g.dtype().size_bytes() as usize;
         let bpb = g.bytes_per_block() as usize;
         let blocks = self.tables.manager().blocks(seq.id()).unwrap_or(&[]);
-        let arena = self.storage.arena_mut().as_bytes_mut();
         for (&b, src) in blocks.iter().zip(blob.sections.kv.chunks_exact(bpb)) {
-            let start = b as usize * bpb;
-            if let Some(dst) = arena.get_mut(start..start + bpb) {
-                copy_elems_from_le(dst, src, esize);
-            }
+            self.storage.write_block_le(&self.layout, b, src, esize)?;
         }
+        Ok(())
     }
 }
 
