@@ -189,8 +189,8 @@ pub enum CacheError {
     },
     /// Saving or restoring a sequence failed (see [`crate::persist`]).
     Persist(PersistError),
-    /// The cache's backend cannot do this operation yet (e.g. row moves of edits,
-    /// re-rotating keys on a CUDA device). Checked before anything
+    /// The cache's backend cannot do this operation yet (re-rotating keys on a CUDA
+    /// device). Checked before anything
     /// changes.
     Unsupported {
         /// The operation (`"remove_range"`, `"rotate_keys"`, ...).
@@ -360,10 +360,10 @@ impl KvCache {
     /// [`KvCache::new`] on `backend`: the CPU, or a CUDA device whose arena takes the
     /// configured capacity (or a fraction of its free memory: [`crate::CudaOptions`]).
     /// A device cache has the same API; what the device cannot do yet is
-    /// [`CacheError::Unsupported`] (edits that move rows: [`KvCache::remove_range`],
-    /// [`KvCache::context_shift`], [`KvCache::copy_range`]; [`KvCache::rotate_keys`]);
-    /// saving and restoring read and write blocks through the device; no kernel threads
-    /// are started (`threads` is for the CPU), and
+    /// [`CacheError::Unsupported`] ([`KvCache::rotate_keys`] and
+    /// [`KvCache::context_shift_rotated`]); an edit's row moves, saving and restoring
+    /// read and write blocks through the host; no kernel threads are started
+    /// (`threads` is for the CPU), and
     /// [`KvCache::arena`] is empty (its K/V lives on the device). O(arena bytes +
     /// tables).
     ///

@@ -169,9 +169,15 @@ pub(crate) enum Storage {
         arena: Arena,
         host: Option<(KvLayout, Arena)>,
     },
-    /// A CUDA device; `empty` is what [`crate::KvCache::arena`] returns.
+    /// A CUDA device; `empty` is what [`crate::KvCache::arena`] returns; `stage` (of
+    /// `stage_layout`, two blocks) is where an edit's row moves run on the host.
     #[cfg(feature = "cuda")]
-    Cuda { kv: Box<DeviceKv>, empty: Arena },
+    Cuda {
+        kv: Box<DeviceKv>,
+        empty: Arena,
+        stage: Arena,
+        stage_layout: KvLayout,
+    },
 }
 
 impl Storage {
@@ -228,9 +234,13 @@ impl Storage {
                 host_blocks,
             })?;
             let empty = Arena::new(0).map_err(CacheError::Alloc)?;
+            let stage_layout = KvLayout::new(config.geometry, 2)?;
+            let stage = Arena::for_layout(&stage_layout).map_err(CacheError::Alloc)?;
             Ok(Self::Cuda {
                 kv: Box::new(kv),
                 empty,
+                stage,
+                stage_layout,
             })
         }
         #[cfg(not(feature = "cuda"))]
@@ -461,6 +471,58 @@ impl Storage {
             })?,
             #[cfg(feature = "cuda")]
             Self::Cuda { kv, .. } => kv.copy_blocks(copies)?,
+        }
+        Ok(())
+    }
+
+    /// Executes an edit's row moves, in order (after its block copies). On a device each
+    /// move's blocks are read into the host stage, moved there by the CPU kernel and
+    /// the destination block written back: O(moves × bytes per block) of copies, for
+    /// edits, which are rare. O(moved rows × layers × kv_heads × head_dim) on the CPU.
+    ///
+    /// # Errors
+    /// The kernel's for a move that leaves its block (an internal bug: the core's moves
+    /// are valid), the device's; on the CPU nothing is moved on error.
+    pub(crate) fn move_rows(
+        &mut self,
+        layout: &KvLayout,
+        moves: &[kvpage_core::RowMove],
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => for_dtype!(layout.geometry().dtype(), T => {
+                kernels::move_rows(layout, arena.as_mut_slice::<T>(), moves)
+            })?,
+            #[cfg(feature = "cuda")]
+            Self::Cuda {
+                kv,
+                stage,
+                stage_layout,
+                ..
+            } => {
+                let g = layout.geometry();
+                let bs = g.block_size();
+                let bpb = g.bytes_per_block() as usize;
+                for m in moves {
+                    let (src, dst) = (m.src_slot / bs, m.dst_slot / bs);
+                    let bytes = stage.as_bytes_mut();
+                    kv.read_block(src, &mut bytes[..bpb])?;
+                    // The destination in stage block 1 unless the move stays in one block.
+                    let at = u32::from(src != dst);
+                    if src != dst {
+                        kv.read_block(dst, &mut bytes[bpb..2 * bpb])?;
+                    }
+                    let local = kvpage_core::RowMove {
+                        src_slot: m.src_slot % bs,
+                        dst_slot: at * bs + m.dst_slot % bs,
+                        count: m.count,
+                    };
+                    for_dtype!(g.dtype(), T => {
+                        kernels::move_rows(stage_layout, stage.as_mut_slice::<T>(), &[local])
+                    })?;
+                    let start = at as usize * bpb;
+                    kv.write_block(dst, &stage.as_bytes()[start..start + bpb])?;
+                }
+            }
         }
         Ok(())
     }

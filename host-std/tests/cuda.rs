@@ -281,15 +281,13 @@ fn what_the_device_cannot_do_yet_is_refused_and_changes_nothing() {
             "{e}"
         );
     };
-    unsupported(pair.gpu.remove_range(s, 3, 9).unwrap_err());
-    unsupported(pair.gpu.copy_range(s, 3, 9, 0).unwrap_err());
-    unsupported(pair.gpu.context_shift(s, 4, 4).unwrap_err());
     let rope = RopeParams {
         base: 10_000.0,
         rotary_dims: 64,
         pairing: kvpage::RopePairing::Interleaved,
     };
     unsupported(pair.gpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err());
+    unsupported(pair.gpu.context_shift_rotated(s, 4, 4, rope).unwrap_err());
     assert_eq!(pair.gpu.stats(), stats);
     assert_eq!(pair.gpu.block_manager().block_table(), &table[..]);
     assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
@@ -479,5 +477,46 @@ fn save_and_restore_across_backends() {
         pair.cpu.save_prefix_cache(&fp, &mut a).unwrap();
         pair.gpu.save_prefix_cache(&fp, &mut b).unwrap();
         assert!(a == b, "{dtype:?}: prefix files differ");
+    }
+}
+
+/// Edits (their block copies and row moves) leave the same blocks on both backends.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn edits_match() {
+    for dtype in [DType::Bf16, DType::Fp8E4m3] {
+        let g = Geometry::new(2, 2, 64, 8, dtype).unwrap();
+        let mut pair = Pair::new(g, 64, 128, 4);
+        let mut rng = rng(23);
+        let i = pair.create();
+        pair.append(i, 61);
+        pair.write(&mut rng, i, 0, 61);
+        let s = pair.seqs[i];
+        let child = pair.cpu.fork(s).unwrap();
+        assert_eq!(pair.gpu.fork(s).unwrap(), child);
+        pair.seqs.push(child);
+        // Unaligned: rows move down within and across blocks; the shared blocks of the
+        // fork are copied first.
+        assert_eq!(
+            pair.cpu.remove_range(child, 5, 14).unwrap(),
+            pair.gpu.remove_range(child, 5, 14).unwrap()
+        );
+        assert_eq!(
+            pair.cpu.context_shift(s, 3, 10).unwrap(),
+            pair.gpu.context_shift(s, 3, 10).unwrap()
+        );
+        let copy = pair.cpu.copy_range(child, 3, 30, 0).unwrap();
+        assert_eq!(pair.gpu.copy_range(child, 3, 30, 0).unwrap(), copy);
+        pair.seqs.push(copy);
+        assert_eq!(
+            pair.cpu.make_exclusive(copy, 0, 27).unwrap(),
+            pair.gpu.make_exclusive(copy, 0, 27).unwrap()
+        );
+        assert_eq!(
+            pair.cpu.block_manager().block_table(),
+            pair.gpu.block_manager().block_table()
+        );
+        assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+        pair.attention(&mut rng, 1, &[1, 1, 1]);
     }
 }

@@ -10,9 +10,8 @@
 use kvpage_core::{BlockManager, ContextShift, Edited, PositionRun, SeqError};
 
 use super::{CacheError, KvCache, Seq};
-use crate::dtype::for_dtype;
 use crate::error::KernelError;
-use crate::kernels::{self, RopeParams};
+use crate::kernels::RopeParams;
 
 /// Where pending start `pending` lands after tokens `first..end` are removed.
 fn pending_after_removal(pending: u32, first: u32, end: u32) -> u32 {
@@ -26,31 +25,23 @@ fn pending_after_removal(pending: u32, first: u32, end: u32) -> u32 {
 impl KvCache {
     /// Executes what an edit reported, from the cache's edit buffers: the block copies,
     /// then the row moves in order. The core's ids are in range and its moves stay within
-    /// blocks, so this cannot fail on the CPU; on a device only a driver error can (the
-    /// edits that move rows are refused there before they start: [`KvCache::row_edit`]).
+    /// blocks, so this cannot fail on the CPU; on a device only a driver error can
+    /// ([`CacheError::Device`]: the device cache is then unusable).
     fn execute_edit(&mut self, edited: Edited) -> Result<(), CacheError> {
         let (layout, copies, moves) = (
             &self.layout,
             &self.edit_copies[..edited.copies as usize],
             &self.edit_moves[..edited.moves as usize],
         );
-        let done = self.storage.copy_blocks(layout, copies).and_then(|()| {
-            let arena = self.storage.arena_mut();
-            Ok(for_dtype!(layout.geometry().dtype(), T => {
-                kernels::move_rows(layout, arena.as_mut_slice::<T>(), moves)
-            })?)
-        });
+        let done = self
+            .storage
+            .copy_blocks(layout, copies)
+            .and_then(|()| self.storage.move_rows(layout, moves));
         debug_assert!(
             !matches!(done, Err(CacheError::Kernel(_))),
             "core reported an invalid edit: {done:?}"
         );
         done
-    }
-
-    /// `Ok` when the backend can execute row moves (the CPU); otherwise
-    /// [`CacheError::Unsupported`] naming `op`, before anything changes. O(1).
-    fn row_edit(&self, op: &'static str) -> Result<(), CacheError> {
-        self.storage.cpu_only(op)
     }
 
     /// Runs a core edit on `seq` with the cache's copy and move buffers, executes what it
@@ -83,10 +74,8 @@ impl KvCache {
     /// # Errors
     /// The core's ([`SeqError::StaleHandle`], [`SeqError::ForeignHandle`],
     /// [`SeqError::BadRange`], [`SeqError::OutOfBlocks`],
-    /// [`SeqError::TooManyPositionRuns`]); [`CacheError::Unsupported`] on a CUDA
-    /// device (row moves). Nothing changes on error.
+    /// [`SeqError::TooManyPositionRuns`]). Nothing changes on error.
     pub fn remove_range(&mut self, seq: Seq, first: u32, end: u32) -> Result<Edited, CacheError> {
-        self.row_edit("remove_range")?;
         self.edit_with(
             seq,
             (first, end),
@@ -111,7 +100,6 @@ impl KvCache {
         n_keep: u32,
         n_discard: u32,
     ) -> Result<ContextShift, CacheError> {
-        self.row_edit("context_shift")?;
         self.edit_with(
             seq,
             (n_keep, n_keep.saturating_add(n_discard)),
@@ -133,7 +121,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`crate::KernelError::Rope`] for parameters that do not fit
-    /// the head dim; otherwise as [`KvCache::context_shift`]. Nothing changes on error.
+    /// the head dim; [`CacheError::Unsupported`] on a CUDA device (no key rotation
+    /// there yet); otherwise as [`KvCache::context_shift`]. Nothing changes on error.
     pub fn context_shift_rotated(
         &mut self,
         seq: Seq,
@@ -141,7 +130,7 @@ impl KvCache {
         n_discard: u32,
         rope: RopeParams,
     ) -> Result<ContextShift, CacheError> {
-        self.row_edit("context_shift_rotated")?;
+        self.storage.cpu_only("context_shift_rotated")?;
         rope.check(self.layout.geometry().head_dim())
             .map_err(KernelError::Rope)?;
         let shift = self.context_shift(seq, n_keep, n_discard)?;
@@ -203,8 +192,7 @@ impl KvCache {
     ///
     /// # Errors
     /// The core's ([`SeqError::BadRange`], [`SeqError::NoFreeSequence`],
-    /// [`SeqError::OutOfBlocks`], handle errors); [`CacheError::Unsupported`] on a CUDA
-    /// device (row moves). Nothing changes on error.
+    /// [`SeqError::OutOfBlocks`], handle errors). Nothing changes on error.
     pub fn copy_range(
         &mut self,
         seq: Seq,
@@ -212,7 +200,6 @@ impl KvCache {
         end: u32,
         namespace: u64,
     ) -> Result<Seq, CacheError> {
-        self.row_edit("copy_range")?;
         let moves = &mut self.edit_moves;
         let (copied, len) = Self::with_manager(&mut self.tables, |m| {
             let copied = m.copy_range(seq.0, first, end, namespace, moves)?;

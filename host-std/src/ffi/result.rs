@@ -135,8 +135,7 @@ pub enum kvpage_result {
     KVPAGE_ERR_QUOTA_REFUSED = 47,
     /// This build of the library lacks the feature the call needs (e.g. the KV event
     /// publisher without `events-zmq`, a CUDA backend without `cuda`), or the cache's
-    /// backend cannot do the operation yet (e.g. an edit that moves rows on a CUDA
-    /// device).
+    /// backend cannot do the operation yet (re-rotating keys on a CUDA device).
     KVPAGE_ERR_UNSUPPORTED = 48,
     /// The CUDA device failed or is not available: no NVIDIA driver, no such device, no
     /// kernels in this build, a driver error (`value` = the driver's result code), or
