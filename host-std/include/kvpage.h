@@ -278,8 +278,7 @@ enum kvpage_result
   // (`needed`, `available` = free).
   KVPAGE_ERR_QUOTA_REFUSED = 47,
   // This build of the library lacks the feature the call needs (e.g. the KV event
-  // publisher without `events-zmq`, a CUDA backend without `cuda`), or the cache's
-  // backend cannot do the operation yet (re-rotating keys on a CUDA device).
+  // publisher without `events-zmq`, a CUDA backend without `cuda`).
   KVPAGE_ERR_UNSUPPORTED = 48,
   // The CUDA device failed or is not available: no NVIDIA driver, no such device, no
   // kernels in this build, a driver error (`value` = the driver's result code), or

@@ -38,9 +38,9 @@ use kvpage_core::{
 };
 
 use crate::arena::{Arena, ArenaAllocError, KvLayout};
-use crate::dtype::{for_dtype, Element};
+use crate::dtype::Element;
 use crate::error::KernelError;
-use crate::kernels::{self, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool};
+use crate::kernels::{BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool};
 use crate::persist::PersistError;
 use crate::storage::{Backend, DeviceFault, Storage};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
@@ -81,7 +81,7 @@ pub struct CacheConfig {
     ///
     /// A program that runs its own thread pool on the same cores (a model's matrix
     /// products, a game's job system) should not stack a second one on top: set 1 (the
-    /// calling thread only), or call [`kernels::paged_attention`] over
+    /// calling thread only), or call [`crate::kernels::paged_attention`] over
     /// [`KvCache::arena`] and the block table with its own pool as the
     /// [`Executor`](crate::kernels::Executor). Two pools contending for two cores made
     /// SmolLM2's decode 4× slower (`examples/smollm` defaults to 1 for that reason).
@@ -189,15 +189,6 @@ pub enum CacheError {
     },
     /// Saving or restoring a sequence failed (see [`crate::persist`]).
     Persist(PersistError),
-    /// The cache's backend cannot do this operation yet (re-rotating keys on a CUDA
-    /// device). Checked before anything
-    /// changes.
-    Unsupported {
-        /// The operation (`"remove_range"`, `"rotate_keys"`, ...).
-        op: &'static str,
-        /// The backend (`"cuda"`).
-        backend: &'static str,
-    },
     /// The CUDA backend failed or is not available (see [`DeviceFault`]). A driver
     /// failure of work already queued leaves the device cache unusable (CUDA errors are
     /// sticky): drop it.
@@ -243,9 +234,6 @@ impl core::fmt::Display for CacheError {
                 if *registered { "" } else { "not " }
             ),
             Self::Persist(e) => e.fmt(f),
-            Self::Unsupported { op, backend } => {
-                write!(f, "{op} is not supported on the {backend} backend yet")
-            }
             Self::Device(e) => write!(f, "CUDA backend: {e}"),
         }
     }
@@ -307,7 +295,7 @@ const _: fn() = || {
 /// [`WorkerPool`] spreads over its threads. To share a cache between threads, guard it
 /// with a mutex. Through `&KvCache` any number of threads may read at once: the
 /// statistics and lengths, and attention by the free kernel
-/// [`kernels::paged_attention`] over [`KvCache::layout`], [`KvCache::arena`] and
+/// [`crate::kernels::paged_attention`] over [`KvCache::layout`], [`KvCache::arena`] and
 /// `block_manager().block_table()` (on [`KvCache::workers`] if you like: a call that
 /// finds the pool busy runs on its own thread), whose results equal the cache's own
 /// calls bit for bit (tested in `tests/concurrent_kernels.rs`).
@@ -350,7 +338,7 @@ impl KvCache {
     /// # Errors
     /// [`CacheError::BadConfig`] (zero `max_seq_len`, a capacity of zero blocks or more
     /// than `u32::MAX`), [`CacheError::Init`] from the core, [`CacheError::Kernel`] if
-    /// the layout is unsupported (head dim over [`kernels::MAX_HEAD_DIM`]),
+    /// the layout is unsupported (head dim over [`crate::kernels::MAX_HEAD_DIM`]),
     /// [`CacheError::TablesAlloc`] if memory for the core's tables or the small buffers
     /// is refused, [`CacheError::Alloc`] if memory for the arena is refused.
     pub fn new(config: CacheConfig) -> Result<Self, CacheError> {
@@ -359,12 +347,12 @@ impl KvCache {
 
     /// [`KvCache::new`] on `backend`: the CPU, or a CUDA device whose arena takes the
     /// configured capacity (or a fraction of its free memory: [`crate::CudaOptions`]).
-    /// A device cache has the same API; what the device cannot do yet is
-    /// [`CacheError::Unsupported`] ([`KvCache::rotate_keys`] and
-    /// [`KvCache::context_shift_rotated`]); an edit's row moves, saving and restoring
-    /// read and write blocks through the host; no kernel threads are started
-    /// (`threads` is for the CPU), and
-    /// [`KvCache::arena`] is empty (its K/V lives on the device). O(arena bytes +
+    /// A device cache has the same API and gives the same results (stored bytes bit for
+    /// bit, attention within the kernels' tolerance); an edit's row moves,
+    /// [`KvCache::rotate_keys`], saving and restoring read the blocks concerned into
+    /// the host and write them back (one block at a time); no kernel threads are
+    /// started (`threads` is for the CPU), and [`KvCache::arena`] is empty (its K/V
+    /// lives on the device: [`KvCache::read_block`] reads a block). O(arena bytes +
     /// tables).
     ///
     /// # Errors
@@ -480,7 +468,7 @@ impl KvCache {
     }
 
     /// The attention kernels' worker threads, e.g. to run
-    /// [`kernels::contiguous_attention`] or the caller's own
+    /// [`crate::kernels::contiguous_attention`] or the caller's own
     /// [`WorkerPool::for_each_task`] on them. O(1).
     pub fn workers(&self) -> &WorkerPool {
         &self.pool
@@ -767,7 +755,7 @@ impl KvCache {
 
     /// Rotates in place the keys of tokens `first..end` of `seq`, in every layer and KV
     /// head, by `delta` positions under the rotary embedding `rope` (see
-    /// [`kernels::rotate_keys`]): after a context shift moved those tokens by `delta`,
+    /// [`crate::kernels::rotate_keys`]): after a context shift moved those tokens by `delta`,
     /// their keys read as if computed at the new positions. Values are not touched;
     /// the sequence's length, tokens and pending range do not change.
     ///
@@ -794,7 +782,6 @@ impl KvCache {
         delta: i64,
         rope: RopeParams,
     ) -> Result<(), CacheError> {
-        self.storage.cpu_only("rotate_keys")?;
         let m = self.tables.manager();
         let len = m.len(seq.0)?;
         let blocks = m.blocks(seq.0)?;
@@ -825,23 +812,19 @@ impl KvCache {
             table: m.block_table(),
             stride: m.config().max_blocks_per_seq,
         };
-        let shift = [KeyShift {
+        let shift = KeyShift {
             row: seq.0.index(),
             first,
             end,
             delta,
-        }];
-        let (layout, pool) = (&self.layout, &self.pool);
-        for_dtype!(g.dtype(), T => {
-            let arena = self.storage.arena_mut().as_mut_slice::<T>();
-            kernels::rotate_keys(layout, arena, table, &shift, rope, Some(pool))
-        })?;
-        Ok(())
+        };
+        self.storage
+            .rotate_keys(&self.layout, (table, blocks), shift, rope, &self.pool)
     }
 
     /// Decode attention for layer `layer`: one query token per sequence (its last one,
     /// whose K/V is written), `q` and `out` `[seqs][q_heads][head_dim]`. See
-    /// [`kernels::paged_attention`] for the computation and complexity.
+    /// [`crate::kernels::paged_attention`] for the computation and complexity.
     ///
     /// # Errors
     /// Nothing is written on error. Handle errors ([`SeqError`]) of any sequence,

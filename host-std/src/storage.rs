@@ -4,8 +4,9 @@
 //! pending ranges, slots) is the same for both; every access to K/V bytes goes through
 //! [`Storage`], so the two backends share one cache type.
 //!
-//! What the device cannot do yet is refused before anything changes, with
-//! [`CacheError::Unsupported`].
+//! The device runs the write, copy and attention kernels; what has no kernel there (an
+//! edit's row moves, re-rotating keys) and persistence read the blocks concerned into
+//! the host, work on them with the CPU kernels and write them back.
 
 #[cfg(feature = "cuda")]
 use kvpage_cuda::device::{DeviceKv, DeviceKvError, Direction, SeqSpan};
@@ -16,7 +17,9 @@ use crate::arena::{Arena, KvLayout};
 use crate::cache::CacheError;
 use crate::dtype::{for_dtype, Element};
 use crate::error::{Buffer, KernelError};
-use crate::kernels::{self, AttentionParams, BlockTable, SeqQuery, WorkerPool};
+use crate::kernels::{
+    self, AttentionParams, BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool,
+};
 use crate::persist::format::copy_elems_from_le;
 use crate::persist::{PersistError, Section};
 
@@ -256,7 +259,7 @@ impl Storage {
         }
     }
 
-    /// The backend's name, for [`CacheError::Unsupported`]. O(1).
+    /// The backend's name: `"cpu"` or `"cuda"`. O(1).
     pub(crate) fn backend(&self) -> &'static str {
         match self {
             Self::Cpu { .. } => "cpu",
@@ -265,30 +268,8 @@ impl Storage {
         }
     }
 
-    /// `Ok` on the CPU; [`CacheError::Unsupported`] naming `op` on a device. O(1).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(crate) fn cpu_only(&self, op: &'static str) -> Result<(), CacheError> {
-        match self {
-            Self::Cpu { .. } => Ok(()),
-            #[cfg(feature = "cuda")]
-            Self::Cuda { .. } => Err(CacheError::Unsupported {
-                op,
-                backend: self.backend(),
-            }),
-        }
-    }
-
     /// The CPU arena; an empty one for a device cache. O(1).
     pub(crate) fn arena(&self) -> &Arena {
-        match self {
-            Self::Cpu { arena, .. } => arena,
-            #[cfg(feature = "cuda")]
-            Self::Cuda { empty, .. } => empty,
-        }
-    }
-
-    /// The CPU arena, mutable; an empty one for a device cache. O(1).
-    pub(crate) fn arena_mut(&mut self) -> &mut Arena {
         match self {
             Self::Cpu { arena, .. } => arena,
             #[cfg(feature = "cuda")]
@@ -471,6 +452,68 @@ impl Storage {
             })?,
             #[cfg(feature = "cuda")]
             Self::Cuda { kv, .. } => kv.copy_blocks(copies)?,
+        }
+        Ok(())
+    }
+
+    /// Rotates the keys of `shift` (a row of `table` whose blocks are `blocks`, checked
+    /// by the caller: in range, this sequence's alone) by its delta under `rope`. On a
+    /// device each block of the range is read into the host stage, rotated there by the
+    /// CPU kernel (a rotation by `delta` does not depend on the token's position) and
+    /// written back. See [`kernels::rotate_keys`] for the cost on the CPU.
+    ///
+    /// # Errors
+    /// The kernel's (nothing written), the device's.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn rotate_keys(
+        &mut self,
+        layout: &KvLayout,
+        (table, blocks): (BlockTable<'_>, &[u32]),
+        shift: KeyShift,
+        rope: RopeParams,
+        pool: &WorkerPool,
+    ) -> Result<(), CacheError> {
+        match self {
+            Self::Cpu { arena, .. } => for_dtype!(layout.geometry().dtype(), T => {
+                let arena = arena.as_mut_slice::<T>();
+                kernels::rotate_keys(layout, arena, table, &[shift], rope, Some(pool))
+            })?,
+            #[cfg(feature = "cuda")]
+            Self::Cuda {
+                kv,
+                stage,
+                stage_layout,
+                ..
+            } => {
+                let g = layout.geometry();
+                let (bs, bpb) = (g.block_size(), g.bytes_per_block() as usize);
+                let one = BlockTable {
+                    table: &[0],
+                    stride: 1,
+                };
+                let mut t = shift.first;
+                while t < shift.end {
+                    let i = t / bs;
+                    let block = *blocks.get(i as usize).ok_or(KernelError::ContextTooLong {
+                        context_len: shift.end,
+                        capacity: blocks.len() as u64 * u64::from(bs),
+                    })?;
+                    let stop = ((i + 1) * bs).min(shift.end);
+                    kv.read_block(block, &mut stage.as_bytes_mut()[..bpb])?;
+                    let local = KeyShift {
+                        row: 0,
+                        first: t - i * bs,
+                        end: stop - i * bs,
+                        delta: shift.delta,
+                    };
+                    for_dtype!(g.dtype(), T => {
+                        let arena = stage.as_mut_slice::<T>();
+                        kernels::rotate_keys(stage_layout, arena, one, &[local], rope, None)
+                    })?;
+                    kv.write_block(block, &stage.as_bytes()[..bpb])?;
+                    t = stop;
+                }
+            }
         }
         Ok(())
     }

@@ -257,39 +257,38 @@ fn stored_dtype_writes_match() {
     );
 }
 
+/// Re-rotating keys (alone and after a context shift) leaves the same blocks on both
+/// backends; a shared block is refused alike, changing nothing.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn what_the_device_cannot_do_yet_is_refused_and_changes_nothing() {
+fn rotated_keys_match() {
     let g = Geometry::new(2, 2, 64, 16, DType::F16).unwrap();
     let mut pair = Pair::new(g, 32, 256, 4);
     let i = pair.create();
-    pair.append(i, 40);
+    pair.append(i, 70);
     let mut rng = rng(13);
-    pair.write(&mut rng, i, 0, 40);
+    // Appended without token ids: committed blocks are not registered, so rotatable.
+    pair.write(&mut rng, i, 0, 70);
     let s = pair.seqs[i];
-    let stats = pair.gpu.stats();
-    let table = pair.gpu.block_manager().block_table().to_vec();
-    let unsupported = |e: CacheError| {
-        assert!(
-            matches!(
-                e,
-                CacheError::Unsupported {
-                    backend: "cuda",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-    };
     let rope = RopeParams {
         base: 10_000.0,
         rotary_dims: 64,
         pairing: kvpage::RopePairing::Interleaved,
     };
-    unsupported(pair.gpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err());
-    unsupported(pair.gpu.context_shift_rotated(s, 4, 4, rope).unwrap_err());
-    assert_eq!(pair.gpu.stats(), stats);
-    assert_eq!(pair.gpu.block_manager().block_table(), &table[..]);
+    pair.cpu.rotate_keys(s, 5, 41, -7, rope).unwrap();
+    pair.gpu.rotate_keys(s, 5, 41, -7, rope).unwrap();
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+    assert_eq!(
+        pair.cpu.context_shift_rotated(s, 4, 12, rope).unwrap(),
+        pair.gpu.context_shift_rotated(s, 4, 12, rope).unwrap()
+    );
+    assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+    let child = pair.cpu.fork(s).unwrap();
+    assert_eq!(pair.gpu.fork(s).unwrap(), child);
+    let want = pair.cpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err();
+    let got = pair.gpu.rotate_keys(s, 0, 8, 2, rope).unwrap_err();
+    assert!(matches!(got, CacheError::BlockShared { .. }), "{got}");
+    assert_eq!(got, want);
     assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
 }
 

@@ -121,8 +121,7 @@ impl KvCache {
     ///
     /// # Errors
     /// [`crate::KernelError::Rope`] for parameters that do not fit
-    /// the head dim; [`CacheError::Unsupported`] on a CUDA device (no key rotation
-    /// there yet); otherwise as [`KvCache::context_shift`]. Nothing changes on error.
+    /// the head dim; otherwise as [`KvCache::context_shift`]. Nothing changes on error.
     pub fn context_shift_rotated(
         &mut self,
         seq: Seq,
@@ -130,7 +129,6 @@ impl KvCache {
         n_discard: u32,
         rope: RopeParams,
     ) -> Result<ContextShift, CacheError> {
-        self.storage.cpu_only("context_shift_rotated")?;
         rope.check(self.layout.geometry().head_dim())
             .map_err(KernelError::Rope)?;
         let shift = self.context_shift(seq, n_keep, n_discard)?;

@@ -134,8 +134,7 @@ pub enum kvpage_result {
     /// (`needed`, `available` = free).
     KVPAGE_ERR_QUOTA_REFUSED = 47,
     /// This build of the library lacks the feature the call needs (e.g. the KV event
-    /// publisher without `events-zmq`, a CUDA backend without `cuda`), or the cache's
-    /// backend cannot do the operation yet (re-rotating keys on a CUDA device).
+    /// publisher without `events-zmq`, a CUDA backend without `cuda`).
     KVPAGE_ERR_UNSUPPORTED = 48,
     /// The CUDA device failed or is not available: no NVIDIA driver, no such device, no
     /// kernels in this build, a driver error (`value` = the driver's result code), or
@@ -455,9 +454,7 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
             u64::from(block),
         ),
         CacheError::Persist(p) => classify_persist(p),
-        CacheError::Unsupported { .. } | CacheError::Device(DeviceFault::NotCompiled) => {
-            (KVPAGE_ERR_UNSUPPORTED, 0, 0, 0)
-        }
+        CacheError::Device(DeviceFault::NotCompiled) => (KVPAGE_ERR_UNSUPPORTED, 0, 0, 0),
         CacheError::Device(DeviceFault::Driver { code }) => {
             (KVPAGE_ERR_DEVICE, 0, 0, u64::from(code as u32))
         }
