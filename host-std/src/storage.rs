@@ -172,15 +172,50 @@ pub(crate) enum Storage {
         arena: Arena,
         host: Option<(KvLayout, Arena)>,
     },
-    /// A CUDA device; `empty` is what [`crate::KvCache::arena`] returns; `stage` (of
-    /// `stage_layout`, two blocks) is where an edit's row moves run on the host.
+    /// A CUDA device; `empty` is what [`crate::KvCache::arena`] returns; `stage` is
+    /// where the CPU kernels work on blocks the device has no kernel for.
     #[cfg(feature = "cuda")]
     Cuda {
         kv: Box<DeviceKv>,
         empty: Arena,
-        stage: Arena,
-        stage_layout: KvLayout,
+        stage: Stage,
     },
+}
+
+/// Two blocks of host arena: blocks of a device cache are read in, changed by a CPU
+/// kernel and written back (an edit's row moves, re-rotated keys).
+#[cfg(feature = "cuda")]
+pub(crate) struct Stage {
+    arena: Arena,
+    layout: KvLayout,
+}
+
+#[cfg(feature = "cuda")]
+impl Stage {
+    /// Reads `blocks` (one or two) of `kv` into the stage's blocks `0..`, runs `f` on
+    /// the stage, and writes stage block `back` to `blocks[back]`. O(bytes per block ×
+    /// blocks) of copies.
+    ///
+    /// # Errors
+    /// `f`'s (nothing written), the device's.
+    fn run(
+        &mut self,
+        kv: &mut DeviceKv,
+        blocks: &[u32],
+        back: usize,
+        f: impl FnOnce(&KvLayout, &mut Arena) -> Result<(), KernelError>,
+    ) -> Result<(), CacheError> {
+        let bpb = self.layout.geometry().bytes_per_block() as usize;
+        for (i, &b) in blocks.iter().enumerate() {
+            kv.read_block(b, &mut self.arena.as_bytes_mut()[i * bpb..(i + 1) * bpb])?;
+        }
+        f(&self.layout, &mut self.arena)?;
+        kv.write_block(
+            blocks[back],
+            &self.arena.as_bytes()[back * bpb..(back + 1) * bpb],
+        )?;
+        Ok(())
+    }
 }
 
 impl Storage {
@@ -237,13 +272,12 @@ impl Storage {
                 host_blocks,
             })?;
             let empty = Arena::new(0).map_err(CacheError::Alloc)?;
-            let stage_layout = KvLayout::new(config.geometry, 2)?;
-            let stage = Arena::for_layout(&stage_layout).map_err(CacheError::Alloc)?;
+            let layout = KvLayout::new(config.geometry, 2)?;
+            let arena = Arena::for_layout(&layout).map_err(CacheError::Alloc)?;
             Ok(Self::Cuda {
                 kv: Box::new(kv),
                 empty,
-                stage,
-                stage_layout,
+                stage: Stage { arena, layout },
             })
         }
         #[cfg(not(feature = "cuda"))]
@@ -479,14 +513,8 @@ impl Storage {
                 kernels::rotate_keys(layout, arena, table, &[shift], rope, Some(pool))
             })?,
             #[cfg(feature = "cuda")]
-            Self::Cuda {
-                kv,
-                stage,
-                stage_layout,
-                ..
-            } => {
-                let g = layout.geometry();
-                let (bs, bpb) = (g.block_size(), g.bytes_per_block() as usize);
+            Self::Cuda { kv, stage, .. } => {
+                let bs = layout.geometry().block_size();
                 let one = BlockTable {
                     table: &[0],
                     stride: 1,
@@ -499,18 +527,17 @@ impl Storage {
                         capacity: blocks.len() as u64 * u64::from(bs),
                     })?;
                     let stop = ((i + 1) * bs).min(shift.end);
-                    kv.read_block(block, &mut stage.as_bytes_mut()[..bpb])?;
                     let local = KeyShift {
                         row: 0,
                         first: t - i * bs,
                         end: stop - i * bs,
                         delta: shift.delta,
                     };
-                    for_dtype!(g.dtype(), T => {
-                        let arena = stage.as_mut_slice::<T>();
-                        kernels::rotate_keys(stage_layout, arena, one, &[local], rope, None)
+                    stage.run(kv, &[block], 0, |l, a| {
+                        for_dtype!(l.geometry().dtype(), T => {
+                            kernels::rotate_keys(l, a.as_mut_slice::<T>(), one, &[local], rope, None)
+                        })
                     })?;
-                    kv.write_block(block, &stage.as_bytes()[..bpb])?;
                     t = stop;
                 }
             }
@@ -536,34 +563,22 @@ impl Storage {
                 kernels::move_rows(layout, arena.as_mut_slice::<T>(), moves)
             })?,
             #[cfg(feature = "cuda")]
-            Self::Cuda {
-                kv,
-                stage,
-                stage_layout,
-                ..
-            } => {
-                let g = layout.geometry();
-                let bs = g.block_size();
-                let bpb = g.bytes_per_block() as usize;
+            Self::Cuda { kv, stage, .. } => {
+                let bs = layout.geometry().block_size();
                 for m in moves {
-                    let (src, dst) = (m.src_slot / bs, m.dst_slot / bs);
-                    let bytes = stage.as_bytes_mut();
-                    kv.read_block(src, &mut bytes[..bpb])?;
-                    // The destination in stage block 1 unless the move stays in one block.
-                    let at = u32::from(src != dst);
-                    if src != dst {
-                        kv.read_block(dst, &mut bytes[bpb..2 * bpb])?;
-                    }
+                    let pair = [m.src_slot / bs, m.dst_slot / bs];
+                    // The destination is stage block 1 unless the move stays in one block.
+                    let at = usize::from(pair[0] != pair[1]);
                     let local = kvpage_core::RowMove {
                         src_slot: m.src_slot % bs,
-                        dst_slot: at * bs + m.dst_slot % bs,
+                        dst_slot: at as u32 * bs + m.dst_slot % bs,
                         count: m.count,
                     };
-                    for_dtype!(g.dtype(), T => {
-                        kernels::move_rows(stage_layout, stage.as_mut_slice::<T>(), &[local])
+                    stage.run(kv, &pair[..=at], at, |l, a| {
+                        for_dtype!(l.geometry().dtype(), T => {
+                            kernels::move_rows(l, a.as_mut_slice::<T>(), &[local])
+                        })
                     })?;
-                    let start = at as usize * bpb;
-                    kv.write_block(dst, &stage.as_bytes()[start..start + bpb])?;
                 }
             }
         }
