@@ -254,9 +254,9 @@ fn the_on_variants_queue_on_a_callers_stream_and_match_the_synchronous_ones() {
     // Other query heads than configured: refused.
     assert!(matches!(
         kv.attention(1, table, span(), &q, &mut out1, 4, 0.088),
-        Err(DeviceKvError::TooLarge {
-            what: "q_heads",
-            ..
+        Err(DeviceKvError::QHeads {
+            got: 4,
+            expected: 8
         })
     ));
 }

@@ -103,6 +103,13 @@ pub enum DeviceKvError {
     Swap(SwapError),
     /// A swap was asked of a cache built without a host tier.
     NoHostTier,
+    /// An attention call with other query heads than the cache was sized for.
+    QHeads {
+        /// Query heads passed.
+        got: u32,
+        /// Query heads of the configuration.
+        expected: u32,
+    },
     /// A block id outside the arena, or a buffer that is not one block long.
     BadBlock {
         /// The block.
@@ -117,7 +124,7 @@ pub enum DeviceKvError {
     },
     /// More tokens, sequences or elements in one call than the cache was sized for.
     TooLarge {
-        /// What (`"tokens"`, `"sequences"`, `"q_heads"`).
+        /// What (`"tokens"`, `"sequences"`).
         what: &'static str,
         /// How many were passed.
         got: usize,
@@ -137,6 +144,12 @@ impl core::fmt::Display for DeviceKvError {
             Self::Step(e) => e.fmt(f),
             Self::Swap(e) => e.fmt(f),
             Self::NoHostTier => f.write_str("the device cache has no host tier"),
+            Self::QHeads { got, expected } => {
+                write!(
+                    f,
+                    "{got} query heads, the device cache was sized for {expected}"
+                )
+            }
             Self::BadBlock { block, bytes } => {
                 write!(
                     f,
@@ -423,13 +436,15 @@ impl DeviceKv {
     ) -> Result<(), DeviceKvError> {
         let (g, n) = (self.geometry, self.num_blocks);
         let esize = g.dtype().size_bytes() as usize;
-        if !k.len().is_multiple_of(esize) || !v.len().is_multiple_of(esize) {
-            return Err(LaunchError::BufferLength {
-                buffer: Buffer::Keys,
-                expected: (k.len() / esize * esize) as u64,
-                actual: k.len() as u64,
+        for (buffer, len) in [(Buffer::Keys, k.len()), (Buffer::Values, v.len())] {
+            if !len.is_multiple_of(esize) {
+                return Err(LaunchError::BufferLength {
+                    buffer,
+                    expected: (len / esize * esize) as u64,
+                    actual: len as u64,
+                }
+                .into());
             }
-            .into());
         }
         plan_write_stored(&g, n, layer, slots, k.len() / esize, v.len() / esize)?;
         self.write_chunks(
@@ -555,9 +570,9 @@ impl DeviceKv {
     /// [head_dim]` f32 in host memory; `seqs` at most `max_seqs`. Synchronous. O(launch + copies of q and out).
     ///
     /// # Errors
-    /// Nothing is written on error: [`DeviceKvError::TooLarge`] (sequences over
-    /// `max_seqs`, queries over `max_step_tokens`, `q_heads` other than the
-    /// configured), the planner's (`QueriesExceedContext`, `BufferLength`,
+    /// Nothing is written on error: [`DeviceKvError::QHeads`] for `q_heads` other than
+    /// the configured, [`DeviceKvError::TooLarge`] (sequences over `max_seqs`, queries
+    /// over `max_step_tokens`), the planner's (`QueriesExceedContext`, `BufferLength`,
     /// `LayerOutOfRange`, ...); the metadata's ([`StepError`] for a table of another
     /// shape); driver errors.
     #[allow(clippy::too_many_arguments)]
@@ -642,18 +657,17 @@ impl DeviceKv {
     /// Fills `self.descs[..n]` from the `n` spans of `seqs`; returns `n`. O(seqs).
     ///
     /// # Errors
-    /// [`DeviceKvError::TooLarge`] for too many sequences or query tokens, or query
-    /// heads other than the configured.
+    /// [`DeviceKvError::QHeads`], [`DeviceKvError::TooLarge`] for too many sequences or
+    /// query tokens.
     fn describe(
         &mut self,
         seqs: impl ExactSizeIterator<Item = SeqSpan>,
         q_heads: u32,
     ) -> Result<usize, DeviceKvError> {
         if q_heads != self.q_heads {
-            return Err(DeviceKvError::TooLarge {
-                what: "q_heads",
-                got: q_heads as usize,
-                max: self.q_heads as usize,
+            return Err(DeviceKvError::QHeads {
+                got: q_heads,
+                expected: self.q_heads,
             });
         }
         let n = seqs.len();
