@@ -92,10 +92,13 @@ impl core::fmt::Display for DeviceFault {
 #[cfg(feature = "cuda")]
 impl From<DeviceKvError> for CacheError {
     fn from(e: DeviceKvError) -> Self {
-        use kvpage_cuda::device::KernelsError;
+        use kvpage_cuda::device::{KernelsError, StepError, SwapError};
         use kvpage_cuda::driver::DriverError;
         let fault = match e {
-            DeviceKvError::Kernels(KernelsError::Driver(d)) | DeviceKvError::Driver(d) => match d {
+            DeviceKvError::Kernels(KernelsError::Driver(d))
+            | DeviceKvError::Driver(d)
+            | DeviceKvError::Step(StepError::Driver(d))
+            | DeviceKvError::Swap(SwapError::Driver(d)) => match d {
                 DriverError::NotInstalled { .. } | DriverError::MissingEntryPoint { .. } => {
                     DeviceFault::NoDriver
                 }
