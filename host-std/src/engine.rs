@@ -187,7 +187,9 @@ impl Engine {
     ///
     /// # Errors
     /// As [`kvpage_core::Engine::step`], wrapped in [`CacheError::Engine`]; a copy
-    /// refused by the kernels would be an internal bug ([`CacheError::Kernel`]).
+    /// refused by the kernels would be an internal bug ([`CacheError::Kernel`]); on a
+    /// CUDA device, [`CacheError::Device`] for a driver error of the swaps or copies
+    /// (the step was planned: the engine is unusable, drop it).
     pub fn step(&mut self) -> Result<Step<'_>, CacheError> {
         let cache = &mut self.cache;
         let (engine, manager, host) = core_parts(&mut cache.tables);
