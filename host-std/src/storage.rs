@@ -46,7 +46,8 @@ pub struct CudaOptions {
     /// The device's ordinal.
     pub device: u32,
     /// `Some(f)`: the arena takes this fraction (in `(0, 1]`) of the device's free
-    /// memory, less `reserve_bytes`, instead of the configured capacity.
+    /// memory, less `reserve_bytes`, instead of the configured capacity (which is
+    /// still checked as on the CPU: at least one block).
     pub memory_fraction: Option<f64>,
     /// Bytes of device memory to leave free with `memory_fraction`.
     pub reserve_bytes: u64,
