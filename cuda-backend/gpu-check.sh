@@ -4,7 +4,7 @@
 #   cuda-backend/gpu-check.sh build   here, without a GPU: builds the device tests (the
 #       ignored ones) and the benchmark with --features cuda (release) against the
 #       libcuda stub, and puts them, stripped, into target/gpu-check/ (ignored by git;
-#       a few MiB) with a manifest.
+#       about 28 MiB) with a manifest.
 #   cuda-backend/gpu-check.sh run     on the GPU machine, from a copy of the repository
 #       carrying target/gpu-check: runs every ignored test and the benchmark (under five
 #       minutes) and prints one table. Needs no cargo, only the NVIDIA driver.
