@@ -159,6 +159,29 @@ fn check_arena(geometry: &Geometry, num_blocks: u32, arena: &[u8]) -> Result<(),
     Ok(())
 }
 
+/// The params of a write launch (`kvp_write_kv` or `kvp_write_kv_stored`, by `cfg`) over
+/// host buffers: `k` and `v` point at f32 or storage-dtype elements. O(1); the pointers
+/// are only read by the launch, which the caller has validated.
+fn write_params<K>(
+    geometry: &Geometry,
+    num_blocks: u32,
+    arena: &mut [u8],
+    (k, v): (*const K, *const K),
+    slots: &[u32],
+    cfg: &LaunchConfig,
+    layer: u32,
+) -> KvpWriteParams {
+    KvpWriteParams {
+        geo: KvpGeometry::new(geometry, num_blocks),
+        arena: arena.as_mut_ptr() as u64,
+        k: k as u64,
+        v: v as u64,
+        slots: slots.as_ptr() as u64,
+        tokens: cfg.grid[0],
+        layer,
+    }
+}
+
 /// `kvp_write_kv` in emulation: the K/V of `slots.len()` new tokens of `layer` into
 /// `arena` (`num_blocks` blocks), as [`plan_write`] plans it. O(tokens × kv_heads ×
 /// head_dim) emulated threads' work.
@@ -178,15 +201,15 @@ pub fn write_kv(
     let plan = plan_write(geometry, num_blocks, layer, slots, k.len(), v.len())?;
     check_arena(geometry, num_blocks, arena)?;
     let Some(cfg) = plan else { return Ok(()) };
-    let p = KvpWriteParams {
-        geo: KvpGeometry::new(geometry, num_blocks),
-        arena: arena.as_mut_ptr() as u64,
-        k: k.as_ptr() as u64,
-        v: v.as_ptr() as u64,
-        slots: slots.as_ptr() as u64,
-        tokens: cfg.grid[0],
+    let p = write_params(
+        geometry,
+        num_blocks,
+        arena,
+        (k.as_ptr(), v.as_ptr()),
+        slots,
+        &cfg,
         layer,
-    };
+    );
     // SAFETY: the plan validated slots, layer and the k / v lengths against the geometry,
     // and the arena length was checked: every access is inside the slices.
     unsafe { run(&cfg, &p) }
@@ -224,15 +247,15 @@ pub fn write_kv_stored(
         }
     }
     let Some(cfg) = plan else { return Ok(()) };
-    let p = KvpWriteParams {
-        geo: KvpGeometry::new(geometry, num_blocks),
-        arena: arena.as_mut_ptr() as u64,
-        k: k.as_ptr() as u64,
-        v: v.as_ptr() as u64,
-        slots: slots.as_ptr() as u64,
-        tokens: cfg.grid[0],
+    let p = write_params(
+        geometry,
+        num_blocks,
+        arena,
+        (k.as_ptr(), v.as_ptr()),
+        slots,
+        &cfg,
         layer,
-    };
+    );
     // SAFETY: as in `write_kv`; k and v hold whole, aligned storage elements.
     unsafe { run(&cfg, &p) }
 }
