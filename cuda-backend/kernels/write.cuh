@@ -7,20 +7,44 @@
 
 namespace kvp {
 
-__device__ __forceinline__ void write_row(const KvpWriteParams &p) {
-    const uint32_t lane = threadIdx.x % 32u;
-    const uint32_t row = blockIdx.y * KVP_WRITE_WARPS + threadIdx.x / 32u;
+// The row one warp of a write launch stores (blockIdx.x: the token; blockIdx.y and the
+// warp: the row, K and V of each kv head) and where it lands: the prologue shared by
+// write_row and write_row_stored.
+struct WriteRow {
+    uint32_t lane;  // this thread's lane in the warp
+    uint32_t head;  // kv head
+    uint32_t kv;    // 0: K, 1: V
+    uint32_t block; // the token's slot: its block and its offset in the block
+    uint32_t off;
+    uint64_t src;   // element offset of the row in p.k / p.v ([tokens][kv_heads][head_dim])
+    uint64_t at;    // element offset of the row in the arena (row_offset)
+};
+
+// Fills r for the calling thread; false when its warp has no row (past 2 * kv_heads):
+// whole warps leave together, so the shuffles of the 8-bit path see full warps only.
+__device__ __forceinline__ bool locate_row(const KvpWriteParams &p, WriteRow &r) {
     const KvpGeometry &g = p.geo;
-    // Whole warps leave together: the shuffles below see full warps only.
-    if (row >= 2u * g.kv_heads) return;
-    const uint32_t head = row / 2u, kv = row % 2u;
+    const uint32_t row = blockIdx.y * KVP_WRITE_WARPS + threadIdx.x / 32u;
+    if (row >= 2u * g.kv_heads) return false;
     const uint32_t token = blockIdx.x;
-    const uint32_t hd = g.head_dim;
-    const float *src = (kv == 0 ? p.k : p.v) + ((uint64_t)token * g.kv_heads + head) * hd;
     const uint32_t slot = __ldg(p.slots + token);
-    const uint32_t block = slot_block(slot, g.block_size);
-    const uint32_t off = slot_offset(slot, g.block_size);
-    const uint64_t at = row_offset(g, block, p.layer, kv, head, off);
+    r.lane = threadIdx.x % 32u;
+    r.head = row / 2u;
+    r.kv = row % 2u;
+    r.block = slot_block(slot, g.block_size);
+    r.off = slot_offset(slot, g.block_size);
+    r.src = ((uint64_t)token * g.kv_heads + r.head) * g.head_dim;
+    r.at = row_offset(g, r.block, p.layer, r.kv, r.head, r.off);
+    return true;
+}
+
+__device__ __forceinline__ void write_row(const KvpWriteParams &p) {
+    WriteRow r;
+    if (!locate_row(p, r)) return;
+    const KvpGeometry &g = p.geo;
+    const uint32_t lane = r.lane, hd = g.head_dim;
+    const uint64_t at = r.at;
+    const float *src = (r.kv == 0 ? p.k : p.v) + r.src;
     switch (g.dtype) {
     case KVP_DTYPE_F32: {
         float *dst = static_cast<float *>(p.arena) + at;
@@ -46,7 +70,7 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
         for (uint32_t d = lane; d < hd; d += 32u) bytes[at + d] = encode8(g.dtype, __ldg(src + d), s);
         if (lane < 4u) {
             // Little-endian f32, byte by byte (the row's scale need not be 4-aligned).
-            const uint64_t so = scale_offset(g, block, p.layer, kv, head, off);
+            const uint64_t so = scale_offset(g, r.block, p.layer, r.kv, r.head, r.off);
             bytes[so + lane] = (uint8_t)(__float_as_uint(s) >> (8u * lane));
         }
         break;
@@ -57,17 +81,12 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
 // kvp_write_kv_stored: the same scatter with k and v already in the storage dtype (f32,
 // f16 or bf16; host-std's write_kv_as): copied as they are, no rounding.
 __device__ __forceinline__ void write_row_stored(const KvpWriteParams &p) {
-    const uint32_t lane = threadIdx.x % 32u;
-    const uint32_t row = blockIdx.y * KVP_WRITE_WARPS + threadIdx.x / 32u;
+    WriteRow r;
+    if (!locate_row(p, r)) return;
     const KvpGeometry &g = p.geo;
-    if (row >= 2u * g.kv_heads) return;
-    const uint32_t head = row / 2u, kv = row % 2u;
-    const uint32_t token = blockIdx.x;
-    const uint32_t hd = g.head_dim;
-    const uint64_t src = ((uint64_t)token * g.kv_heads + head) * hd;
-    const uint32_t slot = __ldg(p.slots + token);
-    const uint64_t at = row_offset(g, slot_block(slot, g.block_size), p.layer, kv, head, slot_offset(slot, g.block_size));
-    const void *in = kv == 0 ? static_cast<const void *>(p.k) : static_cast<const void *>(p.v);
+    const uint32_t lane = r.lane, hd = g.head_dim;
+    const uint64_t src = r.src, at = r.at;
+    const void *in = r.kv == 0 ? static_cast<const void *>(p.k) : static_cast<const void *>(p.v);
     if (g.dtype == KVP_DTYPE_F32) {
         const uint32_t *from = static_cast<const uint32_t *>(in) + src;
         uint32_t *dst = static_cast<uint32_t *>(p.arena) + at;
