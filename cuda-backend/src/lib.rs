@@ -17,6 +17,8 @@
 //!
 //! Without the `cuda` feature the crate needs no CUDA install and no driver.
 
+#![warn(missing_docs)]
+
 pub use kvpage_core as core;
 
 #[cfg(feature = "cuda")]
