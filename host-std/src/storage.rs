@@ -67,9 +67,15 @@ pub enum DeviceFault {
     NoKernels,
     /// No NVIDIA driver could be loaded (or it lacks an entry point kvpage calls).
     NoDriver,
-    /// A driver call failed with this result code.
+    /// A driver call failed. Displayed with the code's name and the driver's own
+    /// message for it (`cuGetErrorName` / `cuGetErrorString` of the loaded driver, else
+    /// CUDA 13's `cuda.h`), e.g. `cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS
+    /// (700): an illegal memory access was encountered`.
     Driver {
-        /// The driver's raw result code (0 when the call was not made).
+        /// The driver entry point, e.g. `"cuLaunchKernel"`.
+        call: &'static str,
+        /// The driver's raw result code (0 when the call was not made: an argument did
+        /// not fit the driver's types).
         code: i32,
     },
     /// The device backend refused the configuration or the call's sizes or shapes
@@ -84,7 +90,19 @@ impl core::fmt::Display for DeviceFault {
             Self::NotCompiled => f.write_str("kvpage was built without the `cuda` feature"),
             Self::NoKernels => f.write_str("the CUDA kernels were not built or not loaded"),
             Self::NoDriver => f.write_str("no usable NVIDIA driver"),
-            Self::Driver { code } => write!(f, "a CUDA driver call failed (code {code})"),
+            Self::Driver { call, code: 0 } => {
+                write!(
+                    f,
+                    "{call} not called: an argument does not fit the driver's types"
+                )
+            }
+            #[cfg(feature = "cuda")]
+            Self::Driver { call, code } => {
+                let code = kvpage_cuda::driver::Code(*code);
+                kvpage_cuda::driver::CallError::from_process_driver(call, code).fmt(f)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Self::Driver { call, code } => write!(f, "{call} failed: CUresult {code}"),
             Self::Refused => f.write_str("the CUDA backend refused the sizes or shapes"),
         }
     }
@@ -103,9 +121,11 @@ impl From<DeviceKvError> for CacheError {
                 DriverError::NotInstalled { .. } | DriverError::MissingEntryPoint { .. } => {
                     DeviceFault::NoDriver
                 }
-                other => DeviceFault::Driver {
-                    code: other.code().map_or(0, |c| c.0),
+                DriverError::Call(c) => DeviceFault::Driver {
+                    call: c.call,
+                    code: c.code.0,
                 },
+                DriverError::BadArgument { call, .. } => DeviceFault::Driver { call, code: 0 },
             },
             DeviceKvError::Kernels(_) => DeviceFault::NoKernels,
             DeviceKvError::Launch(l) => match kernel_error_of(l) {
@@ -672,5 +692,73 @@ impl Storage {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_fault_names_its_call() {
+        let e = CacheError::Device(DeviceFault::Driver {
+            call: "cuDeviceGet",
+            code: 0,
+        });
+        assert_eq!(
+            e.to_string(),
+            "CUDA backend: cuDeviceGet not called: an argument does not fit the driver's types"
+        );
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_device_fault_keeps_the_call_and_is_shown_with_the_drivers_strings() {
+        use kvpage_cuda::device::StepError;
+        use kvpage_cuda::driver::{CallError, Code, DriverError};
+        let call = |call, code| DriverError::Call(CallError::new(call, Code(code), None, None));
+        // A kernel's bad access, reported by the next synchronisation.
+        let e = CacheError::from(DeviceKvError::Driver(call("cuStreamSynchronize", 700)));
+        assert_eq!(
+            e,
+            CacheError::Device(DeviceFault::Driver {
+                call: "cuStreamSynchronize",
+                code: 700
+            })
+        );
+        // Named by the loaded driver (a GPU machine) or by cuda.h's table (here).
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "CUDA backend: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700): "
+            ),
+            "{text}"
+        );
+        assert!(text.len() > 85, "{text}");
+        // A code neither knows stays a number; the call is kept through StepError too.
+        let e = CacheError::from(DeviceKvError::Step(StepError::Driver(call(
+            "cuLaunchKernel",
+            9999,
+        ))));
+        assert_eq!(
+            e.to_string(),
+            "CUDA backend: cuLaunchKernel failed: unknown CUresult 9999"
+        );
+        let e = CacheError::from(DeviceKvError::Driver(DriverError::BadArgument {
+            call: "cuDeviceGet",
+            what: "device ordinal over i32::MAX",
+        }));
+        assert_eq!(
+            e,
+            CacheError::Device(DeviceFault::Driver {
+                call: "cuDeviceGet",
+                code: 0
+            })
+        );
+        let e = CacheError::from(DeviceKvError::Driver(DriverError::NotInstalled {
+            library: "libcuda.so.1",
+            reason: String::new(),
+        }));
+        assert_eq!(e, CacheError::Device(DeviceFault::NoDriver));
     }
 }

@@ -689,6 +689,23 @@ impl Driver {
     }
 }
 
+impl CallError {
+    /// The error of `call` returning `code` as the process's driver describes it: its
+    /// own name and message (`cuGetErrorName`, `cuGetErrorString`) when [`Driver::get`]
+    /// has loaded it and it knows the code, else the `cuda.h` table's
+    /// ([`CallError::new`]). For errors kept as a bare code (e.g. host-std's `Copy`
+    /// `DeviceFault`) and described later. Loads nothing and never panics, whatever the
+    /// code (0 too). O(length of the driver's strings).
+    pub fn from_process_driver(call: &'static str, code: Code) -> Self {
+        if let Some(Ok(d)) = DRIVER.get() {
+            if let Err(DriverError::Call(e)) = d.check(call, code.0) {
+                return e;
+            }
+        }
+        Self::new(call, code, None, None)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -748,6 +765,24 @@ mod tests {
             d.device_count().err().and_then(|e| e.code()),
             Some(Code(34))
         );
+    }
+
+    #[test]
+    fn a_bare_code_is_described_without_loading_a_driver() {
+        // A fault kept as a bare code (700 from a kernel's bad access): named by the
+        // process's driver when one is loaded (a GPU machine), else by the table.
+        let e = CallError::from_process_driver("cuStreamSynchronize", Code(700));
+        assert_eq!(e.call, "cuStreamSynchronize");
+        assert_eq!(e.code, Code(700));
+        assert_eq!(e.name.as_deref(), Some("CUDA_ERROR_ILLEGAL_ADDRESS"));
+        assert!(e.message.as_deref().is_some_and(|m| !m.is_empty()), "{e}");
+        assert!(e
+            .to_string()
+            .starts_with("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700): "));
+        for code in [0, 9999, -1, i32::MIN] {
+            let e = CallError::from_process_driver("cuLaunchKernel", Code(code));
+            assert_eq!(e.code, Code(code));
+        }
     }
 
     #[test]

@@ -455,7 +455,7 @@ fn classify(e: &CacheError) -> (kvpage_result, u64, u64, u64) {
         ),
         CacheError::Persist(p) => classify_persist(p),
         CacheError::Device(DeviceFault::NotCompiled) => (KVPAGE_ERR_UNSUPPORTED, 0, 0, 0),
-        CacheError::Device(DeviceFault::Driver { code }) => {
+        CacheError::Device(DeviceFault::Driver { code, .. }) => {
             (KVPAGE_ERR_DEVICE, 0, 0, u64::from(code as u32))
         }
         CacheError::Device(_) => (KVPAGE_ERR_DEVICE, 0, 0, 0),
@@ -755,6 +755,25 @@ mod tests {
         let msg = unsafe { CStr::from_ptr(buf.as_ptr()) };
         let s = msg.to_str().expect("cut at a char boundary");
         assert!(s.len() < KVPAGE_ERROR_MESSAGE_LEN && s.len() >= KVPAGE_ERROR_MESSAGE_LEN - 3);
+    }
+
+    #[test]
+    fn a_driver_fault_reaches_c_with_its_call_and_code() {
+        let fault = DeviceFault::Driver {
+            call: "cuStreamSynchronize",
+            code: 700,
+        };
+        let e = Fail::from(CacheError::Device(fault)).to_c();
+        assert_eq!((e.code, e.value), (KVPAGE_ERR_DEVICE, 700));
+        // SAFETY: the message is NUL-terminated.
+        let msg = unsafe { CStr::from_ptr(e.message.as_ptr()) };
+        let msg = msg.to_str().expect("UTF-8");
+        assert!(
+            msg.starts_with("CUDA backend: cuStreamSynchronize failed: "),
+            "{msg}"
+        );
+        #[cfg(feature = "cuda")]
+        assert!(msg.contains("CUDA_ERROR_ILLEGAL_ADDRESS (700): "), "{msg}");
     }
 
     #[test]
