@@ -152,7 +152,9 @@ const LIBRARY_LABEL: &str = "nvcuda.dll";
 /// The loaded driver: its library (kept loaded) and entry points.
 ///
 /// Every method is one driver call; its `i32` result is turned into a [`CallError`] by
-/// [`Driver::check`]. Calls that read or write through raw pointers are `unsafe` with
+/// [`Driver::check`], with the driver's own name and message for the code. Each is O(1)
+/// on the host unless its doc says otherwise (the `_async` calls and launches only
+/// queue work; synchronisations wait for it). Calls that read or write through raw pointers are `unsafe` with
 /// the driver's own contract; the safe resource types in [`crate::device`] uphold it.
 pub struct Driver {
     fns: EntryPoints,
@@ -327,6 +329,9 @@ impl Driver {
 
     /// `cuDevicePrimaryCtxRelease`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// Balances one successful [`Driver::primary_context_retain`]; no resource of the
     /// context is used after the last release.
@@ -337,6 +342,9 @@ impl Driver {
     }
 
     /// `cuCtxSetCurrent`: binds `ctx` to the calling thread. O(1).
+    ///
+    /// # Errors
+    /// The driver's.
     ///
     /// # Safety
     /// `ctx` is a live context (or null to unbind).
@@ -375,6 +383,9 @@ impl Driver {
 
     /// `cuMemFree`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `ptr` came from [`Driver::mem_alloc`] in the current context, is freed once, and
     /// no queued work uses it any more.
@@ -398,6 +409,9 @@ impl Driver {
 
     /// `cuMemFreeHost`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `ptr` came from [`Driver::mem_host_alloc`], is freed once, and no queued copy
     /// uses it any more.
@@ -407,6 +421,9 @@ impl Driver {
     }
 
     /// `cuMemcpyHtoDAsync` of `bytes` on `stream`.
+    ///
+    /// # Errors
+    /// The driver's.
     ///
     /// # Safety
     /// `dst..dst + bytes` is device memory of the current context; `src..src + bytes`
@@ -426,6 +443,9 @@ impl Driver {
 
     /// `cuMemcpyDtoHAsync` of `bytes` on `stream`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `src..src + bytes` is device memory; `dst..dst + bytes` is writable and neither
     /// read nor written by the host until the copy is complete on `stream`.
@@ -443,6 +463,9 @@ impl Driver {
 
     /// `cuMemcpyDtoDAsync` of `bytes` on `stream`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// Both ranges are device memory of the current context.
     pub unsafe fn memcpy_dtod_async(
@@ -458,6 +481,9 @@ impl Driver {
     }
 
     /// `cuMemsetD8Async`: sets `bytes` bytes at `dst` to `value` on `stream`.
+    ///
+    /// # Errors
+    /// The driver's.
     ///
     /// # Safety
     /// `dst..dst + bytes` is device memory of the current context.
@@ -476,6 +502,10 @@ impl Driver {
     /// `cuModuleLoadData`: loads a fatbin, cubin or PTX image into the current context.
     /// O(image) (plus JIT time for PTX on a GPU without matching SASS).
     ///
+    /// # Errors
+    /// The driver's (e.g. `CUDA_ERROR_NO_BINARY_FOR_GPU` on a GPU the image has no code
+    /// for).
+    ///
     /// # Safety
     /// `image` points at a whole, valid image (the driver reads up to its own size
     /// field), alive during the call.
@@ -489,6 +519,9 @@ impl Driver {
 
     /// `cuModuleUnload`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `module` is loaded, and none of its functions is used or running afterwards.
     pub unsafe fn module_unload(&self, module: CuModule) -> Result<(), DriverError> {
@@ -499,6 +532,9 @@ impl Driver {
     }
 
     /// `cuModuleGetFunction`: the kernel `name` of `module`.
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_NOT_FOUND` for a name the module lacks; the driver's.
     ///
     /// # Safety
     /// `module` is loaded.
@@ -516,6 +552,9 @@ impl Driver {
 
     /// `cuFuncSetAttribute` (e.g. the dynamic shared memory a kernel may use).
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `function` belongs to a loaded module.
     pub unsafe fn function_set_attribute(
@@ -530,6 +569,11 @@ impl Driver {
     }
 
     /// `cuLaunchKernel` with the kernel's parameters as an array of pointers.
+    ///
+    /// # Errors
+    /// The driver's: `CUDA_ERROR_INVALID_VALUE` for a bad grid, block or shared size,
+    /// `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`, or a sticky fault of earlier work. A kernel's
+    /// own fault is reported by a later synchronisation, not here.
     ///
     /// # Safety
     /// `function` belongs to a loaded module of the current context, `params` points at
@@ -579,6 +623,9 @@ impl Driver {
 
     /// `cuStreamDestroy`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// `stream` was created and is destroyed once (queued work still completes).
     pub unsafe fn stream_destroy(&self, stream: CuStream) -> Result<(), DriverError> {
@@ -590,6 +637,11 @@ impl Driver {
 
     /// `cuStreamSynchronize`: waits for every queued operation of `stream`.
     ///
+    /// # Errors
+    /// The driver's, including the first error of work queued on `stream` (e.g.
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` from a kernel; such faults are sticky: the context
+    /// is unusable afterwards).
+    ///
     /// # Safety
     /// `stream` is live (or null: the legacy default stream).
     pub unsafe fn stream_synchronize(&self, stream: CuStream) -> Result<(), DriverError> {
@@ -599,6 +651,9 @@ impl Driver {
     }
 
     /// `cuStreamWaitEvent`: later work on `stream` waits for `event`'s last record.
+    ///
+    /// # Errors
+    /// The driver's.
     ///
     /// # Safety
     /// Both are live.
@@ -627,6 +682,9 @@ impl Driver {
 
     /// `cuEventRecord` on `stream`.
     ///
+    /// # Errors
+    /// The driver's.
+    ///
     /// # Safety
     /// Both are live.
     pub unsafe fn event_record(&self, event: CuEvent, stream: CuStream) -> Result<(), DriverError> {
@@ -638,6 +696,9 @@ impl Driver {
 
     /// `cuEventQuery`: `Ok(true)` when the work before the last record is complete,
     /// `Ok(false)` while it is pending (`CUDA_ERROR_NOT_READY`).
+    ///
+    /// # Errors
+    /// The driver's other codes, including a fault of the work before the record.
     ///
     /// # Safety
     /// `event` is live.
@@ -652,6 +713,10 @@ impl Driver {
 
     /// `cuEventSynchronize`: waits for the work before the last record.
     ///
+    /// # Errors
+    /// The driver's, including the first error of the work before the record (sticky,
+    /// as for [`Driver::stream_synchronize`]).
+    ///
     /// # Safety
     /// `event` is live.
     pub unsafe fn event_synchronize(&self, event: CuEvent) -> Result<(), DriverError> {
@@ -662,6 +727,10 @@ impl Driver {
     }
 
     /// `cuEventElapsedTime`: milliseconds between two completed records.
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_NOT_READY` while a record is pending, `CUDA_ERROR_INVALID_HANDLE`
+    /// for an event without timing; the driver's.
     ///
     /// # Safety
     /// Both are live, created with timing.
@@ -678,6 +747,9 @@ impl Driver {
     }
 
     /// `cuEventDestroy`.
+    ///
+    /// # Errors
+    /// The driver's.
     ///
     /// # Safety
     /// `event` was created and is destroyed once.
