@@ -50,9 +50,11 @@ pub(crate) trait Simd: Copy {
     }
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
-    /// Puts rows of `hd` floats (the scaled queries) into the order of dimensions this
-    /// arithmetic reads for storage `T`; the accumulators come out in that order too,
-    /// until [`Simd::leave_kernel_order`]. Identity by default. O(rows.len()).
+    /// Puts rows of `hd` floats (the scaled queries) into the form this arithmetic
+    /// reads for storage `T`: an order of dimensions, or (int8 storage on AVX-512 VNNI)
+    /// fixed-point codes with their scale. The accumulators come out in this arithmetic's
+    /// order of dimensions, until [`Simd::leave_kernel_order`]. Identity by default.
+    /// O(rows.len()).
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         let _ = (rows, hd);
@@ -62,6 +64,14 @@ pub(crate) trait Simd: Copy {
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         let _ = (rows, hd);
+    }
+    /// Tokens per call of the accumulation for storage `T` (the attention loop's step,
+    /// at most a chunk): by default the loop's own; more for an arithmetic whose calls
+    /// carry a fixed cost. O(1).
+    #[inline(always)]
+    fn value_step<T: Element>(self, hd: usize, default: usize) -> usize {
+        let _ = hd;
+        default
     }
     /// Maximum of `x` (`-inf` when empty).
     fn max(self, x: &[f32]) -> f32;

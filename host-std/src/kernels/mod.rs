@@ -32,6 +32,8 @@ mod online;
 mod parallel;
 mod pool;
 mod rope;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 mod write;
 
 pub use attention::paged_attention;
@@ -42,29 +44,35 @@ pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
 /// Name of the environment variable that caps the instruction set the kernels take:
-/// `avx2` (never AVX-512) or `portable` (no x86 vector extensions); unset, or any other
-/// value, lets them take the widest the CPU has. Read once, at the first kernel call. For
-/// measuring and testing the narrower paths on a machine that has the wider ones.
+/// `avx512f` (AVX-512F without VNNI: int8 storage in f32 arithmetic), `avx2` (never
+/// AVX-512) or `portable` (no x86 vector extensions); unset, or any other value, lets
+/// them take the widest the CPU has. Read once, at the first kernel call. For measuring
+/// and testing the narrower paths on a machine that has the wider ones.
 pub const CPU_PATH_ENV: &str = "KVPAGE_CPU_PATH";
 
-/// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 2 any, 1
-/// AVX2, 0 portable. O(1) after the first call.
+/// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 3 any, 2
+/// AVX-512F, 1 AVX2, 0 portable. O(1) after the first call.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn path_ceiling() -> u8 {
     static CEILING: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
     *CEILING.get_or_init(|| match std::env::var(CPU_PATH_ENV).as_deref() {
+        Ok("avx512f") => 2,
         Ok("avx2") => 1,
         Ok("portable") => 0,
-        _ => 2,
+        _ => 3,
     })
 }
 
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
-/// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1)
-/// after the first call.
+/// it has, within [`CPU_PATH_ENV`]): `"avx512f+vnni"` (AVX-512F, and int8 storage in
+/// 16-bit integer dot products), `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1) after
+/// the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
+        if vnni::Avx512Vnni::detect().is_some() {
+            return "avx512f+vnni";
+        }
         if avx512::Avx512::detect().is_some() {
             return "avx512f";
         }

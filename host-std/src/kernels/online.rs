@@ -3,18 +3,19 @@
 //! softmax. Decode, chunked prefill and the contiguous baseline differ only in where the
 //! chunks come from ([`KvSource`]) and which rows they hand in.
 //!
-//! Per chunk of `n <= MAX_CHUNK` tokens (never crossing a block): every row of the task
+//! Per chunk of `n <= MAX_CHUNK` tokens (the runs of one or more blocks): every row of the task
 //! (all query heads of the GQA group, for one or several query tokens) takes its scores
-//! from the stored K tile, four rows per vector load, each load widening f16 / bf16 to
-//! `f32` in registers; then the V tile is accumulated the same way — so each stored K/V
+//! from the stored K tiles, four rows per vector load, each load widening f16 / bf16 to
+//! `f32` in registers; then the V tiles are accumulated the same way — so each stored K/V
 //! byte is read (and converted) once per group of rows, and never copied.
 //! Rows see tokens `t < limit(row)` (causal: a query at absolute position `p` sees
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
 //!
-//! The routine is compiled three times: with the portable arithmetic, and on x86-64
+//! The routine is compiled four times: with the portable arithmetic, and on x86-64
 //! with the AVX2 + FMA ([`super::avx2`]) and AVX-512F ([`super::avx512`]) arithmetic,
-//! chosen at run time per task ([`attend`]).
+//! and for int8 storage with AVX-512 VNNI ([`super::vnni`]), chosen at run time per
+//! task ([`attend`]).
 
 use super::math::{self, Simd};
 use crate::dtype::{Element, Kind};
@@ -116,6 +117,14 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        if T::KIND == Kind::Int8 {
+            if let Some(simd) = super::vnni::Avx512Vnni::detect() {
+                // SAFETY: `Avx512Vnni::detect` found AVX-512F, BW, VNNI, AVX2, FMA and
+                // F16C on this CPU.
+                unsafe { attend_avx512_vnni(simd, task, src, scratch) };
+                return;
+            }
+        }
         if let Some(simd) = super::avx512::Avx512::detect() {
             // SAFETY: `Avx512::detect` found AVX-512F, AVX2, FMA and F16C on this CPU.
             unsafe { attend_avx512(simd, task, src, scratch) };
@@ -161,9 +170,26 @@ unsafe fn attend_avx512<T: Element, S: KvSource<T>>(
     attend_body(simd, task, src, scratch);
 }
 
+/// [`attend_body`] compiled with AVX-512F, BW and VNNI enabled (int8 storage).
+///
+/// # Safety
+/// The CPU has AVX-512F, BW, VNNI, AVX2, FMA and F16C (as the `Avx512Vnni` value
+/// proves).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn attend_avx512_vnni<T: Element, S: KvSource<T>>(
+    simd: super::vnni::Avx512Vnni,
+    task: &RowTask<'_>,
+    src: &S,
+    scratch: &mut Scratch,
+) {
+    attend_body(simd, task, src, scratch);
+}
+
 /// Tokens per step of the scores loop (between two prefetch bursts).
 const SCORE_STEP: usize = 4;
-/// Tokens per step of the value accumulation.
+/// Tokens per step of the value accumulation (unless the arithmetic asks for more:
+/// [`Simd::value_step`]).
 const VALUE_STEP: usize = 8;
 /// Tokens of the widened K or V step.
 const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
@@ -172,41 +198,89 @@ const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
     VALUE_STEP
 };
 
-/// Cache-line prefetches of one tile, issued a few at a time. No effect except on
-/// x86-64 (where a prefetch never faults).
+/// The runs of tokens `t0..t0 + n` that are contiguous in `src`, as `(first token,
+/// tokens)`. O(1) per run.
+#[inline(always)]
+fn runs<T, S: KvSource<T>>(
+    src: &S,
+    t0: usize,
+    n: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let end = t0 + n;
+    let mut t = t0;
+    core::iter::from_fn(move || {
+        (t < end).then(|| {
+            let len = src.run(t).min(end - t);
+            t += len;
+            (t - len, len)
+        })
+    })
+}
+
+/// Cache-line prefetches of the K or V tiles of a run of tokens, issued a few at a time.
+/// No effect except on x86-64 (where a prefetch never faults).
 struct Prefetch {
+    /// Keys (0) or values (1).
+    kv: usize,
+    /// The first token whose tile is not begun yet, and the end of the tokens.
+    next: usize,
+    end: usize,
+    /// Bytes of the tokens' tiles in all.
+    total: usize,
+    /// The tile being prefetched, its length in bytes, and the bytes done.
     base: *const u8,
     bytes: usize,
     done: usize,
 }
 
 impl Prefetch {
-    fn new<T>(tile: &[T]) -> Self {
+    /// Prefetches of tokens `t0..t0 + n` (K or V, `hd` elements of `T` per token).
+    fn new<T>(kv: usize, t0: usize, n: usize, hd: usize) -> Self {
         Self {
-            base: tile.as_ptr().cast(),
-            bytes: core::mem::size_of_val(tile),
+            kv,
+            next: t0,
+            end: t0 + n,
+            total: n * hd * core::mem::size_of::<T>(),
+            base: core::ptr::null(),
+            bytes: 0,
             done: 0,
         }
     }
 
-    /// Lines of the tile (64 bytes each).
+    /// Lines of the tiles (64 bytes each).
     fn lines(&self) -> usize {
-        self.bytes.div_ceil(64)
+        self.total.div_ceil(64)
     }
 
-    /// Prefetches the next `lines` lines.
+    /// Prefetches the next `lines` lines, moving on to the next run's tile of `src`
+    /// when one is done.
     #[inline(always)]
-    fn advance(&mut self, lines: usize) {
-        let end = self.bytes.min(self.done + lines * 64);
-        #[cfg(target_arch = "x86_64")]
-        while self.done < end {
-            use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            // SAFETY: `done < bytes`, so the address is inside the tile; a prefetch never
-            // faults anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.base.add(self.done).cast()) };
-            self.done += 64;
+    fn advance<T, S: KvSource<T>>(&mut self, src: &S, lines: usize) {
+        let mut left = lines * 64;
+        while left > 0 {
+            if self.done >= self.bytes {
+                if self.next >= self.end {
+                    return;
+                }
+                let len = src.run(self.next).min(self.end - self.next);
+                let tile = src.tile(self.kv, self.next, len);
+                self.next += len;
+                self.base = tile.as_ptr().cast();
+                self.bytes = core::mem::size_of_val(tile);
+                self.done = 0;
+            }
+            let end = self.bytes.min(self.done + left);
+            left -= end - self.done;
+            #[cfg(target_arch = "x86_64")]
+            while self.done < end {
+                use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                // SAFETY: `done < bytes`, so the address is inside the tile; a prefetch
+                // never faults anyway.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(self.base.add(self.done).cast()) };
+                self.done += 64;
+            }
+            self.done = end;
         }
-        self.done = end;
     }
 }
 
@@ -228,6 +302,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // four rows; 16-bit storage is then widened once per step into `sc.wide` and the
     // passes read f32, instead of widening each vector once per pass.
     let widen = T::KIND != Kind::F32 && rows > 4;
+    let value_step = if widen {
+        VALUE_STEP
+    } else {
+        simd.value_step::<T>(hd, VALUE_STEP)
+    };
 
     // Load the scaled queries, reset the softmax state.
     for j in 0..rows {
@@ -247,50 +326,51 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // Rows are ordered by query token, so later rows see at least as many tokens.
     let end = sc.limit[rows - 1];
 
+    // Chunks of up to `MAX_CHUNK` tokens, each made of the runs of tokens that are
+    // contiguous in the arena (a block's, in a paged layout): the softmax bookkeeping
+    // (maxima, rescaling, and for 8-bit storage the scales) is paid once per chunk, not
+    // once per block.
     let mut t0 = 0;
-    let mut n = src.run(0).min(chunk_max).min(end);
     while t0 < end {
+        let n = (end - t0).min(chunk_max);
         let next = t0 + n;
-        let next_n = if next < end {
-            src.run(next).min(chunk_max).min(end - next)
-        } else {
-            0
-        };
+        let next_n = (end - next).min(chunk_max);
         // The next chunk's tiles are prefetched a few lines at a time while this chunk
         // computes (K during the scores, V during the accumulation): a burst of
         // prefetches would stall on the line-fill buffers instead of overlapping.
-        let tile_of = |kv| {
-            if next_n > 0 {
-                src.tile(kv, next, next_n)
-            } else {
-                &[][..]
-            }
-        };
-        let (mut pf_k, mut pf_v) = (Prefetch::new(tile_of(0)), Prefetch::new(tile_of(1)));
+        let (mut pf_k, mut pf_v) = (
+            Prefetch::new::<T>(0, next, next_n, hd),
+            Prefetch::new::<T>(1, next, next_n, hd),
+        );
 
-        // Scores from the K tile, four rows at a time (each K vector loaded
-        // once for four query rows), `SCORE_STEP` tokens at a time. Scores past a row's
-        // limit are computed for the group's widest row and zeroed after the exponentials.
-        let k = src.tile(0, t0, n);
+        // Scores from the K tiles, four rows at a time (each K vector loaded once for
+        // four query rows), `SCORE_STEP` tokens at a time. Scores past a row's limit are
+        // computed for the group's widest row and zeroed after the exponentials.
         let per_step = pf_k.lines().div_ceil(n.div_ceil(SCORE_STEP));
-        for ts in (0..n).step_by(SCORE_STEP) {
-            let m = (n - ts).min(SCORE_STEP);
-            let kt = &k[ts * hd..(ts + m) * hd];
-            let (q, s, limit) = (&sc.q[..], &mut sc.s[ts..], &sc.limit[..rows]);
-            if widen {
-                T::widen(kt, &mut sc.wide[..m * hd]);
-                score_rows(simd, q, s, limit, hd, t0 + ts, &sc.wide[..m * hd], m);
-            } else {
-                score_rows(simd, q, s, limit, hd, t0 + ts, kt, m);
+        for (t, len) in runs(src, t0, n) {
+            let k = src.tile(0, t, len);
+            for ts in (0..len).step_by(SCORE_STEP) {
+                let m = (len - ts).min(SCORE_STEP);
+                let kt = &k[ts * hd..(ts + m) * hd];
+                let at = t - t0 + ts;
+                let (q, s, limit) = (&sc.q[..], &mut sc.s[at..], &sc.limit[..rows]);
+                if widen {
+                    T::widen(kt, &mut sc.wide[..m * hd]);
+                    score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
+                } else {
+                    score_rows(simd, q, s, limit, hd, t + ts, kt, m);
+                }
+                pf_k.advance(src, per_step);
             }
-            pf_k.advance(per_step);
         }
 
         // 8-bit storage: the scores so far are q · code; times each key's scale, q · k.
         let scaled = T::DTYPE.is_scaled();
         if scaled {
-            src.scales(0, t0, n, &mut sc.scales[0]);
-            src.scales(1, t0, n, &mut sc.scales[1]);
+            for (t, len) in runs(src, t0, n) {
+                src.scales(0, t, len, &mut sc.scales[0][t - t0..]);
+                src.scales(1, t, len, &mut sc.scales[1][t - t0..]);
+            }
             for j in 0..rows {
                 let s = &mut sc.s[j * MAX_CHUNK..j * MAX_CHUNK + n];
                 for (x, k) in s.iter_mut().zip(&sc.scales[0]) {
@@ -327,24 +407,26 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             s[vis..n].fill(0.0);
         }
 
-        // Weighted values from the V tile, four rows at a time (then two, then one),
-        // `VALUE_STEP` tokens at a time.
-        let v = src.tile(1, t0, n);
-        let per_step = pf_v.lines().div_ceil(n.div_ceil(VALUE_STEP));
-        for ts in (0..n).step_by(VALUE_STEP) {
-            let m = (n - ts).min(VALUE_STEP);
-            let vt = &v[ts * hd..(ts + m) * hd];
-            let (acc, s, limit) = (&mut sc.acc[..], &sc.s[ts..], &sc.limit[..rows]);
-            if widen {
-                T::widen(vt, &mut sc.wide[..m * hd]);
-                value_rows(simd, acc, s, limit, hd, t0 + ts, &sc.wide[..m * hd], m);
-            } else {
-                value_rows(simd, acc, s, limit, hd, t0 + ts, vt, m);
+        // Weighted values from the V tiles, four rows at a time (then two, then one),
+        // `value_step` tokens at a time.
+        let per_step = pf_v.lines().div_ceil(n.div_ceil(value_step));
+        for (t, len) in runs(src, t0, n) {
+            let v = src.tile(1, t, len);
+            for ts in (0..len).step_by(value_step) {
+                let m = (len - ts).min(value_step);
+                let vt = &v[ts * hd..(ts + m) * hd];
+                let at = t - t0 + ts;
+                let (acc, s, limit) = (&mut sc.acc[..], &sc.s[at..], &sc.limit[..rows]);
+                if widen {
+                    T::widen(vt, &mut sc.wide[..m * hd]);
+                    value_rows(simd, acc, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
+                } else {
+                    value_rows(simd, acc, s, limit, hd, t + ts, vt, m);
+                }
+                pf_v.advance(src, per_step);
             }
-            pf_v.advance(per_step);
         }
         t0 = next;
-        n = next_n;
     }
 
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.

@@ -73,7 +73,7 @@ unsafe fn score_block<const TOK: usize>(
     sums
 }
 
-/// [`super::math::Simd::scores4`] for bf16 storage: `q` (four rows) is in split order.
+/// [`crate::kernels::math::Simd::scores4`] for bf16 storage: `q` (four rows) is in split order.
 /// Four tokens at a time, then one at a time.
 ///
 /// # Safety
@@ -112,7 +112,7 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     }
 }
 
-/// [`super::math::Simd::scores1`] for bf16 storage: `q` is in split order.
+/// [`crate::kernels::math::Simd::scores1`] for bf16 storage: `q` is in split order.
 ///
 /// # Safety
 /// The CPU has AVX-512F; `applies::<T>(hd, GROUP)` holds.

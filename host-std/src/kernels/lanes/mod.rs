@@ -17,6 +17,7 @@
 pub(super) mod bf16_avx2;
 pub(super) mod bf16_avx512;
 pub(super) mod byte_avx512;
+pub(super) mod int8_vnni;
 
 use crate::dtype::{Element, Kind};
 
