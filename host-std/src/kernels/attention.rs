@@ -126,6 +126,13 @@ impl<T: Element> KvSource<T> for PagedSource<'_, T> {
     }
     #[inline(always)]
     fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
+        let bytes = self.scale_bytes(kv, t0, n);
+        for (o, b) in out[..n].iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    #[inline(always)]
+    fn scale_bytes(&self, kv: usize, t0: usize, n: usize) -> &[u8] {
         let bs = self.layout.geometry().block_size() as usize;
         let block = self.blocks[t0 / bs];
         let start = self
@@ -134,10 +141,7 @@ impl<T: Element> KvSource<T> for PagedSource<'_, T> {
             + self.layout.scales_offset()
             + (t0 % bs) * 4;
         // Scaled elements are one byte each: element offsets are byte offsets.
-        let bytes = &bytes_of(self.arena)[start..start + 4 * n];
-        for (o, b) in out[..n].iter_mut().zip(bytes.chunks_exact(4)) {
-            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        &bytes_of(self.arena)[start..start + 4 * n]
     }
 }
 
