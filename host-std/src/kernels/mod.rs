@@ -26,14 +26,14 @@ mod avx512;
 mod contiguous;
 mod copy;
 #[cfg(target_arch = "x86_64")]
+mod dot;
+#[cfg(target_arch = "x86_64")]
 mod lanes;
 mod math;
 mod online;
 mod parallel;
 mod pool;
 mod rope;
-#[cfg(target_arch = "x86_64")]
-mod vnni;
 mod write;
 
 pub use attention::paged_attention;
@@ -44,7 +44,8 @@ pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
 /// Name of the environment variable that caps the instruction set the kernels take:
-/// `avx512f` (AVX-512F without VNNI: int8 storage in f32 arithmetic), `avx2` (never
+/// `avx512f` (AVX-512F without its dot-product extensions: 8-bit storage in f32
+/// arithmetic), `avx2` (never
 /// AVX-512) or `portable` (no x86 vector extensions); unset, or any other value, lets
 /// them take the widest the CPU has. Read once, at the first kernel call. For measuring
 /// and testing the narrower paths on a machine that has the wider ones.
@@ -64,14 +65,20 @@ pub(crate) fn path_ceiling() -> u8 {
 }
 
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
-/// it has, within [`CPU_PATH_ENV`]): `"avx512f+vnni"` (AVX-512F, and int8 storage in
-/// 16-bit integer dot products), `"avx512f"`, `"avx2+fma"` or `"portable"`. O(1) after
-/// the first call.
+/// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, with `+vnni` when int8 storage takes
+/// 16-bit integer dot products and `+bf16` when FP8 storage takes bf16 dot products;
+/// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if vnni::Avx512Vnni::detect().is_some() {
-            return "avx512f+vnni";
+        match (
+            dot::Avx512Dot::<dot::Vnni>::detect().is_some(),
+            dot::Avx512Dot::<dot::Bf16Dot>::detect().is_some(),
+        ) {
+            (true, true) => return "avx512f+vnni+bf16",
+            (true, false) => return "avx512f+vnni",
+            (false, true) => return "avx512f+bf16",
+            (false, false) => {}
         }
         if avx512::Avx512::detect().is_some() {
             return "avx512f";

@@ -12,11 +12,13 @@
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
 //!
-//! The routine is compiled four times: with the portable arithmetic, and on x86-64
+//! The routine is compiled five times: with the portable arithmetic, and on x86-64
 //! with the AVX2 + FMA ([`super::avx2`]) and AVX-512F ([`super::avx512`]) arithmetic,
-//! and for int8 storage with AVX-512 VNNI ([`super::vnni`]), chosen at run time per
-//! task ([`attend`]).
+//! and for 8-bit storage with the AVX-512 dot-product extensions ([`super::dot`]),
+//! chosen at run time per task ([`attend`]).
 
+#[cfg(target_arch = "x86_64")]
+use super::dot::{Avx512Dot, Bf16Dot, Vnni};
 use super::math::{self, Simd};
 use crate::dtype::{Element, Kind};
 
@@ -125,10 +127,16 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
     #[cfg(target_arch = "x86_64")]
     {
         if T::KIND == Kind::Int8 {
-            if let Some(simd) = super::vnni::Avx512Vnni::detect() {
-                // SAFETY: `Avx512Vnni::detect` found AVX-512F, BW, VNNI, AVX2, FMA and
-                // F16C on this CPU.
+            if let Some(simd) = Avx512Dot::<Vnni>::detect() {
+                // SAFETY: `detect` found AVX-512F, BW, VNNI, AVX2, FMA and F16C.
                 unsafe { attend_avx512_vnni(simd, task, src, scratch) };
+                return;
+            }
+        }
+        if T::KIND == Kind::Fp8E4m3 {
+            if let Some(simd) = Avx512Dot::<Bf16Dot>::detect() {
+                // SAFETY: `detect` found AVX-512F, BW, BF16, AVX2, FMA and F16C.
+                unsafe { attend_avx512_bf16(simd, task, src, scratch) };
                 return;
             }
         }
@@ -180,12 +188,26 @@ unsafe fn attend_avx512<T: Element, S: KvSource<T>>(
 /// [`attend_body`] compiled with AVX-512F, BW and VNNI enabled (int8 storage).
 ///
 /// # Safety
-/// The CPU has AVX-512F, BW, VNNI, AVX2, FMA and F16C (as the `Avx512Vnni` value
-/// proves).
+/// The CPU has AVX-512F, BW, VNNI, AVX2, FMA and F16C (as the value proves).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn attend_avx512_vnni<T: Element, S: KvSource<T>>(
-    simd: super::vnni::Avx512Vnni,
+    simd: Avx512Dot<Vnni>,
+    task: &RowTask<'_>,
+    src: &S,
+    scratch: &mut Scratch,
+) {
+    attend_body(simd, task, src, scratch);
+}
+
+/// [`attend_body`] compiled with AVX-512F, BW and BF16 enabled (FP8 storage).
+///
+/// # Safety
+/// The CPU has AVX-512F, BW, BF16, AVX2, FMA and F16C (as the value proves).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
+    simd: Avx512Dot<Bf16Dot>,
     task: &RowTask<'_>,
     src: &S,
     scratch: &mut Scratch,

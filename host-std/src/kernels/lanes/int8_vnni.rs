@@ -20,16 +20,14 @@
 //! row's codes are kept, per group of 64 dimensions, as the 32 even dimensions and then
 //! the 32 odd ones. The values of two tokens are interleaved per dimension (`vpunpck*wd`,
 //! within 128-bit lanes), so the accumulators hold each group's dimensions in the order
-//! of [`acc_dim`]; [`from_acc_order`] puts them back, once per task.
+//! of [`pairs::acc_dim`]; [`pairs::from_acc_order`] puts them back, once per task.
 
 use core::arch::x86_64::*;
 
 use super::bytes;
+use super::pairs::{self, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
-
-/// Dimensions per group (one 64-byte load of codes).
-pub(in crate::kernels) const GROUP: usize = 64;
 
 /// The largest 16-bit code of the queries and weights.
 const ONE: f32 = 32767.0;
@@ -86,8 +84,6 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
     let finite = _mm512_reduce_add_ps(poison) == 0.0;
     let (scale, inv) = fixed_point(_mm512_reduce_max_ps(max), finite);
     let inv = _mm512_set1_ps(inv);
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     let mut codes = [0i16; MAX_HEAD_DIM];
     let cp = codes.as_mut_ptr();
     unsafe {
@@ -96,8 +92,9 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
             // Dimensions `d + 2e` and `d + 2e + 1` (e < 16): the even codes of the group
             // start at its first dimension, the odd ones 32 later.
             let (group, half) = (d / GROUP * GROUP, d % GROUP / 2);
-            for (idx, at) in [(even, group + half), (odd, group + GROUP / 2 + half)] {
-                let x = _mm512_mul_ps(_mm512_permutex2var_ps(a, idx, b), inv);
+            let (even, odd) = pairs::even_odd_ps(a, b);
+            for (x, at) in [(even, group + half), (odd, group + GROUP / 2 + half)] {
+                let x = _mm512_mul_ps(x, inv);
                 let c = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
                     x,
                 );
@@ -158,26 +155,6 @@ unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [u32; BLOCK / 2]) -> f
     scale
 }
 
-/// The dimension (within its group of 64) that position `pos` of an accumulator group
-/// holds: position `16 k + 4 l + i` holds `16 l + 8 (k & 1) + 2 i + (k >> 1)` (part `k`
-/// of the interleave, 128-bit lane `l`, element `i`). O(1).
-const fn acc_dim(pos: usize) -> usize {
-    let (k, l, i) = (pos / 16, pos % 16 / 4, pos % 4);
-    16 * l + 8 * (k & 1) + 2 * i + (k >> 1)
-}
-
-/// Puts accumulated rows (a multiple of [`GROUP`] long) from the order [`accumulate`]
-/// leaves them in back into dimension order. O(rows.len()).
-pub(in crate::kernels) fn from_acc_order(rows: &mut [f32]) {
-    for g in rows.chunks_exact_mut(GROUP) {
-        let mut src = [0.0f32; GROUP];
-        src.copy_from_slice(g);
-        for (pos, &x) in src.iter().enumerate() {
-            g[acc_dim(pos)] = x;
-        }
-    }
-}
-
 /// The 16-bit codes of the even and of the odd bytes of `x`, sign-extended.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
@@ -229,33 +206,6 @@ unsafe fn dots<const R: usize, const TOK: usize>(
     a
 }
 
-/// Sixteen horizontal sums at once: lane `j` of the result is the sum of the lanes of
-/// `v[j]` (a transposing reduction: 45 instructions for 16 sums).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-fn sum16(v: [__m512i; 16]) -> __m512i {
-    // Pairs: within each 128-bit lane, elements 0 and 2 belong to v[2m], 1 and 3 to
-    // v[2m + 1].
-    let w: [__m512i; 8] = core::array::from_fn(|m| {
-        let (a, b) = (v[2 * m], v[2 * m + 1]);
-        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-    });
-    // Quads: element `p` of each 128-bit lane belongs to v[4m + p].
-    let x: [__m512i; 4] = core::array::from_fn(|m| {
-        let (a, b) = (w[2 * m], w[2 * m + 1]);
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    });
-    // Then the four 128-bit lanes of each quad, two shuffles at a time.
-    let pair = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(
-            _mm512_shuffle_i32x4::<0x88>(a, b),
-            _mm512_shuffle_i32x4::<0xDD>(a, b),
-        )
-    };
-    let (z0, z1) = (pair(x[0], x[1]), pair(x[2], x[3]));
-    pair(z0, z1)
-}
-
 /// The scale an encoded query row keeps after its codes.
 ///
 /// # Safety
@@ -296,7 +246,9 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     while t0 + 4 <= n {
         // SAFETY: keys `t0..t0 + 4` lie inside the asserted length (one byte a code).
         let a = unsafe { dots::<4, 4>(qp, kp.add(t0 * hd), hd) };
-        let sums = sum16(core::array::from_fn(|j| a[j / 4][j % 4]));
+        let sums = pairs::sum16(core::array::from_fn(|j| a[j / 4][j % 4]), |x, y| {
+            _mm512_add_epi32(x, y)
+        });
         let mut out = [0.0f32; 16];
         // SAFETY: `out` holds 16 floats.
         unsafe {
@@ -345,7 +297,7 @@ pub(in crate::kernels) unsafe fn scores1<T: Element>(
 }
 
 /// `acc_r += Σ_{t<n} p[r][t] * code_t` for `R` rows of `acc` (`acc_r = acc[r * hd..]`,
-/// in the order of [`acc_dim`]): per [`BLOCK`] of tokens, each row's weights in 16-bit
+/// in the order of [`pairs::acc_dim`]): per [`BLOCK`] of tokens, each row's weights in 16-bit
 /// fixed point, two tokens' codes interleaved per dimension, 32-bit accumulators for 64
 /// dimensions (`4 R` registers), then scaled into `acc`. The caller folds the values'
 /// scales into the weights `p`, which are not negative.
@@ -390,12 +342,7 @@ pub(in crate::kernels) unsafe fn accumulate<T: Element, const R: usize>(
                     } else {
                         (zero, zero)
                     };
-                    let parts = [
-                        _mm512_unpacklo_epi16(e0, e1),
-                        _mm512_unpackhi_epi16(e0, e1),
-                        _mm512_unpacklo_epi16(o0, o1),
-                        _mm512_unpackhi_epi16(o0, o1),
-                    ];
+                    let parts = pairs::interleave(e0, o0, e1, o1);
                     for (xr, wr) in x.iter_mut().zip(&w) {
                         let b = _mm512_set1_epi32(*wr.get_unchecked(j) as i32);
                         for (xk, &part) in xr.iter_mut().zip(&parts) {
@@ -438,43 +385,6 @@ mod tests {
                 x as f32 / (1u32 << 23) as f32 - 1.0
             })
             .collect()
-    }
-
-    #[test]
-    fn acc_order_is_a_permutation_and_round_trips() {
-        let mut seen = [false; GROUP];
-        for pos in 0..GROUP {
-            assert!(!core::mem::replace(&mut seen[acc_dim(pos)], true));
-        }
-        let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
-        let mut y: Vec<f32> = (0..128)
-            .map(|p| (p / 64 * 64 + acc_dim(p % 64)) as f32)
-            .collect();
-        from_acc_order(&mut y);
-        assert_eq!(x, y);
-    }
-
-    #[test]
-    fn sixteen_sums_at_once_match_one_at_a_time() {
-        if !vnni() {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI");
-            return;
-        }
-        // Large lanes of both signs, so a carry across lanes would show.
-        let lanes: Vec<i32> = values(256, 4).iter().map(|x| (x * 1.5e8) as i32).collect();
-        // SAFETY: AVX-512F checked above; 16 ints per load and store.
-        unsafe {
-            let v: [__m512i; 16] =
-                core::array::from_fn(|j| _mm512_loadu_si512(lanes[16 * j..].as_ptr().cast()));
-            let mut out = [0i32; 16];
-            _mm512_storeu_si512(out.as_mut_ptr().cast(), sum16(v));
-            for (j, &o) in out.iter().enumerate() {
-                let want = lanes[16 * j..16 * (j + 1)]
-                    .iter()
-                    .fold(0i32, |a, &x| a.wrapping_add(x));
-                assert_eq!(o, want, "sum {j}");
-            }
-        }
     }
 
     #[test]
@@ -575,8 +485,8 @@ mod tests {
             }
             let mut got = acc.clone();
             let mut before = start.clone();
-            from_acc_order(&mut got);
-            from_acc_order(&mut before);
+            pairs::from_acc_order(&mut got);
+            pairs::from_acc_order(&mut before);
             for r in 0..4 {
                 let pr = &p[r * n..(r + 1) * n];
                 let max = pr.iter().fold(0.0f32, |m, &x| m.max(x));

@@ -1,6 +1,8 @@
 //! Arithmetic for 16-bit and 8-bit storage that never moves data across lanes: bf16 on
 //! AVX-512F ([`bf16_avx512`], 16 lanes) and AVX2 + FMA ([`bf16_avx2`], 8 lanes), the
-//! 8-bit codes on AVX-512F ([`byte_avx512`]).
+//! 8-bit codes on AVX-512F ([`byte_avx512`]), and the 8-bit codes in the dot-product
+//! extensions' arithmetic: int8 with VNNI ([`int8_vnni`]), FP8 with AVX512_BF16
+//! ([`fp8_bf16`]), on what they share ([`pairs`]).
 //!
 //! One vector-wide load holds 2 bf16 (or 4 codes) in each 32-bit lane; each of them
 //! widens with shifts and masks inside its lane, where the general paths' `vpmovzxwd` /
@@ -17,7 +19,9 @@
 pub(super) mod bf16_avx2;
 pub(super) mod bf16_avx512;
 pub(super) mod byte_avx512;
+pub(super) mod fp8_bf16;
 pub(super) mod int8_vnni;
+pub(super) mod pairs;
 
 use crate::dtype::{Element, Kind};
 

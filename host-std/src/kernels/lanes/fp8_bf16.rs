@@ -1,0 +1,458 @@
+//! FP8 E4M3 codes in bf16 dot products with AVX512_BF16: `vdpbf16ps` adds, in each of
+//! sixteen f32 lanes, the products of two bf16 pairs, so one instruction does 32
+//! multiply-adds, and the codes need no conversion to f32.
+//!
+//! An E4M3 code is a bf16 whose exponent is 120 short: its bits `s eeee mmm` moved to
+//! `s 0000 eeee mmm 0000` (two or three shifts and a mask for 32 codes) are a bf16 worth
+//! `2^-120` times the code's value. The missing `2^120` is applied once per score and
+//! once per accumulated vector, with the fixed factors below.
+//!
+//! The f32 side (queries, once per task; softmax weights, once per call) is first
+//! multiplied by `2^64`, so that its products with the codes stay far above the f32
+//! denormals (which `vdpbf16ps` flushes to zero), then split into two bf16, `hi =
+//! bf16(x)` and `lo = bf16(x - hi)`: 16 bits of mantissa, a relative error below
+//! `2^-17`, against the 4 bits of mantissa of the codes themselves.
+//!
+//! Where the result differs from the f32 arithmetic's: that rounding (about `1e-5` of
+//! the output); subnormal codes (values below `2^-6`, under `2^-6 / 448` of their row's
+//! largest value) read as 0, since `vdpbf16ps` treats denormal inputs as zero; and the
+//! NaN codes (which only a NaN input writes) read as ±480 instead of NaN.
+//!
+//! Orders as in [`super::pairs`]: a query row's bf16 are kept per group of 64
+//! dimensions as its even dimensions' `hi`, odd `hi`, even `lo`, odd `lo` (32 each: the
+//! whole `64` floats of the group).
+
+use core::arch::x86_64::*;
+
+use super::bytes;
+use super::pairs::{self, GROUP};
+use crate::dtype::{Element, Kind};
+use crate::kernels::MAX_HEAD_DIM;
+
+/// The factor the f32 side is multiplied by before it is rounded to bf16.
+const UP: f32 = (1u64 << 63) as f32 * 2.0;
+/// What a bf16 dot product of the codes is multiplied by: `2^120 / 2^64`.
+const DOWN: f32 = (1u64 << 56) as f32;
+
+/// Tokens whose weights one call encodes at a time.
+const BLOCK: usize = 64;
+
+/// Whether storage `T` with head dimension `hd` takes this arithmetic. O(1).
+#[inline(always)]
+pub(in crate::kernels) fn applies<T: Element>(hd: usize) -> bool {
+    T::KIND == Kind::Fp8E4m3 && hd.is_multiple_of(GROUP) && hd > 0
+}
+
+/// The bits of a 512-bit integer vector as 32 bf16.
+#[inline(always)]
+fn bh(x: __m512i) -> __m512bh {
+    // SAFETY: both are 64 bytes of plain bits, every pattern valid.
+    unsafe { core::mem::transmute::<__m512i, __m512bh>(x) }
+}
+
+/// The bits of 16 bf16 as a 256-bit integer vector.
+#[inline(always)]
+fn bits256(x: __m256bh) -> __m256i {
+    // SAFETY: both are 32 bytes of plain bits, every pattern valid.
+    unsafe { core::mem::transmute::<__m256bh, __m256i>(x) }
+}
+
+/// `x` (16 floats) as `hi` and `lo` bf16, `hi + lo` within `2^-17 |x|` of `x`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn split(x: __m512) -> (__m256i, __m256i) {
+    let hi = _mm512_cvtneps_pbh(x);
+    let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_cvtpbh_ps(hi)));
+    (bits256(hi), bits256(lo))
+}
+
+/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`scores4`] and
+/// [`scores1`] read: per group of 64 dimensions, the bf16 `hi` of its even dimensions,
+/// of its odd ones, then their `lo`, of the row times `2^64` (see the module). O(hd).
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `applies` holds for `hd`, and `row.len() >= hd`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
+    assert!(row.len() >= hd && hd <= MAX_HEAD_DIM);
+    let mut out = [0u16; 2 * MAX_HEAD_DIM];
+    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+    let up = _mm512_set1_ps(UP);
+    // SAFETY: loads of `row[d..+32]` with `d + 32 <= hd`; stores of 16 bf16 at
+    // `out[2 group + half + 32 j..]`, inside `out[..2 hd]`.
+    unsafe {
+        for d in (0..hd).step_by(32) {
+            let a = _mm512_mul_ps(_mm512_loadu_ps(rp.add(d)), up);
+            let b = _mm512_mul_ps(_mm512_loadu_ps(rp.add(d + 16)), up);
+            let (group, half) = (d / GROUP * GROUP, d % GROUP / 2);
+            let (even, odd) = pairs::even_odd_ps(a, b);
+            let ((even_hi, even_lo), (odd_hi, odd_lo)) = (split(even), split(odd));
+            for (j, x) in [even_hi, odd_hi, even_lo, odd_lo].into_iter().enumerate() {
+                _mm256_storeu_si256(op.add(2 * group + half + 32 * j).cast(), x);
+            }
+        }
+    }
+    for (slot, pair) in row[..hd].iter_mut().zip(out[..2 * hd].chunks_exact(2)) {
+        *slot = f32::from_bits(u32::from(pair[0]) | u32::from(pair[1]) << 16);
+    }
+}
+
+/// The bf16 of the even and of the odd codes of `x` (times `2^-120`: see the module).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn even_odd(x: __m512i) -> (__m512i, __m512i) {
+    // Sign to bit 15 (copied into bits 14..11 by the arithmetic shift, then masked
+    // off), exponent and mantissa to bits 10..4.
+    let mask = _mm512_set1_epi16(0x87F0u16 as i16);
+    (
+        _mm512_and_si512(_mm512_srai_epi16::<4>(_mm512_slli_epi16::<8>(x)), mask),
+        _mm512_and_si512(_mm512_srai_epi16::<4>(x), mask),
+    )
+}
+
+/// bf16 dot products of `R` encoded query rows (`q`, `hd` floats apart) with `TOK`
+/// keys of codes at `kp`: `[row][token]`, 16 partial sums each (times `2^-56`).
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `q` points to `R` encoded rows of `hd` floats,
+/// `kp` to `TOK` keys of `hd` codes; `hd` is a non-zero multiple of 64.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn dots<const R: usize, const TOK: usize>(
+    q: *const f32,
+    kp: *const u8,
+    hd: usize,
+) -> [[__m512; TOK]; R] {
+    let zero = _mm512_setzero_si512();
+    let mut a = [[_mm512_setzero_ps(); TOK]; R];
+    let mut d = 0;
+    // SAFETY: reads the 64 codes of key `i < TOK` at dimension `d` and the 64 floats of
+    // row `r < R`'s group `d / 64` (four vectors of 32 bf16), with `d + 64 <= hd`.
+    unsafe {
+        while d < hd {
+            let mut eo = [(zero, zero); TOK];
+            for (i, x) in eo.iter_mut().enumerate() {
+                *x = even_odd(_mm512_loadu_si512(kp.add(i * hd + d).cast()));
+            }
+            for (r, ar) in a.iter_mut().enumerate() {
+                let qr = q.add(r * hd + d);
+                let [e_hi, o_hi, e_lo, o_lo] =
+                    core::array::from_fn(|j| bh(_mm512_loadu_si512(qr.add(16 * j).cast())));
+                for (ai, &(e, o)) in ar.iter_mut().zip(&eo) {
+                    let (e, o) = (bh(e), bh(o));
+                    let hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*ai, e, e_hi), o, o_hi);
+                    *ai = _mm512_dpbf16_ps(_mm512_dpbf16_ps(hi, e, e_lo), o, o_lo);
+                }
+            }
+            d += GROUP;
+        }
+    }
+    a
+}
+
+/// [`crate::kernels::math::Simd::scores4`] for FP8 storage: `q` holds four rows
+/// encoded by [`encode_query`]; the scores are of the codes (the caller applies the
+/// keys' scales). Four tokens at a time (16 accumulators, one transposing reduction),
+/// then one at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn scores4<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
+    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
+    let (qp, kp) = (q.as_ptr(), bytes(k));
+    let down = _mm512_set1_ps(DOWN);
+    let add = |a: __m512i, b: __m512i| {
+        _mm512_castps_si512(_mm512_add_ps(
+            _mm512_castsi512_ps(a),
+            _mm512_castsi512_ps(b),
+        ))
+    };
+    let mut t0 = 0;
+    while t0 + 4 <= n {
+        // SAFETY: keys `t0..t0 + 4` lie inside the asserted length (one byte a code).
+        let a = unsafe { dots::<4, 4>(qp, kp.add(t0 * hd), hd) };
+        let sums = pairs::sum16(
+            core::array::from_fn(|j| _mm512_castps_si512(a[j / 4][j % 4])),
+            add,
+        );
+        let mut out = [0.0f32; 16];
+        // SAFETY: `out` holds 16 floats.
+        unsafe {
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_castsi512_ps(sums), down),
+            );
+        }
+        for (r, o) in out.chunks_exact(4).enumerate() {
+            s[r * stride + t0..r * stride + t0 + 4].copy_from_slice(o);
+        }
+        t0 += 4;
+    }
+    for t in t0..n {
+        // SAFETY: key `t < n` lies inside the asserted length.
+        let [a0, a1, a2, a3] = unsafe { dots::<4, 1>(qp, kp.add(t * hd), hd) };
+        for (r, a) in [a0[0], a1[0], a2[0], a3[0]].into_iter().enumerate() {
+            s[r * stride + t] = _mm512_reduce_add_ps(a) * DOWN;
+        }
+    }
+}
+
+/// [`crate::kernels::math::Simd::scores1`] for FP8 storage: `q` is one row encoded
+/// by [`encode_query`].
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn scores1<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+) {
+    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
+    let (qp, kp) = (q.as_ptr(), bytes(k));
+    for (t, st) in s[..n].iter_mut().enumerate() {
+        // SAFETY: key `t < n` lies inside the asserted length.
+        let [[a]] = unsafe { dots::<1, 1>(qp, kp.add(t * hd), hd) };
+        *st = _mm512_reduce_add_ps(a) * DOWN;
+    }
+}
+
+/// The weights `p[..m]` (`m <= BLOCK`) times `2^64` as `hi` and `lo` bf16, two tokens to
+/// a word (the first in the low half; an odd last token pairs with 0). O(m).
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `p.len() >= m`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn encode_weights(
+    p: &[f32],
+    m: usize,
+    hi: &mut [u32; BLOCK / 2],
+    lo: &mut [u32; BLOCK / 2],
+) {
+    assert!(p.len() >= m && m <= BLOCK);
+    let up = _mm512_set1_ps(UP);
+    for c in (0..m).step_by(16) {
+        let left = m - c;
+        let mask: __mmask16 = if left >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << left) - 1
+        };
+        // SAFETY: the masked load reads only `p[c..m]`; the stores write 8 words at
+        // `[c / 2..]`, `c < m <= BLOCK`.
+        unsafe {
+            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)), up);
+            let (h, l) = split(x);
+            _mm256_storeu_si256(hi.as_mut_ptr().add(c / 2).cast(), h);
+            _mm256_storeu_si256(lo.as_mut_ptr().add(c / 2).cast(), l);
+        }
+    }
+}
+
+/// `acc_r += Σ_{t<n} p[r][t] * code_t` for `R` rows of `acc` (`acc_r = acc[r * hd..]`,
+/// in the order of [`pairs::acc_dim`]): per [`BLOCK`] of tokens, each row's weights as
+/// bf16 pairs, two tokens' codes interleaved per dimension, f32 accumulators for 64
+/// dimensions (`4 R` registers), then scaled into `acc`. The caller folds the values'
+/// scales into the weights `p`.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds; `R <= 4`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn accumulate<T: Element, const R: usize>(
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    assert!(acc.len() >= R * hd && p.iter().all(|p| p.len() >= n) && v.len() >= n * hd);
+    let (ap, vp) = (acc.as_mut_ptr(), bytes(v));
+    let (zero, down) = (_mm512_setzero_si512(), _mm512_set1_ps(DOWN));
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(BLOCK);
+        let mut w = [[[0u32; BLOCK / 2]; 2]; R];
+        for (wr, pr) in w.iter_mut().zip(&p) {
+            let [hi, lo] = wr;
+            // SAFETY: the caller's CPU; `pr[t0..]` holds `m` weights.
+            unsafe { encode_weights(&pr[t0..], m, hi, lo) };
+        }
+        let mut d = 0;
+        // SAFETY: reads the 64 codes of values `t < t0 + m <= n` at dimension `d` and
+        // reads and writes `acc[r * hd + d..+64]` (r < R), with `d + 64 <= hd` (asserted
+        // lengths above); the odd token of an odd block is a zero vector, not a load.
+        unsafe {
+            while d < hd {
+                let mut x = [[_mm512_setzero_ps(); 4]; R];
+                for j in 0..m.div_ceil(2) {
+                    let t = t0 + 2 * j;
+                    let (e0, o0) = even_odd(_mm512_loadu_si512(vp.add(t * hd + d).cast()));
+                    let (e1, o1) = if t + 1 < t0 + m {
+                        even_odd(_mm512_loadu_si512(vp.add((t + 1) * hd + d).cast()))
+                    } else {
+                        (zero, zero)
+                    };
+                    let parts = pairs::interleave(e0, o0, e1, o1).map(bh);
+                    for (xr, [hi, lo]) in x.iter_mut().zip(&w) {
+                        let b_hi = bh(_mm512_set1_epi32(*hi.get_unchecked(j) as i32));
+                        let b_lo = bh(_mm512_set1_epi32(*lo.get_unchecked(j) as i32));
+                        for (xk, &part) in xr.iter_mut().zip(&parts) {
+                            *xk = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*xk, part, b_hi), part, b_lo);
+                        }
+                    }
+                }
+                for (r, xr) in x.iter().enumerate() {
+                    for (k, &xk) in xr.iter().enumerate() {
+                        let a = ap.add(r * hd + d + 16 * k);
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(xk, down, _mm512_loadu_ps(a)));
+                    }
+                }
+                d += GROUP;
+            }
+        }
+        t0 += m;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Fp8E4m3;
+    use crate::quant::fp8;
+
+    fn bf16_dot() -> bool {
+        !cfg!(miri)
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    /// A deterministic spread of values in (-1, 1).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
+                x as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_normal_code_is_its_value_times_2_to_the_minus_120() {
+        if !bf16_dot() {
+            eprintln!("skipped: this CPU has no AVX512_BF16");
+            return;
+        }
+        for start in [0usize, 64, 128, 192] {
+            let codes: [u8; 64] = core::array::from_fn(|i| (start + i) as u8);
+            let mut out = [[0u16; 32]; 2];
+            // SAFETY: AVX-512BW checked above; 64-byte load and stores.
+            unsafe {
+                let (e, o) = even_odd(_mm512_loadu_si512(codes.as_ptr().cast()));
+                _mm512_storeu_si512(out[0].as_mut_ptr().cast(), e);
+                _mm512_storeu_si512(out[1].as_mut_ptr().cast(), o);
+            }
+            for (i, &c) in codes.iter().enumerate() {
+                let bits = out[i % 2][i / 2];
+                let got = f64::from(f32::from_bits(u32::from(bits) << 16)) * 2f64.powi(120);
+                let want = fp8::decode(c);
+                let (exponent, magnitude) = (c >> 3 & 15, c & 0x7F);
+                if exponent == 0 || magnitude == 0x7F {
+                    // Subnormal codes become bf16 denormals (read as 0 by vdpbf16ps),
+                    // and the NaN codes a finite value: see the module.
+                    continue;
+                }
+                assert_eq!(got, f64::from(want), "code {c:#04x}");
+            }
+        }
+    }
+
+    /// The scores and the accumulation against f64 on the codes, within the bf16 split's
+    /// rounding.
+    #[test]
+    fn scores_and_values_match_f64_within_the_split_rounding() {
+        if !bf16_dot() {
+            eprintln!("skipped: this CPU has no AVX512_BF16");
+            return;
+        }
+        for hd in [64usize, 128, 256] {
+            let n = 11;
+            // Normal codes only (subnormals read as 0 here, NaN codes are never written).
+            let codes: Vec<Fp8E4m3> = values(n * hd, 9)
+                .iter()
+                .map(|x| Fp8E4m3(fp8::encode(x * 400.0 + 0.5f32.copysign(*x))))
+                .collect();
+            let code = |t: usize, d: usize| f64::from(fp8::decode(codes[t * hd + d].0));
+            let q = values(4 * hd, 5);
+            let mut qe = q.clone();
+            for row in qe.chunks_exact_mut(hd) {
+                // SAFETY: checked above; `applies` holds.
+                unsafe { encode_query(row, hd) };
+            }
+            let stride = 16;
+            let mut s = vec![f32::NAN; 4 * stride];
+            let mut s1 = vec![f32::NAN; n];
+            // SAFETY: checked above; `applies` holds.
+            unsafe {
+                scores4(&qe, &codes, hd, n, &mut s, stride);
+                scores1(&qe[hd..], &codes, hd, n, &mut s1);
+            }
+            for r in 0..4 {
+                for t in 0..n {
+                    let terms = (0..hd).map(|d| f64::from(q[r * hd + d]) * code(t, d));
+                    let want: f64 = terms.clone().sum();
+                    let size: f64 = terms.map(f64::abs).sum();
+                    let got = f64::from(s[r * stride + t]);
+                    assert!(
+                        (got - want).abs() <= 2e-5 * size,
+                        "hd {hd} row {r} token {t}: {got} vs {want}"
+                    );
+                    let one = f64::from(s1[t]);
+                    if r == 1 {
+                        assert!((one - want).abs() <= 2e-5 * size);
+                    }
+                }
+            }
+
+            let p: Vec<f32> = values(4 * n, 1).iter().map(|x| x.abs() * 1e-3).collect();
+            let mut acc: Vec<f32> = values(4 * hd, 2);
+            let start = acc.clone();
+            // SAFETY: checked above; `applies` holds; `R == 4`.
+            unsafe {
+                let rows = [&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..]];
+                accumulate::<Fp8E4m3, 4>(&mut acc, rows, &codes, hd, n);
+            }
+            let (mut got, mut before) = (acc.clone(), start.clone());
+            pairs::from_acc_order(&mut got);
+            pairs::from_acc_order(&mut before);
+            for r in 0..4 {
+                let pr = &p[r * n..(r + 1) * n];
+                for d in 0..hd {
+                    let terms = (0..n).map(|t| f64::from(pr[t]) * code(t, d));
+                    let want = f64::from(before[r * hd + d]) + terms.clone().sum::<f64>();
+                    let size: f64 = terms.map(f64::abs).sum::<f64>() + 1e-7;
+                    let g = f64::from(got[r * hd + d]);
+                    assert!(
+                        (g - want).abs() <= 2e-5 * size,
+                        "hd {hd} row {r} dim {d}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
