@@ -4,9 +4,20 @@
 // Host (emulation): bit-exact software round-to-nearest-even matching the Rust `half`
 // crate and host-std's `Element::narrow` (NaN stays NaN, quiet). The 8-bit codecs are
 // integer / IEEE arithmetic on both sides, bit-exact with host-std's `quant` module
-// (`Code::scale_for`, `Code::encode`, `fp8::encode`).
+// (`Code::scale_for`, `Code::encode`, `fp8::encode`). On sm_89 and later the FP8 E4M3
+// conversions use the hardware's (PTX `cvt` with `.e4m3x2`, see KVP_NATIVE_FP8), which
+// give the same codes and values: below sm_89 and on the host, the software ones.
 #pragma once
 #include "layout.cuh"
+
+// 1 where the device code is compiled for sm_89 or later (Ada, Hopper, Blackwell): PTX
+// ISA 7.8's `cvt.rn.f16x2.e4m3x2` and `cvt.rn.satfinite.e4m3x2.f32` exist there. 0 in
+// the host passes (emulation, nvcc's host side) and for older targets.
+#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KVP_NATIVE_FP8 1
+#else
+#define KVP_NATIVE_FP8 0
+#endif
 
 namespace kvp {
 
@@ -93,8 +104,20 @@ KVP_HD float scale_for(uint32_t dtype, float absmax) {
     return (absmax > 0.0f && absmax <= 3.4028234663852886e38f) ? absmax / code_max(dtype) : 1.0f;
 }
 
-// FP8 E4M3 (e4m3fn) code of y: nearest, ties to even, saturating to +-448, NaN -> 0x7F.
+// FP8 E4M3 (e4m3fn) code of y: nearest, ties to even, saturating to +-448 (infinities
+// too), NaN -> 0x7F; a result of zero keeps y's sign.
+//
+// sm_89+: `cvt.rn.satfinite.e4m3x2.f32` rounds the same way (nearest even, and
+// .satfinite clamps every finite or infinite magnitude past 448 to 448, keeping the
+// sign); what it gives for NaN is 0x7F by NVIDIA's documentation (their cuda_fp8.hpp
+// host reference canonicalises NaN to +NaN first), but the NaN case is selected here all
+// the same, so the code of a NaN never depends on the hardware's NaN sign handling.
 KVP_HD uint8_t fp8_encode(float y) {
+#if KVP_NATIVE_FP8
+    uint16_t pair; // high byte: the code of the first source (0), low byte: of y
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(y));
+    return y != y ? (uint8_t)0x7F : (uint8_t)(pair & 0xFFu);
+#else
     const uint32_t b = f32_bits(y);
     const uint32_t a = b & 0x7FFFFFFFu;
     if (a > 0x7F800000u) return 0x7F;
@@ -117,6 +140,7 @@ KVP_HD uint8_t fp8_encode(float y) {
     uint32_t code = ((uint32_t)(exp + 7) << 3) + keep + up;
     if (code > 0x7Eu) code = 0x7Eu;
     return sign | (uint8_t)code;
+#endif
 }
 
 // Int8 code of y: round half away from zero, clamp to +-127; NaN -> 0x80.
@@ -146,6 +170,32 @@ KVP_HD float fp8_decode(uint32_t b) {
     if (e == 15u && m == 7u) return f32_from_bits(sign | 0x7FC00000u);
     if (e == 0u) return f32_from_bits(f32_bits((float)m * 0.001953125f) | sign); // m * 2^-9
     return f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Values of the four FP8 E4M3 codes of a little-endian word (byte i -> x[i]), as
+// fp8_decode gives them.
+//
+// sm_89+: two `cvt.rn.f16x2.e4m3x2` (two codes to two f16 each; exact, every E4M3 value
+// is an f16 normal) and four exact `cvt.f32.f16`, instead of some twenty integer
+// operations per code. Identical values for every non-NaN code, zeros' signs included;
+// a NaN code gives a NaN whose bits differ (f16 canonical NaN 0x7FFF, sign dropped,
+// widened by the hardware, where fp8_decode gives sign | 0x7FC00000). The kernels only
+// multiply the values, and a NaN operand makes a NaN result whatever its bits, so their
+// outputs are the same on both paths.
+KVP_HD void fp8x4_decode(uint32_t w, float *x) {
+#if KVP_NATIVE_FP8
+    uint32_t h[2];
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[0]) : "h"((uint16_t)(w & 0xFFFFu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[1]) : "h"((uint16_t)(w >> 16)));
+KVP_UNROLL
+    for (int i = 0; i < 2; ++i) {
+        x[2 * i] = f16_to_f32((uint16_t)(h[i] & 0xFFFFu));
+        x[2 * i + 1] = f16_to_f32((uint16_t)(h[i] >> 16));
+    }
+#else
+KVP_UNROLL
+    for (int i = 0; i < 4; ++i) x[i] = fp8_decode((w >> (8 * i)) & 0xFFu);
+#endif
 }
 
 // Storage tags of the attention kernels: `Vec`, the vector one thread loads (16 bytes;
@@ -192,26 +242,27 @@ KVP_UNROLL
     }
 };
 
-// 8-bit codes: `Codec::decode(byte)` gives a code's value before scaling.
+// 8-bit codes: `Codec::decode4(word, x)` gives the values, before scaling, of the four
+// codes of a little-endian word.
 template <class Codec> struct Codes8 {
     using Vec = uint2;
     static constexpr int bytes = 1;
     static constexpr bool scaled = true;
     static __device__ __forceinline__ void unpack(const Vec &r, float *x) {
-KVP_UNROLL
-        for (int i = 0; i < 4; ++i) {
-            x[i] = Codec::decode((r.x >> (8 * i)) & 0xFFu);
-            x[4 + i] = Codec::decode((r.y >> (8 * i)) & 0xFFu);
-        }
+        Codec::decode4(r.x, x);
+        Codec::decode4(r.y, x + 4);
     }
 };
 
 struct Int8Codec {
-    static KVP_HD float decode(uint32_t b) { return int8_decode(b); }
+    static KVP_HD void decode4(uint32_t w, float *x) {
+KVP_UNROLL
+        for (int i = 0; i < 4; ++i) x[i] = int8_decode((w >> (8 * i)) & 0xFFu);
+    }
 };
 
 struct Fp8Codec {
-    static KVP_HD float decode(uint32_t b) { return fp8_decode(b); }
+    static KVP_HD void decode4(uint32_t w, float *x) { fp8x4_decode(w, x); }
 };
 
 using I8 = Codes8<Int8Codec>;

@@ -1,5 +1,5 @@
-//! The kernels' fatbin, compiled by `nvcc` in the build script (SASS for sm_80 and
-//! sm_90, PTX for compute_90 so newer GPUs JIT it) and embedded in the crate.
+//! The kernels' fatbin, compiled by `nvcc` in the build script (SASS for sm_80, sm_89
+//! and sm_90, PTX for compute_90 so newer GPUs JIT it) and embedded in the crate.
 //!
 //! When the build found no `nvcc` (neither `NVCC`, `$CUDA_PATH/bin/nvcc` nor `nvcc` on
 //! `PATH`), the crate still builds: [`FATBIN`] is `None`, and creating a device cache
