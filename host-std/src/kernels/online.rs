@@ -3,11 +3,12 @@
 //! softmax. Decode, chunked prefill and the contiguous baseline differ only in where the
 //! chunks come from ([`KvSource`]) and which rows they hand in.
 //!
-//! Per chunk of `n <= MAX_CHUNK` tokens (the runs of one or more blocks): every row of the task
-//! (all query heads of the GQA group, for one or several query tokens) takes its scores
-//! from the stored K tiles, four rows per vector load, each load widening f16 / bf16 to
-//! `f32` in registers; then the V tiles are accumulated the same way — so each stored K/V
-//! byte is read (and converted) once per group of rows, and never copied.
+//! Per chunk of `n <= MAX_CHUNK` tokens (the runs of one or more blocks): every row of
+//! the task (all query heads of the GQA group, for one or several query tokens) takes
+//! its scores from the stored K tiles, four rows per vector load, each load widening
+//! f16 / bf16 to `f32` in registers; then the V tiles are accumulated the same way — so
+//! each stored K/V byte is read (and converted) once per group of rows, and never
+//! copied.
 //! Rows see tokens `t < limit(row)` (causal: a query at absolute position `p` sees
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
@@ -20,7 +21,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::dot::{Avx512Dot, Bf16Dot, Vnni};
 use super::math::{self, Simd};
-use crate::dtype::{Element, Kind};
+use crate::dtype::{bytes_of, Element, Kind};
 
 /// Query rows (query token × query head of one group) per task.
 pub(crate) const MAX_ROWS: usize = 16;
@@ -248,7 +249,7 @@ fn runs<T, S: KvSource<T>>(
 
 /// Cache-line prefetches of the K or V tiles of a run of tokens, issued a few at a time.
 /// No effect except on x86-64 (where a prefetch never faults).
-struct Prefetch {
+struct Prefetch<'a> {
     /// Keys (0) or values (1).
     kv: usize,
     /// The first token whose tile is not begun yet, and the end of the tokens.
@@ -256,13 +257,12 @@ struct Prefetch {
     end: usize,
     /// Bytes of the tokens' tiles in all.
     total: usize,
-    /// The tile being prefetched, its length in bytes, and the bytes done.
-    base: *const u8,
-    bytes: usize,
+    /// The bytes of the tile being prefetched, and how many are done.
+    tile: &'a [u8],
     done: usize,
 }
 
-impl Prefetch {
+impl<'a> Prefetch<'a> {
     /// Prefetches of tokens `t0..t0 + n` (K or V, `hd` elements of `T` per token).
     fn new<T>(kv: usize, t0: usize, n: usize, hd: usize) -> Self {
         Self {
@@ -270,8 +270,7 @@ impl Prefetch {
             next: t0,
             end: t0 + n,
             total: n * hd * core::mem::size_of::<T>(),
-            base: core::ptr::null(),
-            bytes: 0,
+            tile: &[],
             done: 0,
         }
     }
@@ -284,30 +283,25 @@ impl Prefetch {
     /// Prefetches the next `lines` lines, moving on to the next run's tile of `src`
     /// when one is done.
     #[inline(always)]
-    fn advance<T: Element, S: KvSource<T>>(&mut self, src: &S, lines: usize) {
+    fn advance<T: Element, S: KvSource<T>>(&mut self, src: &'a S, lines: usize) {
         let mut left = lines * 64;
         while left > 0 {
-            if self.done >= self.bytes {
+            if self.done >= self.tile.len() {
                 if self.next >= self.end {
                     return;
                 }
                 let len = src.run(self.next).min(self.end - self.next);
-                let tile = src.tile(self.kv, self.next, len);
                 if T::DTYPE.is_scaled() {
                     // The run's scales: a line or two, read before the softmax.
                     prefetch_lines(src.scale_bytes(self.kv, self.next, len));
                 }
+                self.tile = bytes_of(src.tile(self.kv, self.next, len));
                 self.next += len;
-                self.base = tile.as_ptr().cast();
-                self.bytes = core::mem::size_of_val(tile);
                 self.done = 0;
             }
-            let end = self.bytes.min(self.done + left);
+            let end = self.tile.len().min(self.done + left);
             left -= end - self.done;
-            // SAFETY: `done..end` lies inside the tile (`end <= bytes`).
-            prefetch_lines(unsafe {
-                core::slice::from_raw_parts(self.base.add(self.done), end - self.done)
-            });
+            prefetch_lines(&self.tile[self.done..end]);
             self.done = end;
         }
     }
