@@ -178,8 +178,8 @@ fn a_namespace_count_over_the_core_limit_is_refused_at_creation() {
     }
 }
 
-#[test]
-fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
+/// The C API's default cache parameters with an arena of 8 blocks of 4 tokens.
+fn c_params() -> kvpage_cache_params {
     let mut p = kvpage_cache_default_params(kvpage_geometry {
         layers: 1,
         kv_heads: 1,
@@ -189,6 +189,12 @@ fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
     });
     p.capacity_bytes = 0;
     p.capacity_blocks = 8;
+    p
+}
+
+#[test]
+fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
+    let p = c_params();
     let mut c = null_mut();
     let mut s = KVPAGE_SEQ_NONE;
     let mut n = 0u32;
@@ -256,16 +262,8 @@ fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
 
 #[test]
 fn the_c_cache_params_size_the_quota_table() {
-    let mut p = kvpage_cache_default_params(kvpage_geometry {
-        layers: 1,
-        kv_heads: 1,
-        head_dim: 8,
-        block_size: 4,
-        dtype: 0,
-    });
+    let mut p = c_params();
     assert_eq!(p.max_namespaces, KVPAGE_CACHE_NAMESPACES);
-    p.capacity_bytes = 0;
-    p.capacity_blocks = 8;
     // SAFETY: valid pointers throughout; every cache created is freed.
     unsafe {
         for slots in [0, KVPAGE_CACHE_NAMESPACES, 9, 12] {
