@@ -137,6 +137,12 @@ static void cache_configs(void) {
   p.capacity_bytes = UINT64_MAX; /* does not fit in memory */
   EXPECT_TRUE(kvpage_cache_new(&p, &c, &err) != KVPAGE_OK);
   memset(&err, 0, sizeof err);
+  p = cache_params(16);
+  EXPECT_TRUE(p.max_namespaces == KVPAGE_CACHE_NAMESPACES);
+  p.max_namespaces = 257; /* over the core's namespace table limit */
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
+  p.max_namespaces = UINT32_MAX;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_cache_new(&p, &c, &err));
   EXPECT_TRUE(c == NULL); /* no out-parameter written on failure */
   EXPECT(KVPAGE_OK, kvpage_cache_free(NULL, &err));
   section("cache configurations", before);
@@ -1107,6 +1113,30 @@ static void cache_retention_calls(void) {
   EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_engine_set_namespace_quota(e, 1, 4, 9, &err));
   EXPECT(KVPAGE_OK, kvpage_engine_set_namespace_quota(e, 1, 4, 1, &err));
   EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+
+  /* The quota slots are the params' max_namespaces: none refuses every quota, more
+   * than the default 8 takes a 9th, too many is refused at creation. */
+  p.max_namespaces = 0;
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_cache_set_namespace_quota(c, 1, 4, 0, &err));
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  p.max_namespaces = KVPAGE_CACHE_NAMESPACES + 1;
+  EXPECT(KVPAGE_OK, kvpage_cache_new(&p, &c, &err));
+  for (uint64_t ns = 1; ns <= KVPAGE_CACHE_NAMESPACES + 1; ns++) {
+    EXPECT(KVPAGE_OK, kvpage_cache_set_namespace_quota(c, ns, 2, 0, &err));
+  }
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_cache_set_namespace_quota(c, 99, 2, 0, &err));
+  EXPECT_TRUE(kvpage_cache_create_with_prompt_at(c, KVPAGE_CACHE_NAMESPACES + 1, 1, prompt, 9, &r, NULL, &err) == KVPAGE_ERR_QUOTA_EXCEEDED && err.needed == 3 && err.available == 2);
+  memset(&err, 0, sizeof err);
+  EXPECT(KVPAGE_OK, kvpage_cache_free(c, &err));
+  ep.cache.max_namespaces = 0;
+  EXPECT(KVPAGE_OK, kvpage_engine_new(&ep, &e, &err));
+  EXPECT(KVPAGE_ERR_QUOTA_REFUSED, kvpage_engine_set_namespace_quota(e, 1, 4, 0, &err));
+  EXPECT(KVPAGE_OK, kvpage_engine_free(e, &err));
+  ep.cache.max_namespaces = UINT32_MAX;
+  e = NULL;
+  EXPECT(KVPAGE_ERR_BAD_CONFIG, kvpage_engine_new(&ep, &e, &err));
+  EXPECT_TRUE(e == NULL);
   section("cache retention calls", before);
 }
 

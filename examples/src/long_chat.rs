@@ -192,6 +192,7 @@ fn cache_config(script: &Script, seqs: u32) -> Result<CacheConfig> {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
 }
 

@@ -368,6 +368,7 @@ mod tests {
             threads: 1,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         })
         .unwrap()
     }

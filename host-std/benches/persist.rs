@@ -58,6 +58,7 @@ fn new_cache(blocks: u32) -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .expect("cache")
 }

@@ -218,6 +218,7 @@ impl CacheShift {
             threads: 0,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         })
         .expect("cache");
         let mut k = vec![0.0; (len * KV_HEADS * HEAD_DIM) as usize];

@@ -67,7 +67,9 @@ typedef struct kvpage_publisher kvpage_publisher;
 // `kvpage_kv_event.block` / `.parent` when there is none.
 #define KVPAGE_EVENT_NO_BLOCK UINT32_MAX
 
-// Namespaces an owned cache (or an engine's cache) can give a quota.
+// The default `max_namespaces` of `kvpage_cache_params` (`kvpage_cache_default_params`):
+// namespaces an owned cache (or an engine's cache) can give a quota, and the fixed
+// number every cache had before the field existed.
 #define KVPAGE_CACHE_NAMESPACES 8
 
 // Storage dtype: 32-bit IEEE float.
@@ -352,6 +354,14 @@ typedef struct kvpage_cache_params {
   uint32_t device_q_heads;
   // CUDA: query tokens one attention call may carry; 0 (the default) = 2048.
   uint32_t device_max_step_tokens;
+  // Namespaces that can have a quota (`kvpage_cache_set_namespace_quota`,
+  // `kvpage_engine_set_namespace_quota`); `KVPAGE_CACHE_NAMESPACES` (8, the default);
+  // 0 = none (every quota is refused with `KVPAGE_ERR_QUOTA_REFUSED`); at most 256
+  // (more is `KVPAGE_ERR_BAD_CONFIG` from `kvpage_cache_new`). Namespaces without a
+  // quota need no slot. Eviction compares one list per slot, O(max_namespaces + 1)
+  // per evicted block; a slot costs a few bytes, and a non-zero value 12 bytes per
+  // block.
+  uint32_t max_namespaces;
 } kvpage_cache_params;
 
 // Details of a failure, written by a function that fails when the caller passes a
@@ -793,7 +803,8 @@ extern "C" {
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
 // (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
 // KV events and a random hash key (`event_capacity` and `hash_key` 0), the CPU backend
-// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0). The geometry is copied as
+// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0), quota slots for
+// `KVPAGE_CACHE_NAMESPACES` (8) namespaces (`max_namespaces`). The geometry is copied as
 // given and checked by `kvpage_cache_new`. O(1); cannot fail; thread-safe.
 struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry geometry);
 
@@ -807,8 +818,9 @@ struct kvpage_cache_params kvpage_cache_default_params(struct kvpage_geometry ge
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT`
 // (unknown dtype, both or neither capacity set); `KVPAGE_ERR_BAD_CONFIG` (zero
 // dimension or limit, capacity under one block or over 2^32-1 blocks, head dim over
-// the kernels' maximum, lengths that overflow); `KVPAGE_ERR_OUT_OF_MEMORY` (`needed`
-// bytes of tables when known); for `backend`: `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
+// the kernels' maximum, lengths that overflow, `max_namespaces` over 256);
+// `KVPAGE_ERR_OUT_OF_MEMORY` (`needed` bytes of tables when known); for `backend`:
+// `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
 // backend, `value` = it; CUDA with `device_q_heads` 0 or a fraction outside
 // `(0, 1]`), `KVPAGE_ERR_UNSUPPORTED` (CUDA in a build without the `cuda` feature),
 // `KVPAGE_ERR_DEVICE` (no NVIDIA driver, no such device, a driver error).
@@ -1425,15 +1437,17 @@ kvpage_result kvpage_cache_unpin_cached(kvpage_cache *cache,
 // Sets the quota of namespace `ns` on an owned cache: at most `max_blocks` blocks held
 // or cached by its sequences (at the limit it evicts its own cached blocks first, else
 // fails with `KVPAGE_ERR_QUOTA_EXCEEDED`), and `reserved_blocks` kept for it from other
-// namespaces. Takes one of the `KVPAGE_CACHE_NAMESPACES` slots for good
-// (`max_blocks` = `UINT32_MAX` and no reservation lifts a quota). Lowering a limit
-// evicts the namespace's own cached blocks down to it. O(namespaces + evicted).
+// namespaces. Takes one of the cache's `max_namespaces` slots (`kvpage_cache_params`)
+// for good (`max_blocks` = `UINT32_MAX` and no reservation lifts a quota). Lowering a
+// limit evicts the namespace's own cached blocks down to it. O(max_namespaces +
+// evicted).
 //
 // # Errors
 // `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
 // (not a cache), `KVPAGE_ERR_QUOTA_REFUSED` (reservation above the limit, every slot
-// taken, used blocks above the new limit: `needed` = held, `available` = limit; free
-// blocks short of the reservations: `needed`, `available` = free).
+// taken or `max_namespaces` 0, used blocks above the new limit: `needed` = held,
+// `available` = limit; free blocks short of the reservations: `needed`, `available` =
+// free).
 //
 // # Safety
 // `cache` is null or a live cache.

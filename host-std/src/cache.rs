@@ -95,6 +95,18 @@ pub struct CacheConfig {
     /// hashes (in KV events and persisted caches) are the same on every run and
     /// machine; keep it secret in a multi-tenant service.
     pub hash_key: Option<u64>,
+    /// Namespaces that can have a quota ([`KvCache::set_namespace_quota`]): the size of
+    /// the core's namespace table ([`kvpage_core::Config::max_namespaces`]).
+    /// [`CACHE_NAMESPACES`] (8) is the usual choice and what caches had before this was
+    /// configurable; 0 means no quota slots (every quota is refused with
+    /// [`kvpage_core::QuotaError::TableFull`], and blocks carry no owner or LRU stamp);
+    /// at most [`kvpage_core::MAX_NAMESPACES`] (a larger value is
+    /// [`CacheError::Init`]`(`[`InitError::TooLarge`]`)` from [`KvCache::new`], before
+    /// the tables or a host arena are allocated). Namespaces without a quota share the rest of the pool
+    /// and need no slot. Eviction compares one list head per slot, so it costs
+    /// O(max_namespaces + 1) per evicted block; the table costs a few words per slot and,
+    /// when not 0, 12 bytes per block.
+    pub max_namespaces: u32,
 }
 
 /// Handle of a sequence of one [`KvCache`]. `Copy`; stale once released, refused by
@@ -337,7 +349,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`CacheError::BadConfig`] (zero `max_seq_len`, a capacity of zero blocks or more
-    /// than `u32::MAX`), [`CacheError::Init`] from the core, [`CacheError::Kernel`] if
+    /// than `u32::MAX`), [`CacheError::Init`] from the core (e.g. [`InitError::TooLarge`]
+    /// for `max_namespaces` over [`kvpage_core::MAX_NAMESPACES`]), [`CacheError::Kernel`] if
     /// the layout is unsupported (head dim over [`crate::kernels::MAX_HEAD_DIM`]),
     /// [`CacheError::TablesAlloc`] if memory for the core's tables or the small buffers
     /// is refused, [`CacheError::Alloc`] if memory for the arena is refused.
@@ -400,7 +413,7 @@ impl KvCache {
         let layout = KvLayout::new(g, num_blocks)?;
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed).max(1);
         let core_config = Config {
-            max_namespaces: CACHE_NAMESPACES,
+            max_namespaces: config.max_namespaces,
             event_capacity: config.event_capacity,
             ..Config::for_geometry(&g, num_blocks, config.max_seqs, config.max_seq_len)
         }

@@ -30,6 +30,7 @@
 //!     threads: 0,
 //!     event_capacity: 0,
 //!     hash_key: None,
+//!     max_namespaces: kvpage::CACHE_NAMESPACES,
 //! };
 //! let mut cache = KvCache::new(config)?;
 //!
@@ -87,9 +88,9 @@ pub use half::{bf16, f16};
 pub use kernels::{Executor, RopeError, RopePairing, RopeParams, WorkerPool};
 pub use kvpage_core::{
     BlockCopy, ContextShift, DType, Edited, EngineError, EngineStats, EventError, FinishReason,
-    Finished, FinishedRequests, Geometry, GeometryError, KvEvent, NamespaceQuota, PositionRun,
-    Preemption, Priority, QuotaError, RemovedBlock, RequestId, RequestState, RowMove, Sampled,
-    ScheduledSeq, SchedulerConfig, SeqError, Stats, Step,
+    Finished, FinishedRequests, Geometry, GeometryError, InitError, KvEvent, NamespaceQuota,
+    PositionRun, Preemption, Priority, QuotaError, RemovedBlock, RequestId, RequestState, RowMove,
+    Sampled, ScheduledSeq, SchedulerConfig, SeqError, Stats, Step, MAX_NAMESPACES,
 };
 pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,

@@ -17,6 +17,7 @@ fn cache_config() -> CacheConfig {
         threads: 1,
         event_capacity: 0,
         hash_key: Some(1),
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     }
 }
 

@@ -32,6 +32,7 @@ fn cache_on(dtype: DType, block_size: u32, blocks: u32, threads: usize) -> KvCac
         threads,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }
@@ -205,6 +206,7 @@ fn arena_sized_in_bytes() {
         threads: 0,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     assert_eq!(c.stats().total_blocks, 10);
@@ -220,6 +222,7 @@ fn arena_sized_in_bytes() {
         threads: 0,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     };
     assert_eq!(KvCache::new(tiny).unwrap_err(), CacheError::BadConfig);
 }

@@ -26,6 +26,7 @@ fn config(blocks: u32, event_capacity: u32, hash_key: Option<u64>) -> CacheConfi
         threads: 1,
         event_capacity,
         hash_key,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     }
 }
 

@@ -6,12 +6,12 @@ use core::ptr::null_mut;
 use kvpage::ffi::kvpage_result::*;
 use kvpage::ffi::*;
 use kvpage::{
-    CacheConfig, CacheError, Capacity, DType, Geometry, KvCache, NamespaceQuota, Priority,
-    QuotaError, SeqError, CACHE_NAMESPACES,
+    CacheConfig, CacheError, Capacity, DType, Geometry, InitError, KvCache, NamespaceQuota,
+    Priority, QuotaError, SeqError, CACHE_NAMESPACES, MAX_NAMESPACES,
 };
 
-fn cache(blocks: u32) -> KvCache {
-    KvCache::new(CacheConfig {
+fn config(blocks: u32, max_namespaces: u32) -> CacheConfig {
+    CacheConfig {
         geometry: Geometry::new(1, 1, 8, 4, DType::F32).unwrap(),
         capacity: Capacity::Blocks(blocks),
         max_seqs: 4,
@@ -19,9 +19,18 @@ fn cache(blocks: u32) -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
-    })
-    .unwrap()
+        max_namespaces,
+    }
 }
+
+fn cache(blocks: u32) -> KvCache {
+    KvCache::new(config(blocks, CACHE_NAMESPACES)).unwrap()
+}
+
+const QUOTA_2: NamespaceQuota = NamespaceQuota {
+    max_blocks: 2,
+    reserved_blocks: 0,
+};
 
 fn prompt(base: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| base * 100 + i).collect()
@@ -120,7 +129,57 @@ fn a_quota_bounds_one_namespace_and_the_table_is_bounded() {
 }
 
 #[test]
-fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
+fn a_cache_has_as_many_quota_slots_as_configured() {
+    for slots in [0, 1, 9, 12, MAX_NAMESPACES] {
+        let mut c = KvCache::new(config(12, slots)).unwrap();
+        // Namespaces 1..=slots each take a slot; the last one's quota is enforced.
+        for ns in 1..=u64::from(slots) {
+            c.set_namespace_quota(ns, QUOTA_2).unwrap();
+            assert_eq!(c.namespace_quota(ns), QUOTA_2);
+        }
+        assert_eq!(
+            c.set_namespace_quota(u64::from(slots) + 1, QUOTA_2),
+            Err(QuotaError::TableFull),
+            "{slots} slots"
+        );
+        assert_eq!(
+            c.namespace_quota(u64::from(slots) + 1),
+            NamespaceQuota::UNLIMITED
+        );
+        if slots > 0 {
+            let last = u64::from(slots);
+            assert!(matches!(
+                c.create_with_prompt(last, &prompt(1, 9)),
+                Err(CacheError::Seq(SeqError::QuotaExceeded { needed: 3, .. }))
+            ));
+            let s = c.create_with_prompt(last, &prompt(1, 8)).unwrap().seq;
+            assert_eq!(c.namespace_blocks(last), 2);
+            c.release(s).unwrap();
+        }
+        // A namespace without a quota is unbounded whatever the slot count.
+        let s = c.create_with_prompt(1000, &prompt(2, 33)).unwrap().seq;
+        c.release(s).unwrap();
+    }
+}
+
+#[test]
+fn a_namespace_count_over_the_core_limit_is_refused_at_creation() {
+    for slots in [MAX_NAMESPACES + 1, 1 << 20, u32::MAX] {
+        assert_eq!(
+            KvCache::new(config(12, slots)).err(),
+            Some(CacheError::Init(InitError::TooLarge)),
+            "{slots} slots"
+        );
+        assert_eq!(
+            kvpage::Engine::new(engine_config(slots)).err(),
+            Some(CacheError::Init(InitError::TooLarge)),
+            "{slots} slots"
+        );
+    }
+}
+
+/// The C API's default cache parameters with an arena of 8 blocks of 4 tokens.
+fn c_params() -> kvpage_cache_params {
     let mut p = kvpage_cache_default_params(kvpage_geometry {
         layers: 1,
         kv_heads: 1,
@@ -130,6 +189,12 @@ fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
     });
     p.capacity_bytes = 0;
     p.capacity_blocks = 8;
+    p
+}
+
+#[test]
+fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
+    let p = c_params();
     let mut c = null_mut();
     let mut s = KVPAGE_SEQ_NONE;
     let mut n = 0u32;
@@ -196,17 +261,85 @@ fn the_c_api_sets_priorities_and_quotas_on_an_owned_cache() {
 }
 
 #[test]
-fn the_engine_keeps_a_namespace_within_its_quota() {
-    let mut e = kvpage::Engine::new(kvpage::EngineConfig {
-        cache: CacheConfig {
-            geometry: Geometry::new(1, 1, 8, 4, DType::F32).unwrap(),
-            capacity: Capacity::Blocks(16),
-            max_seqs: 4,
-            max_seq_len: 64,
-            threads: 1,
-            event_capacity: 0,
-            hash_key: None,
+fn the_c_cache_params_size_the_quota_table() {
+    let mut p = c_params();
+    assert_eq!(p.max_namespaces, KVPAGE_CACHE_NAMESPACES);
+    // SAFETY: valid pointers throughout; every cache created is freed.
+    unsafe {
+        for slots in [0, KVPAGE_CACHE_NAMESPACES, 9, 12] {
+            p.max_namespaces = slots;
+            let mut c = null_mut();
+            assert_eq!(kvpage_cache_new(&p, &mut c, null_mut()), KVPAGE_OK);
+            for ns in 1..=u64::from(slots) {
+                assert_eq!(
+                    kvpage_cache_set_namespace_quota(c, ns, 2, 0, null_mut()),
+                    KVPAGE_OK
+                );
+            }
+            assert_eq!(
+                kvpage_cache_set_namespace_quota(c, u64::from(slots) + 1, 2, 0, null_mut()),
+                KVPAGE_ERR_QUOTA_REFUSED,
+                "{slots} slots"
+            );
+            assert_eq!(kvpage_cache_free(c, null_mut()), KVPAGE_OK);
+        }
+        for slots in [257, u32::MAX] {
+            p.max_namespaces = slots;
+            let mut c = null_mut();
+            assert_eq!(
+                kvpage_cache_new(&p, &mut c, null_mut()),
+                KVPAGE_ERR_BAD_CONFIG,
+                "{slots} slots"
+            );
+            assert!(c.is_null());
+        }
+    }
+}
+
+#[test]
+fn an_engine_cache_with_more_than_the_default_slots_keeps_the_last_within_its_quota() {
+    let mut e = engine(10);
+    for ns in 1..10 {
+        e.set_namespace_quota(ns, NamespaceQuota::UNLIMITED)
+            .unwrap();
+    }
+    e.set_namespace_quota(
+        10,
+        NamespaceQuota {
+            max_blocks: 4,
+            reserved_blocks: 0,
         },
+    )
+    .unwrap();
+    assert_eq!(
+        e.set_namespace_quota(11, NamespaceQuota::UNLIMITED),
+        Err(QuotaError::TableFull)
+    );
+    let big = e.add_request(&prompt(1, 30), 10, Some(2)).unwrap();
+    let small = e.add_request(&prompt(2, 10), 0, Some(2)).unwrap();
+    let step = e.step().unwrap();
+    assert!(step.seqs().all(|q| q.request != big));
+    assert!(step.seqs().any(|q| q.request == small));
+}
+
+#[test]
+fn an_engine_cache_without_slots_refuses_quotas_and_still_schedules() {
+    let mut e = engine(0);
+    assert_eq!(
+        e.set_namespace_quota(1, NamespaceQuota::UNLIMITED),
+        Err(QuotaError::TableFull)
+    );
+    let r = e.add_request(&prompt(1, 30), 1, Some(2)).unwrap();
+    assert!(e.step().unwrap().seqs().any(|q| q.request == r));
+}
+
+fn engine(max_namespaces: u32) -> kvpage::Engine {
+    kvpage::Engine::new(engine_config(max_namespaces)).unwrap()
+}
+
+fn engine_config(max_namespaces: u32) -> kvpage::EngineConfig {
+    kvpage::EngineConfig {
+        cache: config(16, max_namespaces),
         max_requests: 4,
         scheduler: kvpage::SchedulerConfig {
             token_budget: 64,
@@ -215,8 +348,12 @@ fn the_engine_keeps_a_namespace_within_its_quota() {
             preemption: kvpage::Preemption::Recompute,
         },
         host_capacity: Capacity::Blocks(0),
-    })
-    .unwrap();
+    }
+}
+
+#[test]
+fn the_engine_keeps_a_namespace_within_its_quota() {
+    let mut e = engine(CACHE_NAMESPACES);
     e.set_namespace_quota(
         1,
         NamespaceQuota {

@@ -53,6 +53,7 @@ fn run<T: Element>(dtype: DType, kernel_threads: usize) {
         threads: kernel_threads,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     let mut r = rng(dtype as u64);

@@ -29,6 +29,7 @@ fn config(g: Geometry, blocks: u32, max_seq_len: u32) -> CacheConfig {
         threads: 1,
         event_capacity: 0,
         hash_key: Some(7),
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     }
 }
 

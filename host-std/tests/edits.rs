@@ -104,6 +104,7 @@ fn random_edits<T: Element + Into<f32>>(dtype: DType, block_size: u32, seed: u64
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     let mut h = Harness {
@@ -248,6 +249,7 @@ fn shift_then_own_then_positions() {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     let a = cache.create(0).unwrap();

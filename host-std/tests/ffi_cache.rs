@@ -116,6 +116,7 @@ impl Twin {
             threads: THREADS as usize,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         })
         .unwrap();
         Self {

@@ -186,6 +186,7 @@ fn rust_engine() -> Engine {
             threads: 1,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         },
         max_requests: 8,
         scheduler: SchedulerConfig {

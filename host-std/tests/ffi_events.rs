@@ -38,6 +38,7 @@ fn rust_cache(event_capacity: u32) -> KvCache {
         threads: 1,
         event_capacity,
         hash_key: Some(KEY),
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }

@@ -26,6 +26,7 @@ fn cache(event_capacity: u32) -> KvCache {
         threads: 1,
         event_capacity,
         hash_key: Some(KEY),
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }

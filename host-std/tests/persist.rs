@@ -29,6 +29,7 @@ fn config(geometry: Geometry, blocks: u32) -> CacheConfig {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     }
 }
 

@@ -26,6 +26,7 @@ fn cache(dtype: DType, blocks: u32) -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }
@@ -323,6 +324,7 @@ fn a_wrong_header_or_origin_is_refused_and_changes_nothing() {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     assert!(matches!(

@@ -69,6 +69,7 @@ fn cache(dtype: DType, head_dim: u32, threads: usize) -> KvCache {
         threads,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }

@@ -281,6 +281,7 @@ fn serve_with_engine<T: Element>(preemption: Preemption) {
             threads: 2,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         },
         max_requests: 8,
         scheduler: SchedulerConfig {
@@ -396,6 +397,7 @@ fn decode_together<T: Element>() {
         threads: 2,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap();
     let check = |tokens: &[u32], got: &[f32], what: &str| {
@@ -494,6 +496,7 @@ fn one_seq_cache<T: Element>() -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .unwrap()
 }

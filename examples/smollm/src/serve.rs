@@ -174,6 +174,7 @@ pub fn serve(
             threads: config.threads,
             event_capacity: 0,
             hash_key: None,
+            max_namespaces: kvpage::CACHE_NAMESPACES,
         },
         max_requests: config.max_seqs,
         scheduler: SchedulerConfig {

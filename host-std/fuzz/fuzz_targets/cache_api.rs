@@ -249,6 +249,7 @@ fuzz_target!(|data: &[u8]| {
         threads: 1 + usize::from(setup.two_threads),
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     };
     let mut cache = match KvCache::new(config) {
         Ok(c) => c,
@@ -534,6 +535,7 @@ fuzz_target!(|data: &[u8]| {
                         threads: 1,
                         event_capacity: 0,
                         hash_key: None,
+                        max_namespaces: kvpage::CACHE_NAMESPACES,
                     })
                     .expect("a small cache");
                     let s = c.create(0).expect("a sequence");

@@ -31,6 +31,7 @@ fn cache() -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .expect("cache");
     // One prompt cached already, so loads also meet blocks that are there.

@@ -37,6 +37,7 @@ fn cache(mode: u8) -> KvCache {
         threads: 1,
         event_capacity: 0,
         hash_key: None,
+        max_namespaces: kvpage::CACHE_NAMESPACES,
     })
     .expect("cache");
     // One sequence already there, its K/V written.

@@ -1,18 +1,17 @@
 //! Retention priorities and namespace quotas on the owned cache: the core's verbs
 //! ([`BlockManager::set_priority`] and the rest) on the cache's manager. A `KvCache`
-//! keeps quota slots for [`CACHE_NAMESPACES`] namespaces; a program that needs more
-//! tenants under quotas uses the manager in its own memory ([`BlockManager`], the C
-//! API's tier 2) with a larger [`kvpage_core::Config::max_namespaces`].
+//! keeps quota slots for [`crate::CacheConfig::max_namespaces`] namespaces
+//! ([`CACHE_NAMESPACES`] unless configured, at most [`kvpage_core::MAX_NAMESPACES`]).
 //!
-//! [`BlockManager`]: kvpage_core::BlockManager
 //! [`BlockManager::set_priority`]: kvpage_core::BlockManager::set_priority
 
 use kvpage_core::{NamespaceQuota, Priority, QuotaError};
 
 use super::{CacheError, KvCache, PromptSeq, Seq};
 
-/// Namespaces a [`KvCache`] can give a quota ([`KvCache::set_namespace_quota`]).
-/// Namespaces without one share the rest of the pool.
+/// The usual [`crate::CacheConfig::max_namespaces`]: namespaces a [`KvCache`] can give
+/// a quota ([`KvCache::set_namespace_quota`]), and the fixed number every cache had
+/// before the field existed. Namespaces without a quota share the rest of the pool.
 pub const CACHE_NAMESPACES: u32 = 8;
 
 impl KvCache {
@@ -88,11 +87,12 @@ impl KvCache {
     /// by its sequences (at its limit it evicts its own cached blocks first), and
     /// `quota.reserved_blocks` kept for it that other namespaces never take. Lowering a
     /// limit evicts the namespace's own cached blocks down to it. Takes one of the
-    /// [`CACHE_NAMESPACES`] slots for good. O(namespaces + evicted).
+    /// [`crate::CacheConfig::max_namespaces`] slots for good. O(max_namespaces +
+    /// evicted).
     ///
     /// # Errors
     /// [`QuotaError::ReserveAboveLimit`], [`QuotaError::TableFull`] (all
-    /// [`CACHE_NAMESPACES`] slots taken), [`QuotaError::HeldAboveLimit`],
+    /// `max_namespaces` slots taken, or none configured), [`QuotaError::HeldAboveLimit`],
     /// [`QuotaError::ReserveUnavailable`]. Nothing changes on error.
     pub fn set_namespace_quota(
         &mut self,

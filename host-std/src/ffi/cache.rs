@@ -18,6 +18,7 @@ use crate::storage::{Backend, CudaOptions};
 use crate::tables::try_with_capacity;
 
 use super::args::{free_boxed, obj, out, out_opt, slice, slice_mut, tagged, tagged_mut, Tagged};
+use super::cache_retain::KVPAGE_CACHE_NAMESPACES;
 use super::geometry::{dtype_from_c, kvpage_geometry};
 use super::ids::{kvpage_seq, seq_from_c, seq_to_c};
 use super::result::{kvpage_error, kvpage_result, run, Fail};
@@ -67,6 +68,14 @@ pub struct kvpage_cache_params {
     pub device_q_heads: u32,
     /// CUDA: query tokens one attention call may carry; 0 (the default) = 2048.
     pub device_max_step_tokens: u32,
+    /// Namespaces that can have a quota (`kvpage_cache_set_namespace_quota`,
+    /// `kvpage_engine_set_namespace_quota`); `KVPAGE_CACHE_NAMESPACES` (8, the default);
+    /// 0 = none (every quota is refused with `KVPAGE_ERR_QUOTA_REFUSED`); at most 256
+    /// (more is `KVPAGE_ERR_BAD_CONFIG` from `kvpage_cache_new`). Namespaces without a
+    /// quota need no slot. Eviction compares one list per slot, O(max_namespaces + 1)
+    /// per evicted block; a slot costs a few bytes, and a non-zero value 12 bytes per
+    /// block.
+    pub max_namespaces: u32,
 }
 
 /// `backend` of `kvpage_cache_params`: the CPU kernels over a host arena.
@@ -142,6 +151,7 @@ impl kvpage_cache_params {
             threads: self.threads as usize,
             event_capacity: self.event_capacity,
             hash_key: (self.hash_key != 0).then_some(self.hash_key),
+            max_namespaces: self.max_namespaces,
         })
     }
 }
@@ -238,7 +248,8 @@ fn head_mut<'a, T>(
 /// (`KVPAGE_CACHE_DEFAULT_MAX_SEQS`) of up to 4096 tokens
 /// (`KVPAGE_CACHE_DEFAULT_MAX_SEQ_LEN`), one kernel thread per core (`threads` 0), no
 /// KV events and a random hash key (`event_capacity` and `hash_key` 0), the CPU backend
-/// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0). The geometry is copied as
+/// (`backend` `KVPAGE_BACKEND_CPU`, the `device_*` fields 0), quota slots for
+/// `KVPAGE_CACHE_NAMESPACES` (8) namespaces (`max_namespaces`). The geometry is copied as
 /// given and checked by `kvpage_cache_new`. O(1); cannot fail; thread-safe.
 #[no_mangle]
 pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpage_cache_params {
@@ -256,6 +267,7 @@ pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpa
         device_memory_fraction: 0.0,
         device_q_heads: 0,
         device_max_step_tokens: 0,
+        max_namespaces: KVPAGE_CACHE_NAMESPACES,
     }
 }
 
@@ -269,8 +281,9 @@ pub extern "C" fn kvpage_cache_default_params(geometry: kvpage_geometry) -> kvpa
 /// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`; `KVPAGE_ERR_INVALID_ARGUMENT`
 /// (unknown dtype, both or neither capacity set); `KVPAGE_ERR_BAD_CONFIG` (zero
 /// dimension or limit, capacity under one block or over 2^32-1 blocks, head dim over
-/// the kernels' maximum, lengths that overflow); `KVPAGE_ERR_OUT_OF_MEMORY` (`needed`
-/// bytes of tables when known); for `backend`: `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
+/// the kernels' maximum, lengths that overflow, `max_namespaces` over 256);
+/// `KVPAGE_ERR_OUT_OF_MEMORY` (`needed` bytes of tables when known); for `backend`:
+/// `KVPAGE_ERR_INVALID_ARGUMENT` (unknown
 /// backend, `value` = it; CUDA with `device_q_heads` 0 or a fraction outside
 /// `(0, 1]`), `KVPAGE_ERR_UNSUPPORTED` (CUDA in a build without the `cuda` feature),
 /// `KVPAGE_ERR_DEVICE` (no NVIDIA driver, no such device, a driver error).

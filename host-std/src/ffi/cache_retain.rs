@@ -1,6 +1,7 @@
 //! Tier 1: retention priorities and namespace quotas on the owned cache and the engine
 //! (`KvCache::set_priority` and the rest): priorities are the `KVPAGE_PRIORITY_*`
-//! levels; an owned cache has quota slots for `KVPAGE_CACHE_NAMESPACES` namespaces.
+//! levels; an owned cache has quota slots for the `max_namespaces` of its
+//! `kvpage_cache_params` (by default `KVPAGE_CACHE_NAMESPACES`).
 
 use kvpage_core::NamespaceQuota;
 
@@ -11,7 +12,9 @@ use super::ids::{kvpage_seq, seq_to_c};
 use super::manager_retain::priority_from_c;
 use super::result::{kvpage_error, kvpage_result, run};
 
-/// Namespaces an owned cache (or an engine's cache) can give a quota.
+/// The default `max_namespaces` of `kvpage_cache_params` (`kvpage_cache_default_params`):
+/// namespaces an owned cache (or an engine's cache) can give a quota, and the fixed
+/// number every cache had before the field existed.
 pub const KVPAGE_CACHE_NAMESPACES: u32 = 8;
 const _: () = assert!(KVPAGE_CACHE_NAMESPACES == crate::CACHE_NAMESPACES);
 
@@ -149,15 +152,17 @@ pub unsafe extern "C" fn kvpage_cache_unpin_cached(
 /// Sets the quota of namespace `ns` on an owned cache: at most `max_blocks` blocks held
 /// or cached by its sequences (at the limit it evicts its own cached blocks first, else
 /// fails with `KVPAGE_ERR_QUOTA_EXCEEDED`), and `reserved_blocks` kept for it from other
-/// namespaces. Takes one of the `KVPAGE_CACHE_NAMESPACES` slots for good
-/// (`max_blocks` = `UINT32_MAX` and no reservation lifts a quota). Lowering a limit
-/// evicts the namespace's own cached blocks down to it. O(namespaces + evicted).
+/// namespaces. Takes one of the cache's `max_namespaces` slots (`kvpage_cache_params`)
+/// for good (`max_blocks` = `UINT32_MAX` and no reservation lifts a quota). Lowering a
+/// limit evicts the namespace's own cached blocks down to it. O(max_namespaces +
+/// evicted).
 ///
 /// # Errors
 /// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
 /// (not a cache), `KVPAGE_ERR_QUOTA_REFUSED` (reservation above the limit, every slot
-/// taken, used blocks above the new limit: `needed` = held, `available` = limit; free
-/// blocks short of the reservations: `needed`, `available` = free).
+/// taken or `max_namespaces` 0, used blocks above the new limit: `needed` = held,
+/// `available` = limit; free blocks short of the reservations: `needed`, `available` =
+/// free).
 ///
 /// # Safety
 /// `cache` is null or a live cache.

@@ -30,6 +30,7 @@
 //!     threads: 1,
 //!     event_capacity: 0,
 //!     hash_key: None,
+//!     max_namespaces: kvpage::CACHE_NAMESPACES,
 //! };
 //! let model = ModelFingerprint::from_u64(0x5eed);
 //! let mut cache = KvCache::new(config)?;
