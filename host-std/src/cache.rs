@@ -398,6 +398,10 @@ impl KvCache {
         if num_blocks == 0 || config.max_seq_len == 0 {
             return Err(CacheError::BadConfig);
         }
+        if config.max_namespaces > kvpage_core::MAX_NAMESPACES {
+            // The core's own check (below), made before a device arena is reserved.
+            return Err(CacheError::Init(InitError::TooLarge));
+        }
         let host_blocks = engine.map_or(0, |e| e.host_blocks);
         // A device arena is reserved first: its block count sizes the manager.
         let device = match backend {
