@@ -61,9 +61,11 @@ pub(crate) struct Vnni;
 #[derive(Clone, Copy)]
 pub(crate) struct Bf16Dot;
 
-/// Implements [`DotKernels`] for `$marker` by the functions of module `$module`.
+/// Implements [`DotKernels`] for `$marker`: the query encoding of module `$module`, the
+/// loops of [`pairs`] over its arithmetic `$pairs`. Everything is inlined into the
+/// caller, whose target features (those `detect` checks) the instructions need.
 macro_rules! dot_kernels {
-    ($marker:ty, $module:ident, $($feature:tt),+) => {
+    ($marker:ty, $module:ident, $pairs:ty, $($feature:tt),+) => {
         impl DotKernels for $marker {
             fn detect() -> bool {
                 super::path_ceiling() >= 3
@@ -89,12 +91,12 @@ macro_rules! dot_kernels {
                 stride: usize,
             ) {
                 // SAFETY: the caller's.
-                unsafe { $module::scores4(q, k, hd, n, s, stride) }
+                unsafe { pairs::scores4::<$pairs, T>(q, k, hd, n, s, stride) }
             }
             #[inline(always)]
             unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
                 // SAFETY: the caller's.
-                unsafe { $module::scores1(q, k, hd, n, s) }
+                unsafe { pairs::scores1::<$pairs, T>(q, k, hd, n, s) }
             }
             #[inline(always)]
             unsafe fn accumulate<T: Element, const R: usize>(
@@ -105,14 +107,14 @@ macro_rules! dot_kernels {
                 n: usize,
             ) {
                 // SAFETY: the caller's.
-                unsafe { $module::accumulate::<T, R>(acc, p, v, hd, n) }
+                unsafe { pairs::accumulate::<$pairs, T, R>(acc, p, v, hd, n) }
             }
         }
     };
 }
 
-dot_kernels!(Vnni, int8_vnni, "avx512vnni");
-dot_kernels!(Bf16Dot, fp8_bf16, "avx512bf16");
+dot_kernels!(Vnni, int8_vnni, int8_vnni::Int8Pairs, "avx512vnni");
+dot_kernels!(Bf16Dot, fp8_bf16, fp8_bf16::Fp8Pairs, "avx512bf16");
 
 /// [`Avx512`] with the dot-product arithmetic `K` for its storage type. Only
 /// [`Avx512Dot::detect`] makes one, so holding a value proves the CPU has AVX-512F and

@@ -24,8 +24,7 @@
 
 use core::arch::x86_64::*;
 
-use super::bytes;
-use super::pairs::{self, GROUP};
+use super::pairs::{self, BLOCK, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
 
@@ -33,9 +32,6 @@ use crate::kernels::MAX_HEAD_DIM;
 const UP: f32 = (1u64 << 63) as f32 * 2.0;
 /// What a bf16 dot product of the codes is multiplied by: `2^120 / 2^64`.
 const DOWN: f32 = (1u64 << 56) as f32;
-
-/// Tokens whose weights one call encodes at a time.
-const BLOCK: usize = 64;
 
 /// Whether storage `T` with head dimension `hd` takes this arithmetic. O(1).
 #[inline(always)]
@@ -66,8 +62,8 @@ fn split(x: __m512) -> (__m256i, __m256i) {
     (bits256(hi), bits256(lo))
 }
 
-/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`scores4`] and
-/// [`scores1`] read: per group of 64 dimensions, the bf16 `hi` of its even dimensions,
+/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`pairs::scores4`] and
+/// [`pairs::scores1`] read: per group of 64 dimensions, the bf16 `hi` of its even dimensions,
 /// of its odd ones, then their `lo`, of the row times `2^64` (see the module). O(hd).
 ///
 /// # Safety
@@ -111,125 +107,6 @@ fn even_odd(x: __m512i) -> (__m512i, __m512i) {
     )
 }
 
-/// bf16 dot products of `R` encoded query rows (`q`, `hd` floats apart) with `TOK`
-/// keys of codes at `kp`: `[row][token]`, 16 partial sums each (times `2^-56`).
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and BF16; `q` points to `R` encoded rows of `hd` floats,
-/// `kp` to `TOK` keys of `hd` codes; `hd` is a non-zero multiple of 64.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-#[inline]
-unsafe fn dots<const R: usize, const TOK: usize>(
-    q: *const f32,
-    kp: *const u8,
-    hd: usize,
-) -> [[__m512; TOK]; R] {
-    let zero = _mm512_setzero_si512();
-    let mut a = [[_mm512_setzero_ps(); TOK]; R];
-    let mut d = 0;
-    // SAFETY: reads the 64 codes of key `i < TOK` at dimension `d` and the 64 floats of
-    // row `r < R`'s group `d / 64` (four vectors of 32 bf16), with `d + 64 <= hd`.
-    unsafe {
-        while d < hd {
-            let mut eo = [(zero, zero); TOK];
-            for (i, x) in eo.iter_mut().enumerate() {
-                *x = even_odd(_mm512_loadu_si512(kp.add(i * hd + d).cast()));
-            }
-            for (r, ar) in a.iter_mut().enumerate() {
-                let qr = q.add(r * hd + d);
-                let [e_hi, o_hi, e_lo, o_lo] =
-                    core::array::from_fn(|j| bh(_mm512_loadu_si512(qr.add(16 * j).cast())));
-                for (ai, &(e, o)) in ar.iter_mut().zip(&eo) {
-                    let (e, o) = (bh(e), bh(o));
-                    let hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*ai, e, e_hi), o, o_hi);
-                    *ai = _mm512_dpbf16_ps(_mm512_dpbf16_ps(hi, e, e_lo), o, o_lo);
-                }
-            }
-            d += GROUP;
-        }
-    }
-    a
-}
-
-/// [`crate::kernels::math::Simd::scores4`] for FP8 storage: `q` holds four rows
-/// encoded by [`encode_query`]; the scores are of the codes (the caller applies the
-/// keys' scales). Four tokens at a time (16 accumulators, one transposing reduction),
-/// then one at a time.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn scores4<T: Element>(
-    q: &[f32],
-    k: &[T],
-    hd: usize,
-    n: usize,
-    s: &mut [f32],
-    stride: usize,
-) {
-    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
-    let (qp, kp) = (q.as_ptr(), bytes(k));
-    let down = _mm512_set1_ps(DOWN);
-    let add = |a: __m512i, b: __m512i| {
-        _mm512_castps_si512(_mm512_add_ps(
-            _mm512_castsi512_ps(a),
-            _mm512_castsi512_ps(b),
-        ))
-    };
-    let mut t0 = 0;
-    while t0 + 4 <= n {
-        // SAFETY: keys `t0..t0 + 4` lie inside the asserted length (one byte a code).
-        let a = unsafe { dots::<4, 4>(qp, kp.add(t0 * hd), hd) };
-        let sums = pairs::sum16(
-            core::array::from_fn(|j| _mm512_castps_si512(a[j / 4][j % 4])),
-            add,
-        );
-        let mut out = [0.0f32; 16];
-        // SAFETY: `out` holds 16 floats.
-        unsafe {
-            _mm512_storeu_ps(
-                out.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_castsi512_ps(sums), down),
-            );
-        }
-        for (r, o) in out.chunks_exact(4).enumerate() {
-            s[r * stride + t0..r * stride + t0 + 4].copy_from_slice(o);
-        }
-        t0 += 4;
-    }
-    for t in t0..n {
-        // SAFETY: key `t < n` lies inside the asserted length.
-        let [a0, a1, a2, a3] = unsafe { dots::<4, 1>(qp, kp.add(t * hd), hd) };
-        for (r, a) in [a0[0], a1[0], a2[0], a3[0]].into_iter().enumerate() {
-            s[r * stride + t] = _mm512_reduce_add_ps(a) * DOWN;
-        }
-    }
-}
-
-/// [`crate::kernels::math::Simd::scores1`] for FP8 storage: `q` is one row encoded
-/// by [`encode_query`].
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn scores1<T: Element>(
-    q: &[f32],
-    k: &[T],
-    hd: usize,
-    n: usize,
-    s: &mut [f32],
-) {
-    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
-    let (qp, kp) = (q.as_ptr(), bytes(k));
-    for (t, st) in s[..n].iter_mut().enumerate() {
-        // SAFETY: key `t < n` lies inside the asserted length.
-        let [[a]] = unsafe { dots::<1, 1>(qp, kp.add(t * hd), hd) };
-        *st = _mm512_reduce_add_ps(a) * DOWN;
-    }
-}
-
 /// The weights `p[..m]` (`m <= BLOCK`) times `2^64` as `hi` and `lo` bf16, two tokens to
 /// a word (the first in the low half; an odd last token pairs with 0). O(m).
 ///
@@ -263,69 +140,72 @@ unsafe fn encode_weights(
     }
 }
 
-/// `acc_r += Σ_{t<n} p[r][t] * code_t` for `R` rows of `acc` (`acc_r = acc[r * hd..]`,
-/// in the order of [`pairs::acc_dim`]): per [`BLOCK`] of tokens, each row's weights as
-/// bf16 pairs, two tokens' codes interleaved per dimension, f32 accumulators for 64
-/// dimensions (`4 R` registers), then scaled into `acc`. The caller folds the values'
-/// scales into the weights `p`.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and BF16; `applies::<T>(hd)` holds; `R <= 4`.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn accumulate<T: Element, const R: usize>(
-    acc: &mut [f32],
-    p: [&[f32]; R],
-    v: &[T],
-    hd: usize,
-    n: usize,
-) {
-    assert!(acc.len() >= R * hd && p.iter().all(|p| p.len() >= n) && v.len() >= n * hd);
-    let (ap, vp) = (acc.as_mut_ptr(), bytes(v));
-    let (zero, down) = (_mm512_setzero_si512(), _mm512_set1_ps(DOWN));
-    let mut t0 = 0;
-    while t0 < n {
-        let m = (n - t0).min(BLOCK);
-        let mut w = [[[0u32; BLOCK / 2]; 2]; R];
-        for (wr, pr) in w.iter_mut().zip(&p) {
-            let [hi, lo] = wr;
-            // SAFETY: the caller's CPU; `pr[t0..]` holds `m` weights.
-            unsafe { encode_weights(&pr[t0..], m, hi, lo) };
-        }
-        let mut d = 0;
-        // SAFETY: reads the 64 codes of values `t < t0 + m <= n` at dimension `d` and
-        // reads and writes `acc[r * hd + d..+64]` (r < R), with `d + 64 <= hd` (asserted
-        // lengths above); the odd token of an odd block is a zero vector, not a load.
+/// The FP8 arithmetic of [`pairs`]' loops.
+pub(in crate::kernels) struct Fp8Pairs;
+
+// SAFETY (every method): the callers' (the CPU has AVX-512F, BW and BF16; pointers as
+// the trait says).
+impl pairs::PairDots for Fp8Pairs {
+    /// The group's even `hi`, odd `hi`, even `lo` and odd `lo` (32 bf16 each).
+    type Query = [__m512i; 4];
+    #[inline(always)]
+    unsafe fn even_odd(x: __m512i) -> (__m512i, __m512i) {
+        unsafe { even_odd(x) }
+    }
+    #[inline(always)]
+    unsafe fn load_query(q: *const f32) -> Self::Query {
+        core::array::from_fn(|j| unsafe { _mm512_loadu_si512(q.add(16 * j).cast()) })
+    }
+    #[inline(always)]
+    unsafe fn dot_key(acc: __m512i, e: __m512i, o: __m512i, q: Self::Query) -> __m512i {
         unsafe {
-            while d < hd {
-                let mut x = [[_mm512_setzero_ps(); 4]; R];
-                for j in 0..m.div_ceil(2) {
-                    let t = t0 + 2 * j;
-                    let (e0, o0) = even_odd(_mm512_loadu_si512(vp.add(t * hd + d).cast()));
-                    let (e1, o1) = if t + 1 < t0 + m {
-                        even_odd(_mm512_loadu_si512(vp.add((t + 1) * hd + d).cast()))
-                    } else {
-                        (zero, zero)
-                    };
-                    let parts = pairs::interleave(e0, o0, e1, o1).map(bh);
-                    for (xr, [hi, lo]) in x.iter_mut().zip(&w) {
-                        let b_hi = bh(_mm512_set1_epi32(*hi.get_unchecked(j) as i32));
-                        let b_lo = bh(_mm512_set1_epi32(*lo.get_unchecked(j) as i32));
-                        for (xk, &part) in xr.iter_mut().zip(&parts) {
-                            *xk = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*xk, part, b_hi), part, b_lo);
-                        }
-                    }
-                }
-                for (r, xr) in x.iter().enumerate() {
-                    for (k, &xk) in xr.iter().enumerate() {
-                        let a = ap.add(r * hd + d + 16 * k);
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(xk, down, _mm512_loadu_ps(a)));
-                    }
-                }
-                d += GROUP;
+            let [e_hi, o_hi, e_lo, o_lo] = q.map(bh);
+            let (e, o) = (bh(e), bh(o));
+            let acc = _mm512_castsi512_ps(acc);
+            let hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, e, e_hi), o, o_hi);
+            _mm512_castps_si512(_mm512_dpbf16_ps(_mm512_dpbf16_ps(hi, e, e_lo), o, o_lo))
+        }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512i, b: __m512i) -> __m512i {
+        unsafe {
+            _mm512_castps_si512(_mm512_add_ps(
+                _mm512_castsi512_ps(a),
+                _mm512_castsi512_ps(b),
+            ))
+        }
+    }
+    #[inline(always)]
+    unsafe fn to_f32(a: __m512i) -> __m512 {
+        unsafe { _mm512_castsi512_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn reduce(a: __m512i) -> f32 {
+        unsafe { _mm512_reduce_add_ps(_mm512_castsi512_ps(a)) }
+    }
+    #[inline(always)]
+    unsafe fn score_factor(_q: *const f32, _hd: usize) -> f32 {
+        DOWN
+    }
+    #[inline(always)]
+    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32 {
+        let [hi, lo] = words;
+        unsafe { encode_weights(p, m, hi, lo) };
+        DOWN
+    }
+    #[inline(always)]
+    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]) {
+        unsafe {
+            let (b_hi, b_lo) = (
+                bh(_mm512_set1_epi32(w[0] as i32)),
+                bh(_mm512_set1_epi32(w[1] as i32)),
+            );
+            for (a, &part) in acc.iter_mut().zip(parts) {
+                let part = bh(part);
+                let x = _mm512_dpbf16_ps(_mm512_castsi512_ps(*a), part, b_hi);
+                *a = _mm512_castps_si512(_mm512_dpbf16_ps(x, part, b_lo));
             }
         }
-        t0 += m;
     }
 }
 
@@ -409,8 +289,8 @@ mod tests {
             let mut s1 = vec![f32::NAN; n];
             // SAFETY: checked above; `applies` holds.
             unsafe {
-                scores4(&qe, &codes, hd, n, &mut s, stride);
-                scores1(&qe[hd..], &codes, hd, n, &mut s1);
+                pairs::scores4::<Fp8Pairs, _>(&qe, &codes, hd, n, &mut s, stride);
+                pairs::scores1::<Fp8Pairs, _>(&qe[hd..], &codes, hd, n, &mut s1);
             }
             for r in 0..4 {
                 for t in 0..n {
@@ -435,7 +315,7 @@ mod tests {
             // SAFETY: checked above; `applies` holds; `R == 4`.
             unsafe {
                 let rows = [&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..]];
-                accumulate::<Fp8E4m3, 4>(&mut acc, rows, &codes, hd, n);
+                pairs::accumulate::<Fp8Pairs, Fp8E4m3, 4>(&mut acc, rows, &codes, hd, n);
             }
             let (mut got, mut before) = (acc.clone(), start.clone());
             pairs::from_acc_order(&mut got);

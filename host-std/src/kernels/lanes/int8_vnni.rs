@@ -7,11 +7,12 @@
 //!
 //! - a **query row** once per task ([`encode_query`]): codes `round(q / s)` with `s =
 //!   max |q| / 32767`, so each element is off by at most `2^-16 max |q|`;
-//! - the **softmax weights** of each call ([`accumulate`]): per row, codes `round(p / w)`
-//!   with `w = max p / 32767` over the call's tokens (weights are never negative).
+//! - the **softmax weights** of each block of tokens ([`pairs::accumulate`]): per row, codes
+//!   `round(p / w)` with `w = max p / 32767` over the block (weights are never
+//!   negative).
 //!
-//! Products and sums are then exact (32-bit lanes; see [`BLOCK`] for why they cannot
-//! overflow), and the scales are applied once per score and once per accumulated
+//! Products and sums are then exact (32-bit lanes, which cannot overflow: see the
+//! assertion on [`BLOCK`]), and the scales are applied once per score and once per accumulated
 //! vector. The rounding of those two conversions is the whole of the arithmetic's error:
 //! about `1e-5` of the output, some thousand times smaller than what 8-bit storage
 //! itself rounds away (`cargo bench -p kvpage --bench kv_quant_error`).
@@ -24,18 +25,17 @@
 
 use core::arch::x86_64::*;
 
-use super::bytes;
-use super::pairs::{self, GROUP};
+use super::pairs::{self, BLOCK, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
 
 /// The largest 16-bit code of the queries and weights.
 const ONE: f32 = 32767.0;
 
-/// Tokens whose weighted values one set of 32-bit accumulators takes before it is
-/// scaled into the f32 accumulators: 128 `vpdpwssd` per lane, each adding at most `2 ×
-/// 32767 × 128` in magnitude, stay below `2^31`.
-const BLOCK: usize = 256;
+// The 32-bit accumulators of weighted values take a `BLOCK` of tokens before they are
+// scaled into the f32 ones: `BLOCK / 2` `vpdpwssd` per lane, each adding at most `2 ×
+// 32767 × 128` in magnitude, stay below `2^31` for a block of up to 256 tokens.
+const _: () = assert!(BLOCK <= 256);
 
 /// Whether storage `T` with head dimension `hd` takes this arithmetic. O(1).
 #[inline(always)]
@@ -57,10 +57,10 @@ fn fixed_point(max: f32, finite: bool) -> (f32, f32) {
     }
 }
 
-/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`scores4`] and
-/// [`scores1`] read: `row[..hd / 2]` hold its 16-bit codes as bits (two per float; per
-/// group of 64 dimensions the even ones, then the odd ones) and `row[hd / 2]` its
-/// scale. O(hd).
+/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`pairs::scores4`] and
+/// [`pairs::scores1`] read: per group of 64 dimensions, its first 32 floats hold the group's
+/// 16-bit codes as bits (two per float: the even dimensions, then the odd ones), and
+/// `row[SCALE_SLOT]` holds the row's/// scale. O(hd).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and VNNI; `applies` holds for `hd`, and `row.len() >= hd`.
@@ -102,11 +102,20 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
             }
         }
     }
-    for (slot, pair) in row[..hd / 2].iter_mut().zip(codes[..hd].chunks_exact(2)) {
-        *slot = f32::from_bits(u32::from(pair[0] as u16) | u32::from(pair[1] as u16) << 16);
+    for (slots, group) in row[..hd]
+        .chunks_exact_mut(GROUP)
+        .zip(codes[..hd].chunks_exact(GROUP))
+    {
+        for (slot, pair) in slots.iter_mut().zip(group.chunks_exact(2)) {
+            *slot = f32::from_bits(u32::from(pair[0] as u16) | u32::from(pair[1] as u16) << 16);
+        }
     }
-    row[hd / 2] = scale;
+    row[SCALE_SLOT] = scale;
 }
+
+/// Where an encoded query row keeps its scale: the second half of its first group
+/// (each group's 64 codes fill the first 32 of its 64 floats).
+const SCALE_SLOT: usize = GROUP / 2;
 
 /// The 16-bit codes of `p[..m]` (`m <= BLOCK`, not negative) in fixed point of scale
 /// `max p / 32767`, two tokens to a word (the first in the low half; an odd last token
@@ -165,204 +174,61 @@ fn even_odd(x: __m512i) -> (__m512i, __m512i) {
     )
 }
 
-/// Integer dot products of `R` encoded query rows (`q`, `hd` floats apart) with `TOK`
-/// keys of codes at `kp`: `[row][token]`, 16 partial sums each.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `q` points to `R` encoded rows of `hd` floats,
-/// `kp` to `TOK` keys of `hd` codes; `hd` is a non-zero multiple of 64.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn dots<const R: usize, const TOK: usize>(
-    q: *const f32,
-    kp: *const u8,
-    hd: usize,
-) -> [[__m512i; TOK]; R] {
-    let zero = _mm512_setzero_si512();
-    let mut a = [[zero; TOK]; R];
-    let mut d = 0;
-    // SAFETY: reads the 64 codes of key `i < TOK` at dimension `d` and the 64 query
-    // codes of row `r < R` of group `d / 64` (128 bytes at byte `2 d` of the row, inside
-    // its first `hd / 2` floats), with `d + 64 <= hd` (caller).
-    unsafe {
-        while d < hd {
-            let mut eo = [(zero, zero); TOK];
-            for (i, x) in eo.iter_mut().enumerate() {
-                *x = even_odd(_mm512_loadu_si512(kp.add(i * hd + d).cast()));
-            }
-            for (r, ar) in a.iter_mut().enumerate() {
-                let qr = q.add(r * hd).cast::<i16>().add(d);
-                let (qe, qo) = (
-                    _mm512_loadu_si512(qr.cast()),
-                    _mm512_loadu_si512(qr.add(GROUP / 2).cast()),
-                );
-                for (ai, &(e, o)) in ar.iter_mut().zip(&eo) {
-                    *ai = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(*ai, e, qe), o, qo);
-                }
-            }
-            d += GROUP;
-        }
+/// The int8 arithmetic of [`pairs`]' loops.
+pub(in crate::kernels) struct Int8Pairs;
+
+// SAFETY (every method): the callers' (the CPU has AVX-512F, BW and VNNI; pointers as
+// the trait says).
+impl pairs::PairDots for Int8Pairs {
+    /// The group's 32 even and 32 odd query codes.
+    type Query = (__m512i, __m512i);
+    #[inline(always)]
+    unsafe fn even_odd(x: __m512i) -> (__m512i, __m512i) {
+        unsafe { even_odd(x) }
     }
-    a
-}
-
-/// The scale an encoded query row keeps after its codes.
-///
-/// # Safety
-/// `q` points to an encoded row of `hd` floats.
-#[inline(always)]
-unsafe fn query_scale(q: *const f32, hd: usize) -> f32 {
-    // SAFETY: `hd / 2 < hd` (caller).
-    unsafe { *q.add(hd / 2) }
-}
-
-/// [`crate::kernels::math::Simd::scores4`] for int8 storage: `q` holds four rows
-/// encoded by [`encode_query`]; the scores are of the codes (the caller applies the
-/// keys' scales). Four tokens at a time (16 accumulators, one transposing reduction),
-/// then one at a time.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `applies::<T>(hd)` holds.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn scores4<T: Element>(
-    q: &[f32],
-    k: &[T],
-    hd: usize,
-    n: usize,
-    s: &mut [f32],
-    stride: usize,
-) {
-    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
-    let (qp, kp) = (q.as_ptr(), bytes(k));
-    // SAFETY: four encoded rows of `hd` floats (asserted).
-    let sc: [f32; 4] = core::array::from_fn(|r| unsafe { query_scale(qp.add(r * hd), hd) });
-    // Lane `4 r + i` of the reduction is row `r`, token `i`.
-    let lane_scale = _mm512_setr_ps(
-        sc[0], sc[0], sc[0], sc[0], sc[1], sc[1], sc[1], sc[1], sc[2], sc[2], sc[2], sc[2], sc[3],
-        sc[3], sc[3], sc[3],
-    );
-    let mut t0 = 0;
-    while t0 + 4 <= n {
-        // SAFETY: keys `t0..t0 + 4` lie inside the asserted length (one byte a code).
-        let a = unsafe { dots::<4, 4>(qp, kp.add(t0 * hd), hd) };
-        let sums = pairs::sum16(core::array::from_fn(|j| a[j / 4][j % 4]), |x, y| {
-            _mm512_add_epi32(x, y)
-        });
-        let mut out = [0.0f32; 16];
-        // SAFETY: `out` holds 16 floats.
+    #[inline(always)]
+    unsafe fn load_query(q: *const f32) -> Self::Query {
+        // The group's codes fill its first 32 floats: even, then odd.
         unsafe {
-            _mm512_storeu_ps(
-                out.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(sums), lane_scale),
-            );
-        }
-        for (r, o) in out.chunks_exact(4).enumerate() {
-            s[r * stride + t0..r * stride + t0 + 4].copy_from_slice(o);
-        }
-        t0 += 4;
-    }
-    for t in t0..n {
-        // SAFETY: key `t < n` lies inside the asserted length.
-        let [a0, a1, a2, a3] = unsafe { dots::<4, 1>(qp, kp.add(t * hd), hd) };
-        for (r, a) in [a0[0], a1[0], a2[0], a3[0]].into_iter().enumerate() {
-            s[r * stride + t] = _mm512_reduce_add_epi32(a) as f32 * sc[r];
+            (
+                _mm512_loadu_si512(q.cast()),
+                _mm512_loadu_si512(q.add(16).cast()),
+            )
         }
     }
-}
-
-/// [`crate::kernels::math::Simd::scores1`] for int8 storage: `q` is one row encoded
-/// by [`encode_query`].
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `applies::<T>(hd)` holds.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn scores1<T: Element>(
-    q: &[f32],
-    k: &[T],
-    hd: usize,
-    n: usize,
-    s: &mut [f32],
-) {
-    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
-    let (qp, kp) = (q.as_ptr(), bytes(k));
-    // SAFETY: one encoded row of `hd` floats (asserted).
-    let scale = unsafe { query_scale(qp, hd) };
-    for (t, st) in s[..n].iter_mut().enumerate() {
-        // SAFETY: key `t < n` lies inside the asserted length.
-        let [[a]] = unsafe { dots::<1, 1>(qp, kp.add(t * hd), hd) };
-        *st = _mm512_reduce_add_epi32(a) as f32 * scale;
+    #[inline(always)]
+    unsafe fn dot_key(acc: __m512i, e: __m512i, o: __m512i, q: Self::Query) -> __m512i {
+        unsafe { _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, e, q.0), o, q.1) }
     }
-}
-
-/// `acc_r += Σ_{t<n} p[r][t] * code_t` for `R` rows of `acc` (`acc_r = acc[r * hd..]`,
-/// in the order of [`pairs::acc_dim`]): per [`BLOCK`] of tokens, each row's weights in 16-bit
-/// fixed point, two tokens' codes interleaved per dimension, 32-bit accumulators for 64
-/// dimensions (`4 R` registers), then scaled into `acc`. The caller folds the values'
-/// scales into the weights `p`, which are not negative.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `applies::<T>(hd)` holds; `R <= 4`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-pub(in crate::kernels) unsafe fn accumulate<T: Element, const R: usize>(
-    acc: &mut [f32],
-    p: [&[f32]; R],
-    v: &[T],
-    hd: usize,
-    n: usize,
-) {
-    assert!(acc.len() >= R * hd && p.iter().all(|p| p.len() >= n) && v.len() >= n * hd);
-    let (ap, vp) = (acc.as_mut_ptr(), bytes(v));
-    let zero = _mm512_setzero_si512();
-    let mut t0 = 0;
-    while t0 < n {
-        let m = (n - t0).min(BLOCK);
-        let pairs = m.div_ceil(2);
-        // Each row's weights as 16-bit codes, two tokens to a 32-bit word.
-        let mut w = [[0u32; BLOCK / 2]; R];
-        let mut w_scale = [0.0f32; R];
-        for ((wr, ws), pr) in w.iter_mut().zip(&mut w_scale).zip(&p) {
-            // SAFETY: the caller's CPU; `pr[t0..]` holds `m` weights.
-            *ws = unsafe { encode_weights(&pr[t0..], m, wr) };
-        }
-        let mut d = 0;
-        // SAFETY: reads the 64 codes of values `t < t0 + m <= n` at dimension `d` and
-        // reads and writes `acc[r * hd + d..+64]` (r < R), with `d + 64 <= hd` (asserted
-        // lengths above); the odd token of an odd block is a zero vector, not a load.
+    #[inline(always)]
+    unsafe fn add(a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn to_f32(a: __m512i) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn reduce(a: __m512i) -> f32 {
+        unsafe { _mm512_reduce_add_epi32(a) as f32 }
+    }
+    #[inline(always)]
+    unsafe fn score_factor(q: *const f32, hd: usize) -> f32 {
+        debug_assert!(SCALE_SLOT < hd);
+        unsafe { *q.add(SCALE_SLOT) }
+    }
+    #[inline(always)]
+    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32 {
+        unsafe { encode_weights(p, m, &mut words[0]) }
+    }
+    #[inline(always)]
+    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]) {
         unsafe {
-            while d < hd {
-                let mut x = [[zero; 4]; R];
-                for j in 0..pairs {
-                    let t = t0 + 2 * j;
-                    let (e0, o0) = even_odd(_mm512_loadu_si512(vp.add(t * hd + d).cast()));
-                    let (e1, o1) = if t + 1 < t0 + m {
-                        even_odd(_mm512_loadu_si512(vp.add((t + 1) * hd + d).cast()))
-                    } else {
-                        (zero, zero)
-                    };
-                    let parts = pairs::interleave(e0, o0, e1, o1);
-                    for (xr, wr) in x.iter_mut().zip(&w) {
-                        let b = _mm512_set1_epi32(*wr.get_unchecked(j) as i32);
-                        for (xk, &part) in xr.iter_mut().zip(&parts) {
-                            *xk = _mm512_dpwssd_epi32(*xk, part, b);
-                        }
-                    }
-                }
-                for (r, (xr, &ws)) in x.iter().zip(&w_scale).enumerate() {
-                    let scale = _mm512_set1_ps(ws);
-                    for (k, &xk) in xr.iter().enumerate() {
-                        let a = ap.add(r * hd + d + 16 * k);
-                        let sum =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(xk), scale, _mm512_loadu_ps(a));
-                        _mm512_storeu_ps(a, sum);
-                    }
-                }
-                d += GROUP;
+            let b = _mm512_set1_epi32(w[0] as i32);
+            for (a, &part) in acc.iter_mut().zip(parts) {
+                *a = _mm512_dpwssd_epi32(*a, part, b);
             }
         }
-        t0 += m;
     }
 }
 
@@ -398,11 +264,13 @@ mod tests {
         let mut row = q.clone();
         // SAFETY: VNNI checked above.
         unsafe { encode_query(&mut row, hd) };
-        let scale = row[hd / 2];
+        let scale = row[SCALE_SLOT];
         let max = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         assert_eq!(scale, max / ONE);
-        let codes: Vec<i16> = row[..hd / 2]
-            .iter()
+        // Each group's codes fill the first half of its floats.
+        let codes: Vec<i16> = row
+            .chunks_exact(GROUP)
+            .flat_map(|g| &g[..GROUP / 2])
             .flat_map(|f| [f.to_bits() as u16 as i16, (f.to_bits() >> 16) as u16 as i16])
             .collect();
         for g in 0..hd / GROUP {
@@ -423,7 +291,7 @@ mod tests {
         bad[7] = f32::INFINITY;
         // SAFETY: VNNI checked above.
         unsafe { encode_query(&mut bad, hd) };
-        assert!(bad[hd / 2].is_nan());
+        assert!(bad[SCALE_SLOT].is_nan());
     }
 
     /// The scores and the accumulation against f64 on the codes, within the fixed-point
@@ -453,8 +321,8 @@ mod tests {
             let mut s1 = vec![f32::NAN; n];
             // SAFETY: VNNI checked above; `applies` holds.
             unsafe {
-                scores4(&qe, &codes, hd, n, &mut s, stride);
-                scores1(&qe[hd..], &codes, hd, n, &mut s1);
+                pairs::scores4::<Int8Pairs, _>(&qe, &codes, hd, n, &mut s, stride);
+                pairs::scores1::<Int8Pairs, _>(&qe[hd..], &codes, hd, n, &mut s1);
             }
             for r in 0..4 {
                 let max = q[r * hd..(r + 1) * hd]
@@ -481,7 +349,7 @@ mod tests {
             // SAFETY: VNNI checked above; `applies` holds; `R == 4`.
             unsafe {
                 let rows = [&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..]];
-                accumulate::<Int8, 4>(&mut acc, rows, &codes, hd, n);
+                pairs::accumulate::<Int8Pairs, Int8, 4>(&mut acc, rows, &codes, hd, n);
             }
             let mut got = acc.clone();
             let mut before = start.clone();

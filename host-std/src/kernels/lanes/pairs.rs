@@ -10,8 +10,15 @@
 //!   ([`interleave`]), so that each lane pairs token `t` and `t + 1` of one dimension
 //!   against the pair of their weights. The accumulators then hold each group's 64
 //!   dimensions in the order of [`acc_dim`]; [`from_acc_order`] puts them back.
+//!
+//! The loops themselves ([`scores4`], [`scores1`], [`accumulate`]) are written once,
+//! over [`PairDots`]: what differs between the two is how a load of codes becomes
+//! 16-bit elements, the dot-product instruction, and the form of the f32 side.
 
 use core::arch::x86_64::*;
+
+use super::bytes;
+use crate::dtype::Element;
 
 /// Dimensions per group (one 64-byte load of codes).
 pub(in crate::kernels) const GROUP: usize = 64;
@@ -97,6 +104,241 @@ pub(in crate::kernels) fn sum16(
     };
     let (z0, z1) = (pair(x[0], x[1]), pair(x[2], x[3]));
     pair(z0, z1)
+}
+
+/// Tokens whose weights one accumulation encodes at a time.
+pub(in crate::kernels) const BLOCK: usize = 64;
+
+/// The arithmetic of one 8-bit code type on pairs of 16-bit elements. Accumulators
+/// are 512-bit vectors of 16 lanes (integer or f32 bits); every method is O(1) and
+/// needs the CPU extension of its implementation.
+pub(in crate::kernels) trait PairDots {
+    /// One group of an encoded query row, loaded.
+    type Query: Copy;
+    /// The 16-bit elements of the even and of the odd codes of a 64-byte load.
+    ///
+    /// # Safety
+    /// The CPU has the implementation's extension.
+    unsafe fn even_odd(x: __m512i) -> (__m512i, __m512i);
+    /// The group of an encoded query row starting at `q` (its group's first float).
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`]; `q` points to the 64 floats of the group.
+    unsafe fn load_query(q: *const f32) -> Self::Query;
+    /// `acc` plus the dot products of a key's elements `(e, o)` with the query group.
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`].
+    unsafe fn dot_key(acc: __m512i, e: __m512i, o: __m512i, q: Self::Query) -> __m512i;
+    /// Lane-wise sum of two accumulators.
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`].
+    unsafe fn add(a: __m512i, b: __m512i) -> __m512i;
+    /// An accumulator's lanes as f32.
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`].
+    unsafe fn to_f32(a: __m512i) -> __m512;
+    /// The sum of an accumulator's lanes, as f32 (rounded once).
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`].
+    unsafe fn reduce(a: __m512i) -> f32;
+    /// What the dot products of the encoded row `q` (`hd` floats) are multiplied by to
+    /// give scores of the codes.
+    ///
+    /// # Safety
+    /// `q` points to an encoded row of `hd` floats.
+    unsafe fn score_factor(q: *const f32, hd: usize) -> f32;
+    /// Encodes the weights `p[..m]` (`m <= BLOCK`, not negative) two tokens to a word
+    /// (the first in the low half; an odd last token pairs with 0) into `words` (one
+    /// or two words a pair), and returns what the accumulated sums are multiplied by.
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`]; `p.len() >= m`.
+    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32;
+    /// `acc[k]` plus the products of the interleaved codes `parts[k]` with one pair's
+    /// weights (`[words[0][j], words[1][j]]`).
+    ///
+    /// # Safety
+    /// As [`PairDots::even_odd`].
+    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]);
+}
+
+/// Dot products of `R` encoded query rows (`q`, `hd` floats apart) with `TOK` keys of
+/// codes at `kp`: `[row][token]`, 16 partial sums each. Inlined into its caller, whose
+/// target features it takes.
+///
+/// # Safety
+/// The CPU has `K`'s extension; `q` points to `R` encoded rows of `hd` floats, `kp` to
+/// `TOK` keys of `hd` codes; `hd` is a non-zero multiple of 64.
+#[inline(always)]
+unsafe fn dots<K: PairDots, const R: usize, const TOK: usize>(
+    q: *const f32,
+    kp: *const u8,
+    hd: usize,
+) -> [[__m512i; TOK]; R] {
+    // SAFETY: reads the 64 codes of key `i < TOK` at dimension `d` and the 64 floats of
+    // row `r < R`'s group `d / 64`, with `d + 64 <= hd` (caller).
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let mut a = [[zero; TOK]; R];
+        let mut d = 0;
+        while d < hd {
+            let mut eo = [(zero, zero); TOK];
+            for (i, x) in eo.iter_mut().enumerate() {
+                *x = K::even_odd(_mm512_loadu_si512(kp.add(i * hd + d).cast()));
+            }
+            for (r, ar) in a.iter_mut().enumerate() {
+                let qg = K::load_query(q.add(r * hd + d));
+                for (ai, &(e, o)) in ar.iter_mut().zip(&eo) {
+                    *ai = K::dot_key(*ai, e, o, qg);
+                }
+            }
+            d += GROUP;
+        }
+        a
+    }
+}
+
+/// [`crate::kernels::math::Simd::scores4`] for `K`'s codes: `q` holds four encoded
+/// rows; the scores are of the codes (the caller applies the keys' scales). Four tokens
+/// at a time (16 accumulators, one transposing reduction), then one at a time.
+///
+/// # Safety
+/// The CPU has `K`'s extension; `T` is `K`'s code type; `hd` is a non-zero multiple
+/// of 64.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn scores4<K: PairDots, T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
+    assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
+    let (qp, kp) = (q.as_ptr(), bytes(k));
+    // SAFETY: four encoded rows of `hd` floats (asserted); keys `t0..t0 + 4` and `t < n`
+    // lie inside the asserted length (one byte a code); `out` holds 16 floats.
+    unsafe {
+        let f: [f32; 4] = core::array::from_fn(|r| K::score_factor(qp.add(r * hd), hd));
+        // Lane `4 r + i` of the reduction is row `r`, token `i`.
+        let lane_factor = _mm512_setr_ps(
+            f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1], f[2], f[2], f[2], f[2], f[3], f[3],
+            f[3], f[3],
+        );
+        let mut t0 = 0;
+        while t0 + 4 <= n {
+            let a = dots::<K, 4, 4>(qp, kp.add(t0 * hd), hd);
+            let sums = sum16(core::array::from_fn(|j| a[j / 4][j % 4]), |x, y| {
+                K::add(x, y)
+            });
+            let mut out = [0.0f32; 16];
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_mul_ps(K::to_f32(sums), lane_factor),
+            );
+            for (r, o) in out.chunks_exact(4).enumerate() {
+                s[r * stride + t0..r * stride + t0 + 4].copy_from_slice(o);
+            }
+            t0 += 4;
+        }
+        for t in t0..n {
+            let [a0, a1, a2, a3] = dots::<K, 4, 1>(qp, kp.add(t * hd), hd);
+            for (r, a) in [a0[0], a1[0], a2[0], a3[0]].into_iter().enumerate() {
+                s[r * stride + t] = K::reduce(a) * f[r];
+            }
+        }
+    }
+}
+
+/// [`crate::kernels::math::Simd::scores1`] for `K`'s codes: `q` is one encoded row.
+///
+/// # Safety
+/// As [`scores4`].
+#[inline(always)]
+pub(in crate::kernels) unsafe fn scores1<K: PairDots, T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+) {
+    assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
+    let (qp, kp) = (q.as_ptr(), bytes(k));
+    // SAFETY: one encoded row of `hd` floats (asserted); key `t < n` lies inside the
+    // asserted length.
+    unsafe {
+        let f = K::score_factor(qp, hd);
+        for (t, st) in s[..n].iter_mut().enumerate() {
+            let [[a]] = dots::<K, 1, 1>(qp, kp.add(t * hd), hd);
+            *st = K::reduce(a) * f;
+        }
+    }
+}
+
+/// `acc_r += Σ_{t<n} p[r][t] * code_t` for `R` rows of `acc` (`acc_r = acc[r * hd..]`,
+/// in the order of [`acc_dim`]): per [`BLOCK`] of tokens, each row's weights encoded in
+/// pairs, two tokens' codes interleaved per dimension ([`interleave`]), accumulators
+/// for 64 dimensions (`4 R` registers), then scaled into `acc`. The caller folds the
+/// values' scales into the weights `p`, which are not negative.
+///
+/// # Safety
+/// As [`scores4`]; `R <= 4`.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn accumulate<K: PairDots, T: Element, const R: usize>(
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    assert!(acc.len() >= R * hd && p.iter().all(|p| p.len() >= n) && v.len() >= n * hd);
+    let (ap, vp) = (acc.as_mut_ptr(), bytes(v));
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(BLOCK);
+        let mut words = [[[0u32; BLOCK / 2]; 2]; R];
+        let mut factor = [0.0f32; R];
+        // SAFETY: reads the 64 codes of values `t < t0 + m <= n` at dimension `d` and
+        // reads and writes `acc[r * hd + d..+64]` (r < R), with `d + 64 <= hd` (asserted
+        // lengths above); the odd token of an odd block is a zero vector, not a load;
+        // `pr[t0..]` holds `m` weights.
+        unsafe {
+            for ((wr, f), pr) in words.iter_mut().zip(&mut factor).zip(&p) {
+                *f = K::encode_weights(&pr[t0..], m, wr);
+            }
+            let zero = _mm512_setzero_si512();
+            let mut d = 0;
+            while d < hd {
+                let mut x = [[zero; 4]; R];
+                for j in 0..m.div_ceil(2) {
+                    let t = t0 + 2 * j;
+                    let (e0, o0) = K::even_odd(_mm512_loadu_si512(vp.add(t * hd + d).cast()));
+                    let (e1, o1) = if t + 1 < t0 + m {
+                        K::even_odd(_mm512_loadu_si512(vp.add((t + 1) * hd + d).cast()))
+                    } else {
+                        (zero, zero)
+                    };
+                    let parts = interleave(e0, o0, e1, o1);
+                    for (xr, wr) in x.iter_mut().zip(&words) {
+                        K::dot_values(xr, &parts, [wr[0][j], wr[1][j]]);
+                    }
+                }
+                for (r, (xr, &f)) in x.iter().zip(&factor).enumerate() {
+                    let f = _mm512_set1_ps(f);
+                    for (k, &xk) in xr.iter().enumerate() {
+                        let a = ap.add(r * hd + d + 16 * k);
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(K::to_f32(xk), f, _mm512_loadu_ps(a)));
+                    }
+                }
+                d += GROUP;
+            }
+        }
+        t0 += m;
+    }
 }
 
 #[cfg(test)]
