@@ -222,16 +222,6 @@ mod tests {
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
 
-    /// A deterministic spread of values in (-1, 1).
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-                x as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
-
     #[test]
     fn every_normal_code_is_its_value_times_2_to_the_minus_120() {
         if !bf16_dot() {
@@ -262,77 +252,20 @@ mod tests {
         }
     }
 
-    /// The scores and the accumulation against f64 on the codes, within the bf16 split's
-    /// rounding.
+    /// The scores and the accumulation against f64 on the codes ([`pairs::check_loops`]).
     #[test]
-    fn scores_and_values_match_f64_within_the_split_rounding() {
+    fn scores_and_values_match_f64() {
         if !bf16_dot() {
             eprintln!("skipped: this CPU has no AVX512_BF16");
             return;
         }
-        for hd in [64usize, 128, 256] {
-            let n = 11;
-            // Normal codes only (subnormals read as 0 here, NaN codes are never written).
-            let codes: Vec<Fp8E4m3> = values(n * hd, 9)
-                .iter()
-                .map(|x| Fp8E4m3(fp8::encode(x * 400.0 + 0.5f32.copysign(*x))))
-                .collect();
-            let code = |t: usize, d: usize| f64::from(fp8::decode(codes[t * hd + d].0));
-            let q = values(4 * hd, 5);
-            let mut qe = q.clone();
-            for row in qe.chunks_exact_mut(hd) {
-                // SAFETY: checked above; `applies` holds.
-                unsafe { encode_query(row, hd) };
-            }
-            let stride = 16;
-            let mut s = vec![f32::NAN; 4 * stride];
-            let mut s1 = vec![f32::NAN; n];
-            // SAFETY: checked above; `applies` holds.
-            unsafe {
-                pairs::scores4::<Fp8Pairs, _>(&qe, &codes, hd, n, &mut s, stride);
-                pairs::scores1::<Fp8Pairs, _>(&qe[hd..], &codes, hd, n, &mut s1);
-            }
-            for r in 0..4 {
-                for t in 0..n {
-                    let terms = (0..hd).map(|d| f64::from(q[r * hd + d]) * code(t, d));
-                    let want: f64 = terms.clone().sum();
-                    let size: f64 = terms.map(f64::abs).sum();
-                    let got = f64::from(s[r * stride + t]);
-                    assert!(
-                        (got - want).abs() <= 2e-5 * size,
-                        "hd {hd} row {r} token {t}: {got} vs {want}"
-                    );
-                    let one = f64::from(s1[t]);
-                    if r == 1 {
-                        assert!((one - want).abs() <= 2e-5 * size);
-                    }
-                }
-            }
-
-            let p: Vec<f32> = values(4 * n, 1).iter().map(|x| x.abs() * 1e-3).collect();
-            let mut acc: Vec<f32> = values(4 * hd, 2);
-            let start = acc.clone();
-            // SAFETY: checked above; `applies` holds; `R == 4`.
-            unsafe {
-                let rows = [&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..]];
-                pairs::accumulate::<Fp8Pairs, Fp8E4m3, 4>(&mut acc, rows, &codes, hd, n);
-            }
-            let (mut got, mut before) = (acc.clone(), start.clone());
-            pairs::from_acc_order(&mut got);
-            pairs::from_acc_order(&mut before);
-            for r in 0..4 {
-                let pr = &p[r * n..(r + 1) * n];
-                for d in 0..hd {
-                    let terms = (0..n).map(|t| f64::from(pr[t]) * code(t, d));
-                    let want = f64::from(before[r * hd + d]) + terms.clone().sum::<f64>();
-                    let size: f64 = terms.map(f64::abs).sum::<f64>() + 1e-7;
-                    let g = f64::from(got[r * hd + d]);
-                    assert!(
-                        (g - want).abs() <= 2e-5 * size,
-                        "hd {hd} row {r} dim {d}: {g} vs {want}"
-                    );
-                }
-            }
+        // SAFETY: the extension is checked above; the encoding is this module's.
+        unsafe {
+            pairs::check_loops::<Fp8Pairs, Fp8E4m3>(
+                |x| Fp8E4m3(fp8::encode(x * 400.0 + 0.5f32.copysign(x))),
+                |c| f64::from(fp8::decode(c.0)),
+                encode_query,
+            );
         }
     }
 }

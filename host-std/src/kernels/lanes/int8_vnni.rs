@@ -235,22 +235,13 @@ impl pairs::PairDots for Int8Pairs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Int8;
 
     fn vnni() -> bool {
         !cfg!(miri)
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vnni")
-    }
-
-    /// A deterministic spread of values in (-1, 1).
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-                x as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
     }
 
     #[test]
@@ -260,7 +251,7 @@ mod tests {
             return;
         }
         let hd = 128;
-        let q = values(hd, 3);
+        let q = pairs::test_values(hd, 3);
         let mut row = q.clone();
         // SAFETY: VNNI checked above.
         unsafe { encode_query(&mut row, hd) };
@@ -294,81 +285,20 @@ mod tests {
         assert!(bad[SCALE_SLOT].is_nan());
     }
 
-    /// The scores and the accumulation against f64 on the codes, within the fixed-point
-    /// rounding of the queries and weights.
+    /// The scores and the accumulation against f64 on the codes ([`pairs::check_loops`]).
     #[test]
-    fn scores_and_values_match_f64_within_the_fixed_point_rounding() {
+    fn scores_and_values_match_f64() {
         if !vnni() {
             eprintln!("skipped: this CPU has no AVX-512 VNNI");
             return;
         }
-        use crate::dtype::Int8;
-        for hd in [64usize, 128, 256] {
-            let n = 11;
-            let codes: Vec<Int8> = values(n * hd, 9)
-                .iter()
-                .map(|x| Int8((x * 127.0).round() as i8))
-                .collect();
-            let code = |t: usize, d: usize| f64::from(codes[t * hd + d].0);
-            let q = values(4 * hd, 5);
-            let mut qe = q.clone();
-            for row in qe.chunks_exact_mut(hd) {
-                // SAFETY: VNNI checked above.
-                unsafe { encode_query(row, hd) };
-            }
-            let stride = 16;
-            let mut s = vec![f32::NAN; 4 * stride];
-            let mut s1 = vec![f32::NAN; n];
-            // SAFETY: VNNI checked above; `applies` holds.
-            unsafe {
-                pairs::scores4::<Int8Pairs, _>(&qe, &codes, hd, n, &mut s, stride);
-                pairs::scores1::<Int8Pairs, _>(&qe[hd..], &codes, hd, n, &mut s1);
-            }
-            for r in 0..4 {
-                let max = q[r * hd..(r + 1) * hd]
-                    .iter()
-                    .fold(0.0f32, |m, x| m.max(x.abs()));
-                for t in 0..n {
-                    let want: f64 = (0..hd).map(|d| f64::from(q[r * hd + d]) * code(t, d)).sum();
-                    // Each query code is off by at most half a step: 127 × hd of them.
-                    let bound = 0.5 * f64::from(max / ONE) * 127.0 * hd as f64 + 1e-4;
-                    let got = f64::from(s[r * stride + t]);
-                    assert!(
-                        (got - want).abs() <= bound,
-                        "hd {hd} row {r} token {t}: {got} vs {want}"
-                    );
-                    if r == 1 {
-                        assert_eq!(s1[t], s[stride + t]);
-                    }
-                }
-            }
-
-            let p: Vec<f32> = values(4 * n, 1).iter().map(|x| x.abs()).collect();
-            let mut acc: Vec<f32> = values(4 * hd, 2);
-            let start = acc.clone();
-            // SAFETY: VNNI checked above; `applies` holds; `R == 4`.
-            unsafe {
-                let rows = [&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..]];
-                pairs::accumulate::<Int8Pairs, Int8, 4>(&mut acc, rows, &codes, hd, n);
-            }
-            let mut got = acc.clone();
-            let mut before = start.clone();
-            pairs::from_acc_order(&mut got);
-            pairs::from_acc_order(&mut before);
-            for r in 0..4 {
-                let pr = &p[r * n..(r + 1) * n];
-                let max = pr.iter().fold(0.0f32, |m, &x| m.max(x));
-                for d in 0..hd {
-                    let want = f64::from(before[r * hd + d])
-                        + (0..n).map(|t| f64::from(pr[t]) * code(t, d)).sum::<f64>();
-                    let bound = 0.5 * f64::from(max / ONE) * 127.0 * n as f64 + 1e-4;
-                    let g = f64::from(got[r * hd + d]);
-                    assert!(
-                        (g - want).abs() <= bound,
-                        "hd {hd} row {r} dim {d}: {g} vs {want}"
-                    );
-                }
-            }
+        // SAFETY: the extension is checked above; the encoding is this module's.
+        unsafe {
+            pairs::check_loops::<Int8Pairs, Int8>(
+                |x| Int8((x * 127.0).round() as i8),
+                |c| f64::from(c.0),
+                encode_query,
+            );
         }
     }
 }

@@ -341,6 +341,95 @@ pub(in crate::kernels) unsafe fn accumulate<K: PairDots, T: Element, const R: us
     }
 }
 
+/// A deterministic spread of `n` values in (-1, 1).
+#[cfg(test)]
+pub(super) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
+            x as f32 / (1u32 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Checks [`scores4`], [`scores1`] and [`accumulate`] over `K` against f64 on the codes
+/// `codes` (`value` of each), for head dims 64, 128 and 256 and an odd token count:
+/// every score and every accumulated dimension within `1e-4` of the sum of its terms'
+/// magnitudes (the arithmetics round the f32 side to 16 bits or so; an indexing or
+/// reduction mistake is off by the order of the terms themselves).
+///
+/// # Safety
+/// The CPU has `K`'s extension; `encode_query` is `K`'s, `T` its code type.
+#[cfg(test)]
+pub(super) unsafe fn check_loops<K: PairDots, T: Element>(
+    code_of: impl Fn(f32) -> T,
+    value: impl Fn(T) -> f64,
+    encode_query: unsafe fn(&mut [f32], usize),
+) {
+    const N: usize = 11;
+    let close = |got: f64, want: f64, size: f64| (got - want).abs() <= 1e-4 * size + 1e-9;
+    for hd in [64usize, 128, 256] {
+        let codes: Vec<T> = test_values(N * hd, 9).into_iter().map(&code_of).collect();
+        let code = |t: usize, d: usize| value(codes[t * hd + d]);
+        let q = test_values(4 * hd, 5);
+        let mut qe = q.clone();
+        for row in qe.chunks_exact_mut(hd) {
+            // SAFETY: the caller's.
+            unsafe { encode_query(row, hd) };
+        }
+        let stride = 16;
+        let (mut s, mut s1) = (vec![f32::NAN; 4 * stride], vec![f32::NAN; N]);
+        // SAFETY: the caller's; the lengths fit.
+        unsafe {
+            scores4::<K, T>(&qe, &codes, hd, N, &mut s, stride);
+            scores1::<K, T>(&qe[hd..], &codes, hd, N, &mut s1);
+        }
+        for r in 0..4 {
+            for t in 0..N {
+                let terms = (0..hd).map(|d| f64::from(q[r * hd + d]) * code(t, d));
+                let (want, size) = (terms.clone().sum(), terms.map(f64::abs).sum());
+                let got = f64::from(s[r * stride + t]);
+                assert!(
+                    close(got, want, size),
+                    "hd {hd} row {r} token {t}: {got} vs {want}"
+                );
+                if r == 1 {
+                    assert!(close(f64::from(s1[t]), want, size), "scores1, token {t}");
+                }
+            }
+        }
+
+        let p: Vec<f32> = test_values(4 * N, 1)
+            .iter()
+            .map(|x| x.abs() * 1e-3)
+            .collect();
+        let start = test_values(4 * hd, 2);
+        let mut acc = start.clone();
+        // SAFETY: the caller's; `R == 4`, the lengths fit.
+        unsafe {
+            let rows = [&p[..N], &p[N..2 * N], &p[2 * N..3 * N], &p[3 * N..]];
+            accumulate::<K, T, 4>(&mut acc, rows, &codes, hd, N);
+        }
+        let (mut got, mut before) = (acc, start);
+        from_acc_order(&mut got);
+        from_acc_order(&mut before);
+        for r in 0..4 {
+            let pr = &p[r * N..(r + 1) * N];
+            for d in 0..hd {
+                let terms = (0..N).map(|t| f64::from(pr[t]) * code(t, d));
+                let want = f64::from(before[r * hd + d]) + terms.clone().sum::<f64>();
+                let size =
+                    terms.map(f64::abs).sum::<f64>() + f64::from(before[r * hd + d]).abs() * 1e-3;
+                let g = f64::from(got[r * hd + d]);
+                assert!(
+                    close(g, want, size),
+                    "hd {hd} row {r} dim {d}: {g} vs {want}"
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
