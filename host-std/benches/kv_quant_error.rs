@@ -18,9 +18,18 @@
 //! codes already stored are requantized to the new scale, rounding twice; and a scale per
 //! channel over each block (`per channel in block`), alone and for K with V per token.
 //! The bytes column is the mean of K's and V's.
+//!
+//! A second table takes the same K/V and queries through the shipped kernel: written
+//! into a `KvCache` of each storage dtype (8-bit: a scale per token and head) and decoded
+//! by `KvCache::decode` on this CPU's instruction path (printed): the storage's error
+//! and the arithmetic's together, against the same f64 reference. On AVX-512 with VNNI
+//! and BF16 the 8-bit paths compute in 16-bit integer and bf16 dot products; the table
+//! shows what that adds to what the codes lose.
 
 use half::f16;
+use kvpage::kernels::instruction_path;
 use kvpage::quant::{dequantize, quantize, Code};
+use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache, CACHE_NAMESPACES};
 
 const KV_HEADS: usize = 8;
 const GROUP: usize = 4;
@@ -153,6 +162,66 @@ impl Storage {
     }
 }
 
+/// The relative L2 errors of the output rows `got` against `want` (`[rows][HD]`).
+fn row_errors<'a>(got: &'a [f64], want: &'a [f64]) -> impl Iterator<Item = f64> + 'a {
+    got.chunks(HD).zip(want.chunks(HD)).map(|(g, w)| {
+        let num: f64 = g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f64 = w.iter().map(|b| b * b).sum();
+        (num / den).sqrt()
+    })
+}
+
+/// Mean and worst row error of a decode through `KvCache` of `dtype` (one sequence of
+/// `TOKENS` tokens, every head's K/V and queries of `heads`) against `exact`.
+fn through_kernel(dtype: DType, heads: &[Head], exact: &[Vec<f64>]) -> (f64, f64) {
+    let geometry = Geometry::new(1, KV_HEADS as u32, HD as u32, BLOCK as u32, dtype).unwrap();
+    let mut cache = KvCache::new(CacheConfig {
+        geometry,
+        capacity: Capacity::Blocks((TOKENS / BLOCK) as u32),
+        max_seqs: 1,
+        max_seq_len: TOKENS as u32,
+        threads: 1,
+        event_capacity: 0,
+        hash_key: None,
+        max_namespaces: CACHE_NAMESPACES,
+    })
+    .unwrap();
+    let seq = cache.create(0).unwrap();
+    cache.append(seq, TOKENS as u32).unwrap();
+    // `[tokens][kv_heads][hd]`, and the queries `[1][kv_heads * GROUP][hd]`.
+    let interleave = |part: fn(&Head) -> &[f32]| -> Vec<f32> {
+        (0..TOKENS)
+            .flat_map(|t| {
+                heads
+                    .iter()
+                    .flat_map(move |h| &part(h)[t * HD..(t + 1) * HD])
+            })
+            .copied()
+            .collect()
+    };
+    let (k, v) = (interleave(|h| &h.0), interleave(|h| &h.1));
+    cache.write_kv(seq, 0, 0, &k, &v).unwrap();
+    let q: Vec<f32> = heads
+        .iter()
+        .flat_map(|h| h.2.iter().map(|&x| x as f32))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let q_heads = (KV_HEADS * GROUP) as u32;
+    let scale = 1.0 / (HD as f32).sqrt();
+    cache
+        .decode(0, &[seq], &q, &mut out, q_heads, scale)
+        .unwrap();
+    let got: Vec<f64> = out.iter().map(|&x| f64::from(x)).collect();
+    let want: Vec<f64> = exact.concat();
+    let errors: Vec<f64> = row_errors(&got, &want).collect();
+    let worst = errors.iter().cloned().fold(0.0, f64::max);
+    (errors.iter().sum::<f64>() / errors.len() as f64, worst)
+}
+
+/// One KV head's keys and values (`[TOKENS][HD]`) and its group's queries
+/// (`[GROUP][HD]`).
+type Head = (Vec<f32>, Vec<f32>, Vec<f64>);
+
 /// Decode attention in f64 of `q` (`[GROUP][HD]`) over `k`, `v` (`[TOKENS][HD]`).
 fn attend(q: &[f64], k: &[f32], v: &[f32]) -> Vec<f64> {
     let scale = 1.0 / (HD as f64).sqrt();
@@ -183,7 +252,7 @@ fn attend(q: &[f64], k: &[f32], v: &[f32]) -> Vec<f64> {
 fn main() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let outlier_channels = [7, 33, 64, 101];
-    let heads: Vec<(Vec<f32>, Vec<f32>, Vec<f64>)> = (0..KV_HEADS)
+    let heads: Vec<Head> = (0..KV_HEADS)
         .map(|_| {
             let mut k = vec![0.0f32; TOKENS * HD];
             let mut v = vec![0.0f32; TOKENS * HD];
@@ -240,10 +309,7 @@ fn main() {
         let (mut sum, mut worst, mut rows) = (0.0f64, 0.0f64, 0);
         for ((k, v, q), want) in heads.iter().zip(&exact) {
             let got = attend(q, &ks.round_trip(k), &vs.round_trip(v));
-            for (g, w) in got.chunks(HD).zip(want.chunks(HD)) {
-                let num: f64 = g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum();
-                let den: f64 = w.iter().map(|b| b * b).sum();
-                let e = (num / den).sqrt();
+            for e in row_errors(&got, want) {
                 sum += e;
                 worst = worst.max(e);
                 rows += 1;
@@ -262,6 +328,27 @@ fn main() {
             Storage::F16.bytes_per_token() / bytes,
             sum / rows as f64,
             worst
+        );
+    }
+    println!(
+        "\nthrough the CPU kernel (KvCache::decode, path {}), storage and arithmetic:",
+        instruction_path()
+    );
+    println!(
+        "{:<52} {:>10} {:>8} {:>13} {:>13}",
+        "storage", "", "", "mean rel err", "worst rel err"
+    );
+    for (dtype, name) in [
+        (DType::F32, "f32"),
+        (DType::F16, "f16"),
+        (DType::Bf16, "bf16"),
+        (DType::Int8, "int8, per token"),
+        (DType::Fp8E4m3, "fp8 e4m3, per token"),
+    ] {
+        let (mean, worst) = through_kernel(dtype, &heads, &exact);
+        println!(
+            "{:<52} {:>10} {:>8} {:>13.2e} {:>13.2e}",
+            name, "", "", mean, worst
         );
     }
 }
