@@ -73,7 +73,8 @@ unsafe fn score_block<const TOK: usize>(
     sums
 }
 
-/// [`crate::kernels::math::Simd::scores4`] for bf16 storage: `q` (four rows) is in split order.
+/// [`crate::kernels::math::Simd::scores4`] for bf16 storage: `q` (four rows) is in split
+/// order.
 /// Four tokens at a time, then one at a time.
 ///
 /// # Safety

@@ -7,16 +7,17 @@
 //! `2^-120` times the code's value. The missing `2^120` is applied once per score and
 //! once per accumulated vector, with the fixed factors below.
 //!
-//! The f32 side (queries, once per task; softmax weights, once per call) is first
-//! multiplied by `2^64`, so that its products with the codes stay far above the f32
-//! denormals (which `vdpbf16ps` flushes to zero), then split into two bf16, `hi =
-//! bf16(x)` and `lo = bf16(x - hi)`: 16 bits of mantissa, a relative error below
+//! The f32 side (queries, once per task; softmax weights, once per block of tokens)
+//! is first multiplied by `2^64`, so that its products with the codes stay far above
+//! the f32 denormals (which `vdpbf16ps` flushes to zero), then split into two bf16,
+//! `hi = bf16(x)` and `lo = bf16(x - hi)`: 16 bits of mantissa, a relative error below
 //! `2^-17`, against the 4 bits of mantissa of the codes themselves.
 //!
-//! Where the result differs from the f32 arithmetic's: that rounding (about `1e-5` of
-//! the output); subnormal codes (values below `2^-6`, under `2^-6 / 448` of their row's
-//! largest value) read as 0, since `vdpbf16ps` treats denormal inputs as zero; and the
-//! NaN codes (which only a NaN input writes) read as ±480 instead of NaN.
+//! Where the result differs from the f32 arithmetic's: that rounding (at most 4.7e-6
+//! of the output in the kernel tests); subnormal codes (values below `2^-6`, under
+//! `2^-6 / 448` of their row's largest value) read as 0, since `vdpbf16ps` treats
+//! denormal inputs as zero; and the NaN codes (which only a NaN input writes) read as
+//! ±480 instead of NaN.
 //!
 //! Orders as in [`super::pairs`]: a query row's bf16 are kept per group of 64
 //! dimensions as its even dimensions' `hi`, odd `hi`, even `lo`, odd `lo` (32 each: the
@@ -62,9 +63,10 @@ fn split(x: __m512) -> (__m256i, __m256i) {
     (bits256(hi), bits256(lo))
 }
 
-/// Puts a scaled query row (`row[..hd]`, dimension order) into the form [`pairs::scores4`] and
-/// [`pairs::scores1`] read: per group of 64 dimensions, the bf16 `hi` of its even dimensions,
-/// of its odd ones, then their `lo`, of the row times `2^64` (see the module). O(hd).
+/// Puts a scaled query row (`row[..hd]`, dimension order) into the form
+/// [`pairs::scores4`] and [`pairs::scores1`] read: per group of 64 dimensions, the bf16
+/// `hi` of its even dimensions, of its odd ones, then their `lo`, of the row times
+/// `2^64` (see the module). O(hd).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `applies` holds for `hd`, and `row.len() >= hd`.
