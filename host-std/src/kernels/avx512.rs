@@ -9,6 +9,7 @@ use core::arch::x86_64::*;
 use super::avx2::{hsum4, Avx2};
 use super::lanes::{self, bf16_avx512 as bf16, byte_avx512 as bytes};
 use super::math::Simd;
+use super::reduce;
 use crate::dtype::{Element, Kind};
 
 /// The AVX-512F implementation. Only [`Avx512::detect`] makes one, so holding a value
@@ -237,21 +238,16 @@ unsafe fn scores4<T: Element>(
                 }
                 d += 16;
             }
-            // One transposing reduction per token, over its four rows.
-            let mut sums = [[0.0f32; 4]; 4];
-            for (i, si) in sums.iter_mut().enumerate() {
-                *si = hsum4(
-                    fold8(a[0][i], _mm512_setzero_ps()),
-                    fold8(a[1][i], _mm512_setzero_ps()),
-                    fold8(a[2][i], _mm512_setzero_ps()),
-                    fold8(a[3][i], _mm512_setzero_ps()),
-                );
-            }
-            sums
+            // One transposing reduction of all sixteen.
+            reduce::sums_4x4(a)
         };
-        for (i, si) in sums.iter().enumerate() {
-            for (r, sum) in si.iter().enumerate() {
-                s[r * stride + t0 + i] = sum + tail(r, t0 + i);
+        for (r, row) in sums.iter().enumerate() {
+            let dst = &mut s[r * stride + t0..r * stride + t0 + 4];
+            dst.copy_from_slice(row);
+            if w16 < hd {
+                for (i, x) in dst.iter_mut().enumerate() {
+                    *x += tail(r, t0 + i);
+                }
             }
         }
         t0 += 4;

@@ -33,6 +33,8 @@ mod math;
 mod online;
 mod parallel;
 mod pool;
+#[cfg(target_arch = "x86_64")]
+mod reduce;
 mod rope;
 mod write;
 

@@ -9,6 +9,7 @@ use super::bytes;
 use crate::dtype::{Element, Kind};
 use crate::kernels::avx2::hsum4;
 use crate::kernels::avx512::fp8_16;
+use crate::kernels::reduce;
 
 /// Dimensions per group of the split order.
 pub(in crate::kernels) const GROUP: usize = 64;
@@ -55,7 +56,7 @@ unsafe fn score_block<T: Element, const TOK: usize>(
     qp: *const f32,
     kp: *const u8,
     hd: usize,
-) -> [[f32; 4]; TOK] {
+) -> [[__m512; TOK]; 4] {
     let zero = _mm512_setzero_ps();
     let mut a = [[zero; TOK]; 4];
     let mut d = 0;
@@ -82,11 +83,7 @@ unsafe fn score_block<T: Element, const TOK: usize>(
             d += GROUP;
         }
     }
-    let mut sums = [[0.0f32; 4]; TOK];
-    for (i, si) in sums.iter_mut().enumerate() {
-        *si = hsum4(fold(a[0][i]), fold(a[1][i]), fold(a[2][i]), fold(a[3][i]));
-    }
-    sums
+    a
 }
 
 /// [`crate::kernels::math::Simd::scores4`] for 8-bit storage: `q` (four rows) is in
@@ -113,15 +110,15 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
         // asserted lengths; codes are one byte each.
         if t0 + 4 <= n {
             let sums = unsafe { score_block::<T, 4>(qp, kp.add(t0 * hd), hd) };
-            for (i, si) in sums.iter().enumerate() {
-                for (r, &sum) in si.iter().enumerate() {
-                    s[r * stride + t0 + i] = sum;
-                }
+            let sums = reduce::sums_4x4(sums);
+            for (r, row) in sums.iter().enumerate() {
+                s[r * stride + t0..r * stride + t0 + 4].copy_from_slice(row);
             }
             t0 += 4;
         } else {
-            let [si] = unsafe { score_block::<T, 1>(qp, kp.add(t0 * hd), hd) };
-            for (r, &sum) in si.iter().enumerate() {
+            let [[a0], [a1], [a2], [a3]] = unsafe { score_block::<T, 1>(qp, kp.add(t0 * hd), hd) };
+            let sums = hsum4(fold(a0), fold(a1), fold(a2), fold(a3));
+            for (r, &sum) in sums.iter().enumerate() {
                 s[r * stride + t0] = sum;
             }
             t0 += 1;

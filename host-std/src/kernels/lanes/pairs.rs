@@ -19,6 +19,7 @@ use core::arch::x86_64::*;
 
 use super::bytes;
 use crate::dtype::Element;
+use crate::kernels::reduce::sum16;
 
 /// Dimensions per group (one 64-byte load of codes).
 pub(in crate::kernels) const GROUP: usize = 64;
@@ -73,37 +74,6 @@ pub(in crate::kernels) fn even_odd_ps(a: __m512, b: __m512) -> (__m512, __m512) 
         _mm512_permutex2var_ps(a, even, b),
         _mm512_permutex2var_ps(a, odd, b),
     )
-}
-
-/// Sixteen horizontal sums at once: lane `j` of the result is the sum (by `add`, on
-/// 32-bit lanes: integer or float bits) of the lanes of `v[j]`; a transposing
-/// reduction, 45 instructions for 16 sums.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(in crate::kernels) fn sum16(
-    v: [__m512i; 16],
-    add: impl Fn(__m512i, __m512i) -> __m512i,
-) -> __m512i {
-    // Pairs: within each 128-bit lane, elements 0 and 2 belong to v[2m], 1 and 3 to
-    // v[2m + 1].
-    let w: [__m512i; 8] = core::array::from_fn(|m| {
-        let (a, b) = (v[2 * m], v[2 * m + 1]);
-        add(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-    });
-    // Quads: element `p` of each 128-bit lane belongs to v[4m + p].
-    let x: [__m512i; 4] = core::array::from_fn(|m| {
-        let (a, b) = (w[2 * m], w[2 * m + 1]);
-        add(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    });
-    // Then the four 128-bit lanes of each quad, two shuffles at a time.
-    let pair = |a: __m512i, b: __m512i| {
-        add(
-            _mm512_shuffle_i32x4::<0x88>(a, b),
-            _mm512_shuffle_i32x4::<0xDD>(a, b),
-        )
-    };
-    let (z0, z1) = (pair(x[0], x[1]), pair(x[2], x[3]));
-    pair(z0, z1)
 }
 
 /// Tokens whose weights one accumulation encodes at a time.
@@ -480,32 +450,6 @@ mod tests {
                     (word as i16, (word >> 16) as i16),
                     (d as i16, 1000 + d as i16)
                 );
-            }
-        }
-    }
-
-    #[test]
-    fn sixteen_sums_at_once_match_one_at_a_time() {
-        if cfg!(miri) || !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("skipped: this CPU has no AVX-512F");
-            return;
-        }
-        // Large lanes of both signs, so a carry across lanes would show.
-        let lanes: Vec<i32> = (0..256u32)
-            .map(|i| i.wrapping_mul(2_654_435_761) as i32 / 16)
-            .collect();
-        // SAFETY: AVX-512F checked above; 16 ints per load and store.
-        unsafe {
-            let v: [__m512i; 16] =
-                core::array::from_fn(|j| _mm512_loadu_si512(lanes[16 * j..].as_ptr().cast()));
-            let mut out = [0i32; 16];
-            let sums = sum16(v, |a, b| _mm512_add_epi32(a, b));
-            _mm512_storeu_si512(out.as_mut_ptr().cast(), sums);
-            for (j, &o) in out.iter().enumerate() {
-                let want = lanes[16 * j..16 * (j + 1)]
-                    .iter()
-                    .fold(0i32, |a, &x| a.wrapping_add(x));
-                assert_eq!(o, want, "sum {j}");
             }
         }
     }
