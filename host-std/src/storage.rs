@@ -1,6 +1,6 @@
 //! Where a [`crate::KvCache`] keeps its K/V and runs its kernels: the CPU arena (with
 //! the host tier of an engine) or, with the `cuda` feature, a CUDA device
-//! ([`kvpage_cuda::device::DeviceKv`]). The cache's bookkeeping (the core's manager,
+//! (`kvpage_cuda::device::DeviceKv`). The cache's bookkeeping (the core's manager,
 //! pending ranges, slots) is the same for both; every access to K/V bytes goes through
 //! [`Storage`], so the two backends share one cache type.
 //!
