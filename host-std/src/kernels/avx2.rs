@@ -102,13 +102,13 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
-            lanes::to_split_order(rows, bf16::GROUP, 2);
+            lanes::to_split_order::<{ bf16::GROUP }, 2>(rows);
         }
     }
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
-            lanes::from_split_order(rows, bf16::GROUP, 2);
+            lanes::from_split_order::<{ bf16::GROUP }, 2>(rows);
         }
     }
     #[inline(always)]

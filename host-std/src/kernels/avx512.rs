@@ -108,17 +108,17 @@ impl Simd for Avx512 {
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
-            lanes::to_split_order(rows, bf16::GROUP, 2);
+            lanes::to_split_order::<{ bf16::GROUP }, 2>(rows);
         } else if lanes::applies_bytes::<T>(hd) {
-            lanes::to_split_order(rows, bytes::GROUP, bytes::PARTS);
+            lanes::to_split_order::<{ bytes::GROUP }, { bytes::PARTS }>(rows);
         }
     }
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
-            lanes::from_split_order(rows, bf16::GROUP, 2);
+            lanes::from_split_order::<{ bf16::GROUP }, 2>(rows);
         } else if lanes::applies_bytes::<T>(hd) {
-            lanes::from_split_order(rows, bytes::GROUP, bytes::PARTS);
+            lanes::from_split_order::<{ bytes::GROUP }, { bytes::PARTS }>(rows);
         }
     }
     #[inline(always)]

@@ -217,7 +217,8 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if K::applies::<T>(hd) {
-            pairs::from_acc_order(rows);
+            // SAFETY: an `Avx512Dot` exists only where AVX-512F was detected.
+            unsafe { pairs::from_acc_order(rows) };
         } else {
             self.avx512.leave_kernel_order::<T>(rows, hd)
         }

@@ -38,32 +38,29 @@ pub(super) fn applies_bytes<T: Element>(hd: usize) -> bool {
     matches!(T::KIND, Kind::Int8 | Kind::Fp8E4m3) && hd.is_multiple_of(byte_avx512::GROUP) && hd > 0
 }
 
-/// Reorders each group of `group` in `rows` (a multiple of `group` long; `group` a
-/// multiple of `parts`, at most 64) so that dimension `parts · i + j` goes to
-/// `j · group / parts + i`. O(rows.len()).
-pub(super) fn to_split_order(rows: &mut [f32], group: usize, parts: usize) {
-    let lanes = group / parts;
-    for g in rows.chunks_exact_mut(group) {
-        let mut src = [0.0f32; 64];
-        src[..group].copy_from_slice(g);
-        for i in 0..lanes {
-            for j in 0..parts {
-                g[j * lanes + i] = src[parts * i + j];
-            }
+/// Reorders each group of `GROUP` in `rows` (a multiple of `GROUP` long; `GROUP` a
+/// multiple of `PARTS`, at most 64) so that dimension `PARTS · i + j` goes to
+/// `j · GROUP / PARTS + i`. O(rows.len()); the sizes are constants so that the moves
+/// unroll (with run-time sizes this took 4% of a bf16 decode of 256 tokens).
+pub(super) fn to_split_order<const GROUP: usize, const PARTS: usize>(rows: &mut [f32]) {
+    for g in rows.chunks_exact_mut(GROUP) {
+        let src: [f32; GROUP] = core::array::from_fn(|k| g[k]);
+        for (k, x) in g.iter_mut().enumerate() {
+            // Position `k = j · lanes + i` takes dimension `PARTS · i + j`.
+            let (j, i) = (k / (GROUP / PARTS), k % (GROUP / PARTS));
+            *x = src[PARTS * i + j];
         }
     }
 }
 
 /// Inverse of [`to_split_order`]. O(rows.len()).
-pub(super) fn from_split_order(rows: &mut [f32], group: usize, parts: usize) {
-    let lanes = group / parts;
-    for g in rows.chunks_exact_mut(group) {
-        let mut src = [0.0f32; 64];
-        src[..group].copy_from_slice(g);
-        for i in 0..lanes {
-            for j in 0..parts {
-                g[parts * i + j] = src[j * lanes + i];
-            }
+pub(super) fn from_split_order<const GROUP: usize, const PARTS: usize>(rows: &mut [f32]) {
+    for g in rows.chunks_exact_mut(GROUP) {
+        let src: [f32; GROUP] = core::array::from_fn(|k| g[k]);
+        for (d, x) in g.iter_mut().enumerate() {
+            // Dimension `d = PARTS · i + j` comes from position `j · lanes + i`.
+            let (i, j) = (d / PARTS, d % PARTS);
+            *x = src[j * (GROUP / PARTS) + i];
         }
     }
 }
@@ -80,24 +77,28 @@ mod tests {
 
     #[test]
     fn split_order_round_trips() {
-        for group in [16, 32] {
-            let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
-            let mut y = x.clone();
-            to_split_order(&mut y, group, 2);
-            assert_eq!(&y[..4], &[0.0, 2.0, 4.0, 6.0]);
-            assert_eq!(&y[group / 2..group / 2 + 2], &[1.0, 3.0]);
-            assert_eq!(&y[group..group + 2], &[group as f32, group as f32 + 2.0]);
-            from_split_order(&mut y, group, 2);
-            assert_eq!(x, y);
-        }
+        let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
+        let mut y = x.clone();
+        to_split_order::<16, 2>(&mut y);
+        assert_eq!(&y[..4], &[0.0, 2.0, 4.0, 6.0]);
+        assert_eq!(&y[8..10], &[1.0, 3.0]);
+        assert_eq!(&y[16..18], &[16.0, 18.0]);
+        from_split_order::<16, 2>(&mut y);
+        assert_eq!(x, y);
+        to_split_order::<32, 2>(&mut y);
+        assert_eq!(&y[..4], &[0.0, 2.0, 4.0, 6.0]);
+        assert_eq!(&y[16..18], &[1.0, 3.0]);
+        assert_eq!(&y[32..34], &[32.0, 34.0]);
+        from_split_order::<32, 2>(&mut y);
+        assert_eq!(x, y);
         let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
         let mut y = x.clone();
-        to_split_order(&mut y, 64, 4);
+        to_split_order::<64, 4>(&mut y);
         assert_eq!(&y[..3], &[0.0, 4.0, 8.0]);
         assert_eq!(&y[16..18], &[1.0, 5.0]);
         assert_eq!(&y[48..50], &[3.0, 7.0]);
         assert_eq!(&y[64..66], &[64.0, 68.0]);
-        from_split_order(&mut y, 64, 4);
+        from_split_order::<64, 4>(&mut y);
         assert_eq!(x, y);
     }
 }
