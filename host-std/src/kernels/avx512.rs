@@ -8,7 +8,7 @@ use core::arch::x86_64::*;
 
 use super::avx2::{hsum4, Avx2};
 use super::lanes::{self, bf16_avx512 as bf16, byte_avx512 as bytes};
-use super::math::Simd;
+use super::math::{self, Simd};
 use super::reduce;
 use crate::dtype::{Element, Kind};
 
@@ -123,16 +123,83 @@ impl Simd for Avx512 {
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {
-        self.avx2.max(x)
+        let w16 = x.len() / 16 * 16;
+        // SAFETY: an `Avx512` value proves AVX-512F.
+        unsafe { max16(&x[..w16]) }.max(self.avx2.max(&x[w16..]))
     }
     #[inline(always)]
     fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
-        self.avx2.exp_shifted_sum(x, shift)
+        let w16 = x.len() / 16 * 16;
+        let (wide, rest) = x.split_at_mut(w16);
+        // SAFETY: an `Avx512` value proves AVX-512F.
+        let sum = unsafe { exp_shifted_sum16(wide, shift) };
+        sum + self.avx2.exp_shifted_sum(rest, shift)
     }
     #[inline(always)]
     fn scale(self, x: &mut [f32], c: f32) {
         self.avx2.scale(x, c)
     }
+}
+
+/// The maximum of `x` (a multiple of 16 long; `-inf` when empty), 16 lanes at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn max16(x: &[f32]) -> f32 {
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in x.chunks_exact(16) {
+        // SAFETY: `c` holds 16 floats.
+        m = _mm512_max_ps(m, unsafe { _mm512_loadu_ps(c.as_ptr()) });
+    }
+    _mm512_reduce_max_ps(m)
+}
+
+/// [`Simd::exp_shifted_sum`] of `x` (a multiple of 16 long): [`math::exp`]'s
+/// arithmetic on 16 lanes (the same operations as the AVX2 form, so the same values;
+/// `2^k` applied by `vscalefps`). Half the instructions per element of the 8-lane
+/// form, which was 7-8% of a decode in cache.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn exp_shifted_sum16(x: &mut [f32], shift: f32) -> f32 {
+    let shift_v = _mm512_set1_ps(shift);
+    let lo = _mm512_set1_ps(-87.0);
+    let zero = _mm512_setzero_ps();
+    let log2e = _mm512_set1_ps(core::f32::consts::LOG2_E);
+    let magic = _mm512_set1_ps(math::EXP_MAGIC);
+    let (ln2_hi, ln2_lo) = (_mm512_set1_ps(math::LN2_HI), _mm512_set1_ps(math::LN2_LO));
+    let c: [__m512; 6] = [
+        _mm512_set1_ps(1.0 / 720.0),
+        _mm512_set1_ps(1.0 / 120.0),
+        _mm512_set1_ps(1.0 / 24.0),
+        _mm512_set1_ps(1.0 / 6.0),
+        _mm512_set1_ps(0.5),
+        _mm512_set1_ps(1.0),
+    ];
+    let mut sum = _mm512_setzero_ps();
+    for ch in x.chunks_exact_mut(16) {
+        // SAFETY: `ch` holds 16 floats.
+        let xv = _mm512_sub_ps(unsafe { _mm512_loadu_ps(ch.as_ptr()) }, shift_v);
+        // Zero below -87 (as the AVX2 form's `andnot`: not for NaN).
+        let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(xv, lo);
+        let xc = _mm512_min_ps(_mm512_max_ps(xv, lo), zero);
+        let kf = _mm512_sub_ps(_mm512_fmadd_ps(xc, log2e, magic), magic);
+        let r = _mm512_fnmadd_ps(kf, ln2_lo, _mm512_fnmadd_ps(kf, ln2_hi, xc));
+        let mut p = c[0];
+        for ci in &c[1..] {
+            p = _mm512_fmadd_ps(p, r, *ci);
+        }
+        p = _mm512_fmadd_ps(p, r, c[5]);
+        let e = _mm512_maskz_scalef_ps(kept, p, kf);
+        // SAFETY: `ch` holds 16 floats.
+        unsafe { _mm512_storeu_ps(ch.as_mut_ptr(), e) };
+        sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_reduce_add_ps(sum)
 }
 
 /// Loads 16 stored elements from `p` as `f32` (converting f16 with the AVX-512 form of
@@ -519,6 +586,49 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
     for d in w16..hd {
         for t in 0..n {
             acc[d] += p[t] * v[t * hd + d].to_f32();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 16-lane softmax pieces give the AVX2 form's values exactly (bit for bit, also
+    /// for `-inf`, arguments under -87, and NaN), and the maximum, over lengths with and
+    /// without an 8-lane or scalar rest.
+    #[test]
+    fn sixteen_lane_softmax_matches_the_avx2_arithmetic() {
+        let Some(simd) = Avx512::detect() else {
+            eprintln!("skipped: this CPU has no AVX-512F (or the path is capped)");
+            return;
+        };
+        for n in [0, 5, 16, 24, 47, 64] {
+            let mut x: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 200) as f32 * -0.5 + 3.0)
+                .collect();
+            if n > 20 {
+                x[3] = f32::NEG_INFINITY;
+                x[17] = -100.0;
+                x[19] = f32::NAN;
+            }
+            let want_max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            assert_eq!(simd.max(&x), want_max, "max, n {n}");
+            let shift = 2.5;
+            let mut want = x.clone();
+            let want_sum = simd.avx2.exp_shifted_sum(&mut want, shift);
+            let total = simd.exp_shifted_sum(&mut x, shift);
+            for (i, (a, b)) in x.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "exp, n {n}, element {i}: {a} vs {b}"
+                );
+            }
+            assert!(
+                (total - want_sum).abs() <= 1e-6 * want_sum.max(1.0),
+                "sum, n {n}"
+            );
         }
     }
 }
