@@ -246,4 +246,22 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     fn scale(self, x: &mut [f32], c: f32) {
         self.avx512.scale(x, c)
     }
+    #[inline(always)]
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        self.avx512.widen(src, dst)
+    }
+    const SCORES16: bool = true;
+    #[inline(always)]
+    fn scores16(
+        self,
+        qt: &[f32],
+        k: &[f32],
+        hd: usize,
+        n: usize,
+        rows: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        self.avx512.scores16(qt, k, hd, n, rows, s, s_stride)
+    }
 }

@@ -79,6 +79,37 @@ pub(crate) trait Simd: Copy {
     fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32;
     /// `x[i] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
+    /// Widens stored elements to f32 ([`Element::widen`], which it is by default).
+    /// O(src.len()).
+    #[inline(always)]
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        T::widen(src, dst);
+    }
+    /// Whether [`Simd::scores16`] is this arithmetic's fast form for tasks of more than
+    /// four rows (chunked prefill), which then hold their queries dimension-major.
+    const SCORES16: bool = false;
+    /// `s[r * s_stride + t] = Σ_d qt[16 d + r] · k[t * hd + d]` for the rows `r < rows`
+    /// (at most 16) and tokens `t < n`: every row against one key at once, from queries
+    /// held dimension-major (16 floats per dimension; lanes past `rows` are ignored) and
+    /// keys already in f32. No horizontal sums: each key element is broadcast against the
+    /// rows' vector. By default one row and one token at a time. O(16 × n × hd).
+    #[allow(clippy::too_many_arguments)]
+    fn scores16(
+        self,
+        qt: &[f32],
+        k: &[f32],
+        hd: usize,
+        n: usize,
+        rows: usize,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        for (t, kt) in k.chunks_exact(hd).take(n).enumerate() {
+            for r in 0..rows {
+                s[r * s_stride + t] = kt.iter().enumerate().map(|(d, x)| qt[16 * d + r] * x).sum();
+            }
+        }
+    }
 }
 
 /// [`Simd::accumulate4`] as two [`Simd::accumulate2`] calls (rows 0-1, then 2-3). O(n ×

@@ -353,15 +353,30 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     } else {
         simd.value_step::<T>(hd, VALUE_STEP)
     };
+    // Where the arithmetic has it, such a task over 16-bit or 8-bit storage scores all
+    // its rows against one widened key at once ([`Simd::scores16`]), the queries held
+    // dimension-major; `WIDE_STEP` keys are widened at a time. (f32 storage keeps the
+    // four-row scores: copying its keys cost more than the sums saved, 1.08x.)
+    let transposed = widen && V::SCORES16;
+    let score_step = if transposed { WIDE_STEP } else { SCORE_STEP };
 
     // Load the scaled queries, reset the softmax state.
+    if transposed {
+        sc.q[..16 * hd].fill(0.0);
+    }
     for j in 0..rows {
         let (qi, qh) = task.row(j);
         let src_q = &task.q[(qi * task.q_heads + qh) * hd..][..hd];
-        for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
-            *d = s * task.scale;
+        if transposed {
+            for (d, s) in src_q.iter().enumerate() {
+                sc.q[16 * d + j] = s * task.scale;
+            }
+        } else {
+            for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
+                *d = s * task.scale;
+            }
         }
-        if !widen {
+        if !widen && !transposed {
             simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
         }
         sc.limit[j] = first_pos + qi + 1;
@@ -392,25 +407,28 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
         // four query rows), `SCORE_STEP` tokens at a time. Scores past a row's limit are
         // computed for the group's widest row and zeroed after the exponentials.
-        let per_step = pf_k.lines().div_ceil(n.div_ceil(SCORE_STEP));
+        let per_step = pf_k.lines().div_ceil(n.div_ceil(score_step));
         // An accumulation of few steps (int8 on VNNI takes the chunk in one) would
         // prefetch the next V tiles in one burst: they are spread over the scores'
         // steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
         let v_early = value_step > VALUE_STEP;
         let per_step_v = if v_early {
-            pf_v.lines().div_ceil(n.div_ceil(SCORE_STEP))
+            pf_v.lines().div_ceil(n.div_ceil(score_step))
         } else {
             0
         };
         for (t, len) in runs(src, t0, n) {
             let k = src.tile(0, t, len);
-            for ts in (0..len).step_by(SCORE_STEP) {
-                let m = (len - ts).min(SCORE_STEP);
+            for ts in (0..len).step_by(score_step) {
+                let m = (len - ts).min(score_step);
                 let kt = &k[ts * hd..(ts + m) * hd];
                 let at = t - t0 + ts;
                 let (q, s, limit) = (&sc.q[..], &mut sc.s[at..], &sc.limit[..rows]);
-                if widen {
-                    T::widen(kt, &mut sc.wide[..m * hd]);
+                if transposed {
+                    simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
+                    simd.scores16(&q[..16 * hd], &sc.wide[..m * hd], hd, m, rows, s, MAX_CHUNK);
+                } else if widen {
+                    simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                     score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                 } else {
                     score_rows(simd, q, s, limit, hd, t + ts, kt, m);
@@ -474,7 +492,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 let at = t - t0 + ts;
                 let (acc, s, limit) = (&mut sc.acc[..], &sc.s[at..], &sc.limit[..rows]);
                 if widen {
-                    T::widen(vt, &mut sc.wide[..m * hd]);
+                    simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                     value_rows(simd, acc, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                 } else {
                     value_rows(simd, acc, s, limit, hd, t + ts, vt, m);
