@@ -3,14 +3,20 @@
 //!
 //! `cargo bench -p kvpage --bench decode_bandwidth` — for each context length (512, 2048
 //! and 8192 tokens; others can be given as arguments) and each storage dtype (f32, f16,
-//! bf16, and the 8-bit int8 and fp8 e4m3 with their per-token scales): a decode of `65536 / context` sequences (so every call reads the same number of
-//! tokens: 64 MiB of K/V per byte of element size, far past the last-level cache), 32
+//! bf16, and the 8-bit int8 and fp8 e4m3 with their per-token scales): a decode of
+//! `65536 / context` sequences (so every call reads the same number of tokens: 64 MiB
+//! of K/V per byte of element size, far past the last-level cache), 32
 //! query heads over 8 KV heads, head dim 128, blocks of 16 tokens in shuffled physical
 //! order, on one thread per core. Beside each call, interleaved with it, a read probe
 //! streams the same arena's bytes on the same threads: the kernel's figure is its share
 //! of that probe's bandwidth. The probe itself is checked against `memcpy` (the C
 //! library's, on the same threads and bytes): it prints both, so a probe that does not
 //! reach the machine's read speed shows.
+//!
+//! The last column, `arithmetic`, is the most any schedule of memory could give: the
+//! threads times the kernel's best rate over K/V held in cache, as a share of the
+//! probe. Where it is under a target share, the arithmetic itself (instructions per
+//! byte on this CPU), not the memory access, is what falls short.
 //!
 //! The machine-independent quantity is the bytes of K/V each call must read (printed);
 //! the figure to compare across machines is the fraction of the probe.
@@ -76,8 +82,11 @@ fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
     );
 }
 
-/// One (context, dtype) row: median decode time, its bandwidth, and the probe's.
-fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
+/// One (context, dtype) row: median decode time, its bandwidth, and the probe's; and
+/// the ceiling the arithmetic alone sets, `arithmetic` (bytes per second of K/V the
+/// kernel's arithmetic gets through on all threads with memory out of the way: threads
+/// × the best in-cache rate), as a share of the probe.
+fn row<T: Element>(context: u32, pool: &WorkerPool, arithmetic: f64, rng: &mut StdRng) {
     let seqs = (TOKENS_PER_CALL / context).max(1);
     let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, seqs, context, 1, rng);
     let (mut kernel, mut probe) = (Vec::new(), Vec::new());
@@ -95,7 +104,7 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let bytes = call.bytes().len() as f64;
     let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
     println!(
-        "{:<5} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}%",
+        "{:<7} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}% {:>10.1}%",
         format!("{:?}", T::DTYPE),
         bytes / (1 << 20) as f64,
         k.as_secs_f64() * 1e3,
@@ -103,25 +112,27 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
         gbs(p),
         100.0 * p.as_secs_f64() / k.as_secs_f64(),
         100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
+        100.0 * arithmetic / 1e9 / gbs(p),
     );
 }
 
 /// The same decode on one thread over K/V that stay in the cache (one sequence of 256
 /// tokens: 1 MiB of f32), repeated: the kernel's arithmetic rate, with memory out of the
 /// way. A kernel is bound by memory only while this rate per thread, times the threads,
-/// is well above the probe's bandwidth.
-fn in_cache<T: Element>(rng: &mut StdRng) {
+/// is well above the probe's bandwidth. Returns the best rate, bytes per second.
+fn in_cache<T: Element>(rng: &mut StdRng) -> f64 {
     let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, 256, 1, rng);
     let times: Vec<Duration> = (0..1010).map(|_| call.time(None)).skip(10).collect();
     let (m, best) = stats(times);
     let bytes = call.bytes().len() as f64;
     println!(
-        "  {:<5} {:>8.1} µs per call, {:>6.2} GB/s of K/V per thread (best {:.2})",
+        "  {:<7} {:>8.1} µs per call, {:>6.2} GB/s of K/V per thread (best {:.2})",
         format!("{:?}", T::DTYPE),
         m.as_secs_f64() * 1e6,
         bytes / m.as_secs_f64() / 1e9,
         bytes / best.as_secs_f64() / 1e9
     );
+    bytes / best.as_secs_f64()
 }
 
 /// The probe against `memcpy` on 256 MiB, interleaved, medians.
@@ -232,7 +243,7 @@ fn prefill<T: Element>(pool: &WorkerPool, peak: f64, rng: &mut StdRng) {
     let flops = (visible * u64::from(Q_HEADS) * 4 * u64::from(HEAD_DIM)) as f64;
     let rate = flops / m.as_secs_f64();
     println!(
-        "  {:<5} {:>8.2} ms per call, {:>6.1} GFLOP/s = {:>5.1}% of {} threads x the FMA peak",
+        "  {:<7} {:>8.2} ms per call, {:>6.1} GFLOP/s = {:>5.1}% of {} threads x the FMA peak",
         format!("{:?}", T::DTYPE),
         m.as_secs_f64() * 1e3,
         rate / 1e9,
@@ -274,11 +285,14 @@ fn main() {
         pool.threads()
     );
     println!("in cache, one thread (1 seq x 256 tokens, repeated):");
-    in_cache::<f32>(&mut rng);
-    in_cache::<f16>(&mut rng);
-    in_cache::<bf16>(&mut rng);
-    in_cache::<Int8>(&mut rng);
-    in_cache::<Fp8E4m3>(&mut rng);
+    let arithmetic = [
+        in_cache::<f32>(&mut rng),
+        in_cache::<f16>(&mut rng),
+        in_cache::<bf16>(&mut rng),
+        in_cache::<Int8>(&mut rng),
+        in_cache::<Fp8E4m3>(&mut rng),
+    ]
+    .map(|rate| rate * pool.threads() as f64);
     let peak = fma_peak();
     println!(
         "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread:",
@@ -287,10 +301,21 @@ fn main() {
     prefill::<f32>(&pool, peak, &mut rng);
     prefill::<f16>(&pool, peak, &mut rng);
     prefill::<bf16>(&pool, peak, &mut rng);
+    prefill::<Int8>(&pool, peak, &mut rng);
+    prefill::<Fp8E4m3>(&pool, peak, &mut rng);
     probe_check(&pool, &mut rng);
     println!(
-        "{:<5} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
-        "dtype", "context", "seqs", "MiB", "decode ms", "GB/s", "probe", "of probe", "(best)"
+        "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "dtype",
+        "context",
+        "seqs",
+        "MiB",
+        "decode ms",
+        "GB/s",
+        "probe",
+        "of probe",
+        "(best)",
+        "arithmetic"
     );
     let contexts = numeric_args(0);
     let contexts = if contexts == [0] {
@@ -299,10 +324,10 @@ fn main() {
         contexts
     };
     for context in contexts {
-        row::<f32>(context, &pool, &mut rng);
-        row::<f16>(context, &pool, &mut rng);
-        row::<bf16>(context, &pool, &mut rng);
-        row::<Int8>(context, &pool, &mut rng);
-        row::<Fp8E4m3>(context, &pool, &mut rng);
+        row::<f32>(context, &pool, arithmetic[0], &mut rng);
+        row::<f16>(context, &pool, arithmetic[1], &mut rng);
+        row::<bf16>(context, &pool, arithmetic[2], &mut rng);
+        row::<Int8>(context, &pool, arithmetic[3], &mut rng);
+        row::<Fp8E4m3>(context, &pool, arithmetic[4], &mut rng);
     }
 }
