@@ -66,6 +66,9 @@ pub enum DeviceFault {
     /// The CUDA kernels were not built (no `nvcc` at build time) or were refused.
     NoKernels,
     /// No NVIDIA driver could be loaded (or it lacks an entry point kvpage calls).
+    /// Displayed with the loader's reason (the process's driver load, which is made
+    /// once and kept: the library paths tried and what the loader said, or the missing
+    /// entry point).
     NoDriver,
     /// A driver call failed. Displayed with the code's name and the driver's own
     /// message for it (`cuGetErrorName` / `cuGetErrorString` of the loaded driver, else
@@ -89,6 +92,12 @@ impl core::fmt::Display for DeviceFault {
         match self {
             Self::NotCompiled => f.write_str("kvpage was built without the `cuda` feature"),
             Self::NoKernels => f.write_str("the CUDA kernels were not built or not loaded"),
+            #[cfg(feature = "cuda")]
+            Self::NoDriver => match kvpage_cuda::driver::Driver::get() {
+                Err(e) => write!(f, "no usable NVIDIA driver: {e}"),
+                Ok(_) => f.write_str("no usable NVIDIA driver"),
+            },
+            #[cfg(not(feature = "cuda"))]
             Self::NoDriver => f.write_str("no usable NVIDIA driver"),
             Self::Driver { call, code: 0 } => {
                 write!(
@@ -184,6 +193,12 @@ fn kernel_error_of(e: kvpage_cuda::launch::LaunchError) -> Option<KernelError> {
         } => KernelError::QueriesExceedContext {
             queries,
             context_len,
+        },
+        // The device's table counts its rows in a u64; no table holds 2^32 of them, and
+        // a count past that would only be displayed.
+        L::RowOutOfRange { row, rows } => KernelError::RowOutOfRange {
+            row,
+            rows: u32::try_from(rows).unwrap_or(u32::MAX),
         },
         _ => return None,
     })
@@ -760,5 +775,19 @@ mod tests {
             reason: String::new(),
         }));
         assert_eq!(e, CacheError::Device(DeviceFault::NoDriver));
+        // A block-table row past the device's table is the CPU kernels' error too.
+        let e = CacheError::from(DeviceKvError::Launch(
+            kvpage_cuda::launch::LaunchError::RowOutOfRange { row: 5, rows: 2 },
+        ));
+        assert_eq!(
+            e,
+            CacheError::Kernel(KernelError::RowOutOfRange { row: 5, rows: 2 })
+        );
+        // The display carries the process's own load failure, where there is one.
+        let shown = DeviceFault::NoDriver.to_string();
+        assert!(shown.starts_with("no usable NVIDIA driver"), "{shown}");
+        if let Err(load) = kvpage_cuda::driver::Driver::get() {
+            assert!(shown.ends_with(&load.to_string()), "{shown}");
+        }
     }
 }
