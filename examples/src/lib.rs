@@ -1,6 +1,7 @@
 //! Shared pieces of the kvpage examples: trace parsing, model and device presets, the
 //! roofline step model, the KV memory of each policy, the continuous-batching replay on
 //! kvpage's engine and its reports; the tiny transformer and the script of `long_chat`.
+#![forbid(unsafe_code)]
 
 pub mod fleet;
 pub mod incident;

@@ -3,6 +3,7 @@
 //! Replays the incident of the design document — a 13B-class model, 54 GB of KV memory,
 //! 120 requests, `max_seq_len` 4096 — through a contiguous first-fit baseline and
 //! kvpage's block manager, and prints what the simulation shows, side by side.
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 

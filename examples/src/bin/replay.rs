@@ -3,6 +3,7 @@
 //! Replays a request trace through a contiguous baseline and kvpage's paged KV cache and
 //! prints a table per policy. With no arguments it replays the excerpt of the Azure LLM
 //! inference trace shipped in `examples/traces/`.
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 use kvpage_examples::replay::{main_with, Args};
