@@ -426,14 +426,7 @@ unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     let magic = _mm256_set1_ps(math::EXP_MAGIC);
     let magic_bits = _mm256_set1_epi32(math::EXP_MAGIC.to_bits() as i32);
     let (ln2_hi, ln2_lo) = (_mm256_set1_ps(math::LN2_HI), _mm256_set1_ps(math::LN2_LO));
-    let c: [__m256; 6] = [
-        _mm256_set1_ps(1.0 / 720.0),
-        _mm256_set1_ps(1.0 / 120.0),
-        _mm256_set1_ps(1.0 / 24.0),
-        _mm256_set1_ps(1.0 / 6.0),
-        _mm256_set1_ps(0.5),
-        _mm256_set1_ps(1.0),
-    ];
+    let c: [__m256; 6] = math::EXP_TAYLOR.map(|x| _mm256_set1_ps(x));
     let mut sum = _mm256_setzero_ps();
     for ch in x[..w8].chunks_exact_mut(8) {
         // SAFETY: `ch` holds 8 floats.

@@ -199,14 +199,7 @@ unsafe fn exp_shifted_sum16(x: &mut [f32], shift: f32) -> f32 {
     let log2e = _mm512_set1_ps(core::f32::consts::LOG2_E);
     let magic = _mm512_set1_ps(math::EXP_MAGIC);
     let (ln2_hi, ln2_lo) = (_mm512_set1_ps(math::LN2_HI), _mm512_set1_ps(math::LN2_LO));
-    let c: [__m512; 6] = [
-        _mm512_set1_ps(1.0 / 720.0),
-        _mm512_set1_ps(1.0 / 120.0),
-        _mm512_set1_ps(1.0 / 24.0),
-        _mm512_set1_ps(1.0 / 6.0),
-        _mm512_set1_ps(0.5),
-        _mm512_set1_ps(1.0),
-    ];
+    let c: [__m512; 6] = math::EXP_TAYLOR.map(|x| _mm512_set1_ps(x));
     let mut sum = _mm512_setzero_ps();
     for ch in x.chunks_exact_mut(16) {
         // SAFETY: `ch` holds 16 floats.
