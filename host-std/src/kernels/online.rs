@@ -405,8 +405,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         );
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
-        // four query rows), `SCORE_STEP` tokens at a time. Scores past a row's limit are
-        // computed for the group's widest row and zeroed after the exponentials.
+        // four query rows), `SCORE_STEP` tokens at a time; or, `transposed`, all rows at
+        // once, `WIDE_STEP` tokens at a time. Scores past a row's limit are computed
+        // (for the group's widest row, or for every row) and zeroed after the
+        // exponentials.
         let per_step = pf_k.lines().div_ceil(n.div_ceil(score_step));
         // An accumulation of few steps (int8 on VNNI takes the chunk in one) would
         // prefetch the next V tiles in one burst: they are spread over the scores'
