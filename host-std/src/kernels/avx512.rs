@@ -169,6 +169,7 @@ impl Simd for Avx512 {
 }
 
 /// The maximum of `x` (a multiple of 16 long; `-inf` when empty), 16 lanes at a time.
+/// O(x.len()).
 ///
 /// # Safety
 /// The CPU has AVX-512F.
@@ -186,7 +187,7 @@ unsafe fn max16(x: &[f32]) -> f32 {
 /// [`Simd::exp_shifted_sum`] of `x` (a multiple of 16 long): [`math::exp`]'s
 /// arithmetic on 16 lanes (the same operations as the AVX2 form, so the same values;
 /// `2^k` applied by `vscalefps`). Half the instructions per element of the 8-lane
-/// form, which was 7-8% of a decode in cache.
+/// form, which was 7-8% of a decode in cache. O(x.len()).
 ///
 /// # Safety
 /// The CPU has AVX-512F.

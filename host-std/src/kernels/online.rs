@@ -362,6 +362,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Load the scaled queries, reset the softmax state.
     if transposed {
+        // The lanes past `rows` are computed and never read; zeros keep stale values
+        // (possibly subnormal or NaN) out of the arithmetic. 16 hd stores per task.
         sc.q[..16 * hd].fill(0.0);
     }
     for j in 0..rows {

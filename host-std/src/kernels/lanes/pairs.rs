@@ -52,7 +52,8 @@ const ACC_GATHER: [([i32; 16], u16); 4] = {
 /// Puts accumulated rows (a multiple of [`GROUP`] long) from the order of [`acc_dim`]
 /// back into dimension order. O(rows.len()): per 16 dimensions, two two-source
 /// permutes and a blend (as 64 scalar moves per group this took 4-8% of an int8
-/// decode of 256 tokens).
+/// decode of 256 tokens). Needs AVX-512F: callers outside such code call it in `unsafe`,
+/// holding the proof (an `Avx512Dot`).
 #[target_feature(enable = "avx512f")]
 pub(in crate::kernels) fn from_acc_order(rows: &mut [f32]) {
     for g in rows.chunks_exact_mut(GROUP) {
