@@ -22,17 +22,30 @@ fn cp(src: u32, dst: u32) -> BlockCopy {
     BlockCopy { src, dst }
 }
 
-/// A host's own threads lent to the kernels (here scoped threads started per call).
-struct HostThreads(usize);
+/// A host's own threads lent to the kernels (here scoped threads started per call):
+/// `helpers` besides the caller; `says_threads` whether it tells the kernels how many
+/// (they then size their tasks by it; otherwise they cut them as finely as they can).
+struct HostThreads {
+    helpers: usize,
+    says_threads: bool,
+}
 
 impl Executor for HostThreads {
     fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
         std::thread::scope(|s| {
-            for _ in 0..helpers.min(self.0) {
+            for _ in 0..helpers.min(self.helpers) {
                 s.spawn(job);
             }
             job();
         });
+    }
+
+    fn threads(&self) -> usize {
+        if self.says_threads {
+            self.helpers + 1
+        } else {
+            usize::MAX
+        }
     }
 }
 
@@ -162,9 +175,18 @@ fn check<T: Element>(case: &Case) {
     )
     .unwrap();
     // The calling thread alone, and a host's threads, give the same bits: each output
-    // row is one task's, whichever thread runs it.
-    let host = HostThreads(2);
-    for pool in [None, Some(&host as &dyn Executor)] {
+    // row is one task's, whichever thread runs it, and a row's arithmetic is the same
+    // whether its task takes one KV head or several (the calling thread alone takes
+    // the most; a host that does not say its threads, one).
+    let host = HostThreads {
+        helpers: 2,
+        says_threads: true,
+    };
+    let opaque = HostThreads {
+        helpers: 2,
+        says_threads: false,
+    };
+    for pool in [None, Some(&host as &dyn Executor), Some(&opaque)] {
         let mut again = vec![f32::NAN; q.len()];
         let arena = arena.as_slice::<T>();
         let params = AttentionParams { pool, ..params };

@@ -16,13 +16,25 @@ use crate::error::{Buffer, KernelError};
 /// of one thread. (With a thread spawned per call the threshold had to be 8× higher.)
 const PARALLEL_MIN_WORK: u64 = 1 << 12;
 
+/// Sequences of at most this many query rows (queries × group: a decode step) are run
+/// several KV heads to a task, up to `MAX_ROWS` rows: the task reads each block's K
+/// (then V) tiles of its heads as one contiguous range instead of one short tile per
+/// head. Four rows are one pass of the arithmetic, so heads never share a pass.
+const HEAD_SPAN_ROWS: usize = 4;
+
+/// With more than one thread, KV heads per task are halved until a call has at least
+/// this many tasks per thread (or one head per task): tasks are drawn dynamically, and
+/// a few per thread even out sequences of different lengths.
+const TASKS_PER_THREAD: usize = 4;
+
 /// Attention of new query tokens over a paged KV cache, for one layer.
 ///
 /// `q` and `out` are `[Σ queries][q_heads][head_dim]`, sequences in the order of `seqs`.
 /// Each output row is `softmax(scale · q·Kᵀ) V` over the tokens the query may see
 /// (causal), computed in `f32` with a running-max softmax. Tasks (sequence × KV head ×
-/// tile of up to 16 query rows) run on the calling thread and `params.pool`; all query
-/// heads of a GQA group share each K/V tile, so each stored byte is read once per task.
+/// tile of up to 16 query rows, or for a decode step sequence × several KV heads) run
+/// on the calling thread and `params.pool`; all query heads of a GQA group share each
+/// K/V tile, so each stored byte is read once per task.
 ///
 /// Complexity: O(Σ queries × q_heads × context_len × head_dim) arithmetic; reads each
 /// sequence's K/V of this layer `ceil(queries × group / 16)` times.
@@ -87,7 +99,7 @@ pub fn paged_attention<T: Element>(
     }
     let shape = Shape::check(g.kv_heads(), g.head_dim(), seqs, q, out, &params)?;
 
-    run(&shape, seqs, q, out, |seq, kv_head| PagedSource {
+    run(&shape, seqs, q, out, |seq, kv_head, _heads| PagedSource {
         arena,
         layout,
         blocks: &table.table[seq.row as usize * stride..][..stride],
@@ -97,8 +109,9 @@ pub fn paged_attention<T: Element>(
     Ok(())
 }
 
-/// The K/V of one (sequence, layer, KV head), read through the sequence's block-table
-/// row: chunks never cross a block boundary.
+/// The K/V of one (sequence, layer) from KV head `kv_head` on, read through the
+/// sequence's block-table row: chunks never cross a block boundary. A block stores a
+/// layer's K tiles of consecutive heads next to each other (then the V tiles).
 struct PagedSource<'a, T> {
     arena: &'a [T],
     layout: &'a KvLayout,
@@ -114,30 +127,32 @@ impl<T: Element> KvSource<T> for PagedSource<'_, T> {
         bs - t0 % bs
     }
     #[inline(always)]
-    fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
+    fn tile(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[T] {
         let g = self.layout.geometry();
         let (bs, hd) = (g.block_size() as usize, g.head_dim() as usize);
         let block = self.blocks[t0 / bs];
+        let kv_head = self.kv_head + head as u32;
         let start = self
             .layout
-            .tile_offset_in_range(block, self.layer, kv as u32, self.kv_head)
+            .tile_offset_in_range(block, self.layer, kv as u32, kv_head)
             + (t0 % bs) * hd;
         &self.arena[start..start + n * hd]
     }
     #[inline(always)]
-    fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
-        let bytes = self.scale_bytes(kv, t0, n);
+    fn scales(&self, head: usize, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
+        let bytes = self.scale_bytes(head, kv, t0, n);
         for (o, b) in out[..n].iter_mut().zip(bytes.chunks_exact(4)) {
             *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
     }
     #[inline(always)]
-    fn scale_bytes(&self, kv: usize, t0: usize, n: usize) -> &[u8] {
+    fn scale_bytes(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[u8] {
         let bs = self.layout.geometry().block_size() as usize;
         let block = self.blocks[t0 / bs];
+        let kv_head = self.kv_head + head as u32;
         let start = self
             .layout
-            .tile_offset_in_range(block, self.layer, kv as u32, self.kv_head)
+            .tile_offset_in_range(block, self.layer, kv as u32, kv_head)
             + self.layout.scales_offset()
             + (t0 % bs) * 4;
         // Scaled elements are one byte each: element offsets are byte offsets.
@@ -152,6 +167,8 @@ pub(super) struct Shape<'p> {
     group: usize,
     head_dim: usize,
     scale: f32,
+    /// Most KV heads a task of a decode step takes (see [`heads_per_task`]).
+    head_cap: usize,
     /// Where the tasks run: `None` for the calling thread only.
     pool: Option<&'p dyn Executor>,
 }
@@ -183,6 +200,11 @@ impl<'p> Shape<'p> {
         // saturated (the work estimate, which only picks the thread count).
         let mut total_q: usize = 0;
         let mut work: u64 = 0;
+        let group = (params.q_heads / kv_heads) as usize;
+        // Sequences by query rows, up to `HEAD_SPAN_ROWS` (they may share tasks among
+        // heads), and the tasks of the others: what the head cap is chosen from.
+        let mut by_rows = [0usize; HEAD_SPAN_ROWS + 1];
+        let mut other_tasks: usize = 0;
         for s in seqs {
             if s.queries > s.context_len {
                 return Err(KernelError::QueriesExceedContext {
@@ -194,6 +216,13 @@ impl<'p> Shape<'p> {
                 .checked_add(s.queries as usize)
                 .ok_or(KernelError::BadLayout)?;
             work = work.saturating_add(u64::from(s.queries) * u64::from(s.context_len));
+            let rows = (s.queries as usize).saturating_mul(group);
+            match by_rows.get_mut(rows) {
+                Some(n) => *n += 1,
+                None => {
+                    other_tasks = other_tasks.saturating_add(tiles(s, group) * kv_heads as usize)
+                }
+            }
         }
         let expected = (params.q_heads as usize)
             .checked_mul(head_dim as usize)
@@ -202,13 +231,29 @@ impl<'p> Shape<'p> {
         check_len(Buffer::Query, expected, q.len())?;
         check_len(Buffer::Output, expected, out.len())?;
         let work = work.saturating_mul(u64::from(params.q_heads));
+        let pool = params.pool.filter(|_| work >= PARALLEL_MIN_WORK);
+        let kv_heads = kv_heads as usize;
+        let tasks_at = |cap: usize| {
+            (1..=HEAD_SPAN_ROWS).fold(other_tasks, |acc, rows| {
+                let per_seq = kv_heads / heads_per_task(rows, kv_heads, cap);
+                acc.saturating_add(by_rows[rows].saturating_mul(per_seq))
+            })
+        };
+        let mut head_cap = MAX_ROWS;
+        if let Some(pool) = pool {
+            let wanted = pool.threads().saturating_mul(TASKS_PER_THREAD);
+            while head_cap > 1 && tasks_at(head_cap) < wanted {
+                head_cap /= 2;
+            }
+        }
         Ok(Self {
-            kv_heads: kv_heads as usize,
+            kv_heads,
             q_heads: params.q_heads as usize,
-            group: (params.q_heads / kv_heads) as usize,
+            group,
             head_dim: head_dim as usize,
             scale: params.scale,
-            pool: params.pool.filter(|_| work >= PARALLEL_MIN_WORK),
+            head_cap,
+            pool,
         })
     }
 }
@@ -240,8 +285,30 @@ fn tiles(seq: &SeqQuery, group: usize) -> usize {
     (seq.queries as usize * group).div_ceil(MAX_ROWS)
 }
 
-/// Runs every (sequence, KV head, row tile) task of a validated call, reading K/V from
-/// the source `source(seq, kv_head)` builds, and writes the output rows.
+/// KV heads per task for a sequence of `rows` query rows (queries × group): 1 above
+/// `HEAD_SPAN_ROWS` rows; otherwise the most that fit `MAX_ROWS` rows, at most `cap`,
+/// dividing `kv_heads` (so every task of the sequence has as many). O(cap).
+fn heads_per_task(rows: usize, kv_heads: usize, cap: usize) -> usize {
+    if rows == 0 || rows > HEAD_SPAN_ROWS {
+        return 1;
+    }
+    let most = (MAX_ROWS / rows).min(cap).min(kv_heads);
+    (1..=most)
+        .rev()
+        .find(|&d| kv_heads.is_multiple_of(d))
+        .unwrap_or(1)
+}
+
+/// How a sequence's tasks are cut: KV heads per task, and tasks.
+fn split(seq: &SeqQuery, shape: &Shape<'_>) -> (usize, usize) {
+    let rows = seq.queries as usize * shape.group;
+    let heads = heads_per_task(rows, shape.kv_heads, shape.head_cap);
+    (heads, tiles(seq, shape.group) * (shape.kv_heads / heads))
+}
+
+/// Runs every (sequence, KV heads, row tile) task of a validated call, reading K/V from
+/// the source `source(seq, kv_head, heads)` builds for the task's KV heads
+/// `kv_head..kv_head + heads`, and writes the output rows.
 pub(super) fn run<'s, T, S, F>(
     shape: &Shape<'_>,
     seqs: &'s [SeqQuery],
@@ -251,12 +318,9 @@ pub(super) fn run<'s, T, S, F>(
 ) where
     T: Element,
     S: KvSource<T>,
-    F: Fn(&'s SeqQuery, usize) -> S + Sync,
+    F: Fn(&'s SeqQuery, usize, usize) -> S + Sync,
 {
-    let total: usize = seqs
-        .iter()
-        .map(|s| tiles(s, shape.group) * shape.kv_heads)
-        .sum();
+    let total: usize = seqs.iter().map(|s| split(s, shape).1).sum();
     let row_len = shape.q_heads * shape.head_dim;
     let out = DisjointOut::new(out);
     let init = || Cursor {
@@ -269,7 +333,7 @@ pub(super) fn run<'s, T, S, F>(
         // Advance to the sequence holding `task`.
         loop {
             let s = &seqs[c.seq];
-            let n = tiles(s, shape.group) * shape.kv_heads;
+            let n = split(s, shape).1;
             if task < c.task_base + n {
                 break;
             }
@@ -279,9 +343,12 @@ pub(super) fn run<'s, T, S, F>(
         }
         let seq = &seqs[c.seq];
         let local = task - c.task_base;
-        let (kv_head, tile) = (local % shape.kv_heads, local / shape.kv_heads);
+        let heads = split(seq, shape).0;
+        let head_groups = shape.kv_heads / heads;
+        let (kv_head, tile) = ((local % head_groups) * heads, local / head_groups);
         let all_rows = seq.queries as usize * shape.group;
         let row0 = tile * MAX_ROWS;
+        let head_rows = MAX_ROWS.min(all_rows - row0);
         let t = RowTask {
             q: &q[c.q_base * row_len..(c.q_base + seq.queries as usize) * row_len],
             context_len: seq.context_len as usize,
@@ -289,19 +356,103 @@ pub(super) fn run<'s, T, S, F>(
             group: shape.group,
             q_heads: shape.q_heads,
             kv_head,
+            heads,
             row0,
-            rows: MAX_ROWS.min(all_rows - row0),
+            head_rows,
+            rows: heads * head_rows,
             head_dim: shape.head_dim,
             scale: shape.scale,
         };
-        online::attend(&t, &source(seq, kv_head), &mut c.scratch);
+        online::attend(&t, &source(seq, kv_head, heads), &mut c.scratch);
         let hd = shape.head_dim;
         for j in 0..t.rows {
             let (qi, qh) = t.row(j);
             let offset = (c.q_base + qi) * row_len + qh * hd;
             // SAFETY: (query token, query head) pairs are partitioned among tasks: each
-            // row of each sequence belongs to exactly one (kv head, tile) task.
+            // row of each sequence belongs to exactly one (kv heads, tile) task.
             unsafe { out.write(offset, &c.scratch.acc[j * hd..(j + 1) * hd]) };
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_per_task_fills_the_rows_and_divides_the_heads() {
+        // (rows, kv heads, cap) -> heads per task
+        let cases = [
+            ((4, 8, MAX_ROWS), 4),
+            ((3, 8, MAX_ROWS), 4), // 5 would fit, 4 divides 8
+            ((1, 8, MAX_ROWS), 8),
+            ((1, 32, MAX_ROWS), 16),
+            ((2, 6, MAX_ROWS), 6),
+            ((3, 7, MAX_ROWS), 1), // 7 is prime and over 5
+            ((4, 8, 2), 2),
+            ((4, 8, 1), 1),
+            ((5, 8, MAX_ROWS), 1), // more rows than one pass: one head
+            ((0, 8, MAX_ROWS), 1),
+        ];
+        for ((rows, kv_heads, cap), want) in cases {
+            assert_eq!(
+                heads_per_task(rows, kv_heads, cap),
+                want,
+                "{rows} {kv_heads} {cap}"
+            );
+        }
+    }
+
+    /// An executor that only states its threads (its tasks all run on the caller).
+    struct Threads(usize);
+    impl Executor for Threads {
+        fn execute(&self, _: usize, _: &(dyn Fn() + Sync)) {}
+        fn threads(&self) -> usize {
+            self.0
+        }
+    }
+
+    #[test]
+    fn the_head_cap_keeps_tasks_for_every_thread() {
+        let decode = |seqs: usize| {
+            let one = SeqQuery {
+                row: 0,
+                context_len: 4096,
+                queries: 1,
+            };
+            vec![one; seqs]
+        };
+        let cap = |seqs: &[SeqQuery], pool: Option<&dyn Executor>| {
+            let rows: usize = seqs.iter().map(|s| s.queries as usize).sum::<usize>() * 32 * 128;
+            let (q, out) = (vec![0.0; rows], vec![0.0; rows]);
+            let params = AttentionParams {
+                q_heads: 32,
+                scale: 1.0,
+                pool,
+            };
+            Shape::check(8, 128, seqs, &q, &out, &params)
+                .unwrap()
+                .head_cap
+        };
+        let (two, many, unknown) = (Threads(2), Threads(64), Threads(usize::MAX));
+        // One thread: as many heads as fit.
+        assert_eq!(cap(&decode(1), None), MAX_ROWS);
+        // 32 sequences × 2 tasks of 4 heads = 64 tasks: enough for 2 threads.
+        assert_eq!(cap(&decode(32), Some(&two)), MAX_ROWS);
+        // One sequence: 8 tasks are wanted, which takes one head each.
+        assert_eq!(cap(&decode(1), Some(&two)), 1);
+        // 2 sequences, 2 threads: 8 tasks of 2 heads.
+        assert_eq!(cap(&decode(2), Some(&two)), 2);
+        assert_eq!(cap(&decode(32), Some(&many)), 1);
+        assert_eq!(cap(&decode(32), Some(&unknown)), 1);
+        // A prefill's tasks count too: 16 rows × 8 heads = 128 tasks of one head.
+        let mut mixed = decode(1);
+        mixed.push(SeqQuery {
+            row: 0,
+            context_len: 4096,
+            queries: 64,
+        });
+        assert_eq!(cap(&mixed, Some(&many)), 1);
+        assert_eq!(cap(&mixed, Some(&Threads(16))), MAX_ROWS);
+    }
 }

@@ -72,21 +72,25 @@ pub fn contiguous_attention<T: Element>(
     }
     let shape = Shape::check(kv.kv_heads, kv.head_dim, seqs, q, out, &params)?;
     let head_len = kv.capacity as usize * kv.head_dim as usize;
-    run(&shape, seqs, q, out, |seq, kv_head| {
+    run(&shape, seqs, q, out, |seq, kv_head, heads| {
         let start = (seq.row as usize * kv.kv_heads as usize + kv_head) * head_len;
+        let len = heads * head_len;
         ContiguousSource {
-            k: &kv.k[start..start + head_len],
-            v: &kv.v[start..start + head_len],
+            k: &kv.k[start..start + len],
+            v: &kv.v[start..start + len],
+            head_len,
             head_dim: kv.head_dim as usize,
         }
     });
     Ok(())
 }
 
-/// The `[capacity][head_dim]` K and V of one (sequence, KV head).
+/// The `[heads][capacity][head_dim]` K and V of one sequence's consecutive KV heads.
 struct ContiguousSource<'a, T> {
     k: &'a [T],
     v: &'a [T],
+    /// `capacity * head_dim`: elements of one head.
+    head_len: usize,
     head_dim: usize,
 }
 
@@ -96,12 +100,12 @@ impl<T> KvSource<T> for ContiguousSource<'_, T> {
         usize::MAX
     }
     #[inline(always)]
-    fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
+    fn tile(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[T] {
         let src = if kv == 0 { self.k } else { self.v };
-        &src[t0 * self.head_dim..(t0 + n) * self.head_dim]
+        &src[head * self.head_len + t0 * self.head_dim..][..n * self.head_dim]
     }
     /// Never called: [`contiguous_attention`] refuses 8-bit storage.
-    fn scales(&self, _kv: usize, _t0: usize, n: usize, out: &mut [f32]) {
+    fn scales(&self, _head: usize, _kv: usize, _t0: usize, n: usize, out: &mut [f32]) {
         out[..n].fill(1.0);
     }
 }

@@ -1,14 +1,18 @@
 //! The one inner routine of every attention kernel: a tile of query rows against the
-//! K/V of one (sequence, KV head), in token chunks, with an online (running-max)
-//! softmax. Decode, chunked prefill and the contiguous baseline differ only in where the
+//! K/V of one sequence and one or several consecutive KV heads, in token chunks, with an
+//! online (running-max) softmax. Decode, chunked prefill and the contiguous baseline differ only in where the
 //! chunks come from ([`KvSource`]) and which rows they hand in.
 //!
 //! Per chunk of `n <= MAX_CHUNK` tokens (the runs of one or more blocks): every row of
-//! the task (all query heads of the GQA group, for one or several query tokens) takes
-//! its scores from the stored K tiles, four rows per vector load, each load widening
+//! the task (all query heads of the GQA group, for one or several query tokens, of each
+//! of the task's KV heads) takes its scores from the stored K tiles, four rows per vector load, each load widening
 //! f16 / bf16 to `f32` in registers; then the V tiles are accumulated the same way — so
 //! each stored K/V byte is read (and converted) once per group of rows, and never
 //! copied.
+//! A decode task takes several KV heads (up to `MAX_ROWS` rows in all), and walks each
+//! run of tokens head after head: in the paged layout a block's heads are adjacent, so
+//! the K (then V) tiles it reads, and prefetches, form one contiguous range per block
+//! instead of one short tile per head.
 //! Rows see tokens `t < limit(row)` (causal: a query at absolute position `p` sees
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
@@ -27,28 +31,39 @@ use crate::dtype::{bytes_of, Element, Kind};
 pub(crate) const MAX_ROWS: usize = 16;
 /// Tokens per chunk.
 pub(crate) const MAX_CHUNK: usize = 64;
+/// Rows of queries and scores past `MAX_ROWS`: a four-row pass over the last two or
+/// three rows of a head also computes the next one or two rows' scores (see
+/// [`score_rows`]), which past the task's last row land here, never read.
+const SPARE_ROWS: usize = 3;
 
-/// Where the K/V tiles of one (sequence, KV head, layer) come from.
+/// Where the K/V tiles of a task (one sequence, layer, and the task's KV heads) come from.
 pub(crate) trait KvSource<T> {
-    /// Tokens readable as one contiguous tile starting at token `t0` (at least 1).
+    /// Tokens readable as one contiguous tile starting at token `t0` (at least 1), for
+    /// every head of the task.
     fn run(&self, t0: usize) -> usize;
     /// The `[n][head_dim]` keys (`kv == 0`) or values (`kv == 1`) of tokens
-    /// `t0..t0 + n`, where `n <= run(t0)`.
-    fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T];
+    /// `t0..t0 + n` of the task's KV head `head` (counted from its first), where
+    /// `n <= run(t0)`.
+    fn tile(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[T];
     /// For 8-bit storage: the scales of the same rows into `out[..n]` (stored value =
     /// scale · code). Only called when `T`'s dtype is scaled.
-    fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]);
+    fn scales(&self, head: usize, kv: usize, t0: usize, n: usize, out: &mut [f32]);
     /// For 8-bit storage: where the scales of the same rows are stored (the bytes
     /// [`KvSource::scales`] reads), for prefetching; empty if the source does not say.
     #[inline(always)]
-    fn scale_bytes(&self, kv: usize, t0: usize, n: usize) -> &[u8] {
-        let _ = (kv, t0, n);
+    fn scale_bytes(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[u8] {
+        let _ = (head, kv, t0, n);
         &[]
     }
 }
 
-/// One task: rows `row0..row0 + rows` of a sequence's `queries * group` query rows
-/// (row `r` is query token `r / group`, query head `kv_head * group + r % group`).
+/// One task: rows `row0..row0 + head_rows` of a sequence's `queries * group` query rows
+/// of each of the KV heads `kv_head..kv_head + heads` (row `r` of KV head `h` is query
+/// token `r / group`, query head `h * group + r % group`). Task row `j` is row
+/// `row0 + j % head_rows` of the task's head `j / head_rows`.
+///
+/// Invariants (the caller's): `rows == heads * head_rows <= MAX_ROWS`, and a task of
+/// several heads has at most four rows per head (one pass of the arithmetic).
 #[derive(Clone, Copy)]
 pub(crate) struct RowTask<'a> {
     /// The sequence's queries `[queries][q_heads][head_dim]`.
@@ -61,11 +76,15 @@ pub(crate) struct RowTask<'a> {
     pub group: usize,
     /// Query heads.
     pub q_heads: usize,
-    /// The KV head.
+    /// The task's first KV head.
     pub kv_head: usize,
-    /// First row of the task.
+    /// KV heads of the task.
+    pub heads: usize,
+    /// First row of the task, in each head.
     pub row0: usize,
-    /// Rows of the task (`<= MAX_ROWS`).
+    /// Rows of the task per KV head.
+    pub head_rows: usize,
+    /// Rows of the task in all (`heads * head_rows <= MAX_ROWS`).
     pub rows: usize,
     /// Elements per head (`<= MAX_HEAD_DIM`).
     pub head_dim: usize,
@@ -77,19 +96,22 @@ impl RowTask<'_> {
     /// Query token and query head of row `j` of the task.
     #[inline(always)]
     pub(crate) fn row(&self, j: usize) -> (usize, usize) {
-        let r = self.row0 + j;
-        (r / self.group, self.kv_head * self.group + r % self.group)
+        let (h, r) = (j / self.head_rows, self.row0 + j % self.head_rows);
+        (
+            r / self.group,
+            (self.kv_head + h) * self.group + r % self.group,
+        )
     }
 }
 
 /// Per-worker scratch space (about 36 KiB), made once per worker per call, on its
 /// stack: the kernels allocate nothing.
 pub(crate) struct Scratch {
-    q: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
+    q: [f32; (MAX_ROWS + SPARE_ROWS) * super::MAX_HEAD_DIM],
     /// After [`attend`]: the task's output rows, `[rows][head_dim]`.
     pub(crate) acc: [f32; MAX_ROWS * super::MAX_HEAD_DIM],
-    s: [f32; MAX_ROWS * MAX_CHUNK],
-    /// The chunk's per-token scales of K and V (8-bit storage).
+    s: [f32; (MAX_ROWS + SPARE_ROWS) * MAX_CHUNK],
+    /// The chunk's per-token scales of K and V of one head (8-bit storage).
     scales: [[f32; MAX_CHUNK]; 2],
     /// One step of K or V tokens widened to f32, when a task has more rows than one
     /// pass of the arithmetic takes (see [`attend_body`]).
@@ -102,9 +124,9 @@ pub(crate) struct Scratch {
 impl Scratch {
     pub(crate) fn new() -> Self {
         Self {
-            q: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
+            q: [0.0; (MAX_ROWS + SPARE_ROWS) * super::MAX_HEAD_DIM],
             acc: [0.0; MAX_ROWS * super::MAX_HEAD_DIM],
-            s: [0.0; MAX_ROWS * MAX_CHUNK],
+            s: [0.0; (MAX_ROWS + SPARE_ROWS) * MAX_CHUNK],
             scales: [[0.0; MAX_CHUNK]; 2],
             wide: [0.0; WIDE_STEP * super::MAX_HEAD_DIM],
             m: [0.0; MAX_ROWS],
@@ -252,10 +274,16 @@ fn runs<T, S: KvSource<T>>(
 struct Prefetch<'a> {
     /// Keys (0) or values (1).
     kv: usize,
-    /// The first token whose tile is not begun yet, and the end of the tokens.
+    /// KV heads of the task.
+    heads: usize,
+    /// The run whose tiles are being prefetched (first token, tokens), and the next
+    /// head whose tile of it is not begun (`heads`: the run is done).
+    run: (usize, usize),
+    head: usize,
+    /// The first token of the next run, and the end of the tokens.
     next: usize,
     end: usize,
-    /// Bytes of the tokens' tiles in all.
+    /// Bytes of the tokens' tiles in all (every head's).
     total: usize,
     /// The bytes of the tile being prefetched, and how many are done.
     tile: &'a [u8],
@@ -263,13 +291,17 @@ struct Prefetch<'a> {
 }
 
 impl<'a> Prefetch<'a> {
-    /// Prefetches of tokens `t0..t0 + n` (K or V, `hd` elements of `T` per token).
-    fn new<T>(kv: usize, t0: usize, n: usize, hd: usize) -> Self {
+    /// Prefetches of tokens `t0..t0 + n` of `heads` KV heads (K or V, `hd` elements of
+    /// `T` per token and head), run by run, each run's heads in order.
+    fn new<T>(kv: usize, t0: usize, n: usize, hd: usize, heads: usize) -> Self {
         Self {
             kv,
+            heads,
+            run: (t0, 0),
+            head: heads,
             next: t0,
             end: t0 + n,
-            total: n * hd * core::mem::size_of::<T>(),
+            total: heads * n * hd * core::mem::size_of::<T>(),
             tile: &[],
             done: 0,
         }
@@ -280,23 +312,29 @@ impl<'a> Prefetch<'a> {
         self.total.div_ceil(64)
     }
 
-    /// Prefetches the next `lines` lines, moving on to the next run's tile of `src`
-    /// when one is done.
+    /// Prefetches the next `lines` lines, moving on to the next head's tile of the run,
+    /// or to the next run, when one is done.
     #[inline(always)]
     fn advance<T: Element, S: KvSource<T>>(&mut self, src: &'a S, lines: usize) {
         let mut left = lines * 64;
         while left > 0 {
             if self.done >= self.tile.len() {
-                if self.next >= self.end {
-                    return;
+                if self.head == self.heads {
+                    if self.next >= self.end {
+                        return;
+                    }
+                    let len = src.run(self.next).min(self.end - self.next);
+                    self.run = (self.next, len);
+                    self.next += len;
+                    self.head = 0;
                 }
-                let len = src.run(self.next).min(self.end - self.next);
+                let (t, len) = self.run;
                 if T::DTYPE.is_scaled() {
-                    // The run's scales: a line or two, read before the softmax.
-                    prefetch_lines(src.scale_bytes(self.kv, self.next, len));
+                    // The tile's scales: a line or two, read before the softmax.
+                    prefetch_lines(src.scale_bytes(self.head, self.kv, t, len));
                 }
-                self.tile = bytes_of(src.tile(self.kv, self.next, len));
-                self.next += len;
+                self.tile = bytes_of(src.tile(self.head, self.kv, t, len));
+                self.head += 1;
                 self.done = 0;
             }
             let end = self.tile.len().min(self.done + left);
@@ -340,14 +378,19 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 ) {
     let hd = task.head_dim;
     let rows = task.rows;
+    // Rows per KV head, and KV heads: task row `j` belongs to head `j / hr`, and each
+    // head's rows are `hr` consecutive ones of `sc.q`, `sc.s`, `sc.acc`, `sc.limit`.
+    let (hr, heads) = (task.head_rows, task.heads);
+    debug_assert!(heads * hr == rows && (heads == 1 || hr <= 4));
     let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
 
-    // A task of more rows than one pass of the arithmetic takes (chunked prefill: four
-    // query heads × several query tokens) reads each stored K and V vector once per
-    // four rows; 16-bit storage is then widened once per step into `sc.wide` and the
-    // passes read f32, instead of widening each vector once per pass.
-    let widen = T::KIND != Kind::F32 && rows > 4;
+    // A task of more rows per KV head than one pass of the arithmetic takes (chunked
+    // prefill: four query heads × several query tokens) reads each stored K and V
+    // vector once per four rows; 16-bit storage is then widened once per step into
+    // `sc.wide` and the passes read f32, instead of widening each vector once per pass.
+    // (Such a task has one KV head.)
+    let widen = T::KIND != Kind::F32 && hr > 4;
     let value_step = if widen {
         VALUE_STEP
     } else {
@@ -386,7 +429,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         sc.l[j] = 0.0;
         sc.acc[j * hd..(j + 1) * hd].fill(0.0);
     }
-    // Rows are ordered by query token, so later rows see at least as many tokens.
+    // A head's rows are ordered by query token, so later rows see at least as many
+    // tokens; every head has the same rows, so the last row sees the most.
     let end = sc.limit[rows - 1];
 
     // Chunks of up to `MAX_CHUNK` tokens, each made of the runs of tokens that are
@@ -402,106 +446,114 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // computes (K during the scores, V during the accumulation): a burst of
         // prefetches would stall on the line-fill buffers instead of overlapping.
         let (mut pf_k, mut pf_v) = (
-            Prefetch::new::<T>(0, next, next_n, hd),
-            Prefetch::new::<T>(1, next, next_n, hd),
+            Prefetch::new::<T>(0, next, next_n, hd, heads),
+            Prefetch::new::<T>(1, next, next_n, hd, heads),
         );
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
         // four query rows), `SCORE_STEP` tokens at a time; or, `transposed`, all rows at
         // once, `WIDE_STEP` tokens at a time. Scores past a row's limit are computed
         // (for the group's widest row, or for every row) and zeroed after the
-        // exponentials.
-        let per_step = pf_k.lines().div_ceil(n.div_ceil(score_step));
+        // exponentials. Each run's tiles are taken head after head, the order in which
+        // a block stores them.
+        let steps = heads * n.div_ceil(score_step);
+        let per_step = pf_k.lines().div_ceil(steps);
         // An accumulation of few steps (int8 on VNNI takes the chunk in one) would
         // prefetch the next V tiles in one burst: they are spread over the scores'
         // steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
         let v_early = value_step > VALUE_STEP;
         let per_step_v = if v_early {
-            pf_v.lines().div_ceil(n.div_ceil(score_step))
+            pf_v.lines().div_ceil(steps)
         } else {
             0
         };
         for (t, len) in runs(src, t0, n) {
-            let k = src.tile(0, t, len);
-            for ts in (0..len).step_by(score_step) {
-                let m = (len - ts).min(score_step);
-                let kt = &k[ts * hd..(ts + m) * hd];
-                let at = t - t0 + ts;
-                let (q, s, limit) = (&sc.q[..], &mut sc.s[at..], &sc.limit[..rows]);
-                if transposed {
-                    simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
-                    simd.scores16(&q[..16 * hd], &sc.wide[..m * hd], hd, m, rows, s, MAX_CHUNK);
-                } else if widen {
-                    simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
-                    score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
-                } else {
-                    score_rows(simd, q, s, limit, hd, t + ts, kt, m);
+            for h in 0..heads {
+                let k = src.tile(h, 0, t, len);
+                let (q, limit) = (&sc.q[h * hr * hd..], &sc.limit[h * hr..(h + 1) * hr]);
+                for ts in (0..len).step_by(score_step) {
+                    let m = (len - ts).min(score_step);
+                    let kt = &k[ts * hd..(ts + m) * hd];
+                    let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
+                    if transposed {
+                        simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
+                        simd.scores16(&q[..16 * hd], &sc.wide[..m * hd], hd, m, rows, s, MAX_CHUNK);
+                    } else if widen {
+                        simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
+                        score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
+                    } else {
+                        score_rows(simd, q, s, limit, hd, t + ts, kt, m);
+                    }
+                    pf_k.advance(src, per_step);
+                    pf_v.advance(src, per_step_v);
                 }
-                pf_k.advance(src, per_step);
-                pf_v.advance(src, per_step_v);
             }
         }
 
-        // 8-bit storage: the scores so far are q · code; times each key's scale, q · k.
+        // Online softmax, head by head: new running max, weights, rescale what was
+        // accumulated. 8-bit storage: the scores so far are q · code; times each key's
+        // scale, q · k.
         let scaled = T::DTYPE.is_scaled();
-        if scaled {
-            for (t, len) in runs(src, t0, n) {
-                src.scales(0, t, len, &mut sc.scales[0][t - t0..]);
-                src.scales(1, t, len, &mut sc.scales[1][t - t0..]);
-            }
-            for j in 0..rows {
-                let s = &mut sc.s[j * MAX_CHUNK..j * MAX_CHUNK + n];
-                for (x, k) in s.iter_mut().zip(&sc.scales[0]) {
-                    *x *= k;
+        for h in 0..heads {
+            if scaled {
+                for (t, len) in runs(src, t0, n) {
+                    src.scales(h, 0, t, len, &mut sc.scales[0][t - t0..]);
+                    src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
                 }
             }
-        }
-
-        // Online softmax: new running max, weights, rescale what was accumulated.
-        for j in 0..rows {
-            let vis = visible(sc.limit[j], t0, n);
-            let s = &mut sc.s[j * MAX_CHUNK..(j + 1) * MAX_CHUNK];
-            if vis > 0 {
-                let m_new = sc.m[j].max(simd.max(&s[..vis]));
-                let corr = if m_new == sc.m[j] {
-                    1.0
-                } else {
-                    math::exp(sc.m[j] - m_new)
-                };
-                let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
-                sc.l[j] = sc.l[j] * corr + sum;
-                if corr != 1.0 {
-                    simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
-                }
-                sc.m[j] = m_new;
-                if scaled {
-                    // The weights meet codes of V: fold each value's scale into its
-                    // weight (after the sum, which is over the weights themselves).
-                    for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
-                        *w *= v;
+            for j in h * hr..(h + 1) * hr {
+                let vis = visible(sc.limit[j], t0, n);
+                let s = &mut sc.s[j * MAX_CHUNK..(j + 1) * MAX_CHUNK];
+                if vis > 0 {
+                    if scaled {
+                        for (x, k) in s[..vis].iter_mut().zip(&sc.scales[0]) {
+                            *x *= k;
+                        }
+                    }
+                    let m_new = sc.m[j].max(simd.max(&s[..vis]));
+                    let corr = if m_new == sc.m[j] {
+                        1.0
+                    } else {
+                        math::exp(sc.m[j] - m_new)
+                    };
+                    let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
+                    sc.l[j] = sc.l[j] * corr + sum;
+                    if corr != 1.0 {
+                        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
+                    }
+                    sc.m[j] = m_new;
+                    if scaled {
+                        // The weights meet codes of V: fold each value's scale into its
+                        // weight (after the sum, which is over the weights themselves).
+                        for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
+                            *w *= v;
+                        }
                     }
                 }
+                s[vis..n].fill(0.0);
             }
-            s[vis..n].fill(0.0);
         }
 
         // Weighted values from the V tiles, four rows at a time (then two, then one),
-        // `value_step` tokens at a time.
-        let per_step = pf_v.lines().div_ceil(n.div_ceil(value_step));
+        // `value_step` tokens at a time, each run's tiles head after head.
+        let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
         for (t, len) in runs(src, t0, n) {
-            let v = src.tile(1, t, len);
-            for ts in (0..len).step_by(value_step) {
-                let m = (len - ts).min(value_step);
-                let vt = &v[ts * hd..(ts + m) * hd];
-                let at = t - t0 + ts;
-                let (acc, s, limit) = (&mut sc.acc[..], &sc.s[at..], &sc.limit[..rows]);
-                if widen {
-                    simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
-                    value_rows(simd, acc, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
-                } else {
-                    value_rows(simd, acc, s, limit, hd, t + ts, vt, m);
+            for h in 0..heads {
+                let v = src.tile(h, 1, t, len);
+                let limit = &sc.limit[h * hr..(h + 1) * hr];
+                for ts in (0..len).step_by(value_step) {
+                    let m = (len - ts).min(value_step);
+                    let vt = &v[ts * hd..(ts + m) * hd];
+                    let acc = &mut sc.acc[h * hr * hd..];
+                    let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
+                    if widen {
+                        simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
+                        value_rows(simd, acc, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
+                    } else {
+                        value_rows(simd, acc, s, limit, hd, t + ts, vt, m);
+                    }
+                    pf_v.advance(src, per_step);
                 }
-                pf_v.advance(src, per_step);
             }
         }
         t0 = next;
@@ -527,6 +579,13 @@ fn visible(limit: usize, t: usize, n: usize) -> usize {
 /// the step's offset in the chunk): four rows at a time (each key vector loaded once for
 /// four rows). Scores past a row's limit are computed for its group's widest row and
 /// zeroed after the exponentials. O(rows × m × hd).
+///
+/// A last group of two or three rows is one four-row pass too: it also writes the
+/// scores of the one or two rows after `limit`'s, for the same tokens. In a task of
+/// several KV heads those are the next head's first rows, whose own pass comes later in
+/// the same run and overwrites them (the heads have the same rows, so it covers the
+/// same tokens); after the last head they are `Scratch`'s spare rows. `q` and `s` must
+/// hold those rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn score_rows<U: Element, V: Simd>(
@@ -600,13 +659,16 @@ mod tests {
     //! plain f64 computation (the integration tests only reach the fastest one).
     use super::*;
 
-    /// K/V `[tokens][head_dim]` stored as `T`, with chunks of at most `run` tokens.
+    /// K/V `[heads][tokens][head_dim]` stored as `T`, with chunks of at most `run`
+    /// tokens.
     struct Flat<T> {
         k: Vec<T>,
         v: Vec<T>,
-        /// Per-token scales of K and V (8-bit storage; ones otherwise).
+        /// Per-token scales of K and V, `[heads][tokens]` (8-bit storage; ones
+        /// otherwise).
         scales: [Vec<f32>; 2],
         hd: usize,
+        ctx: usize,
         run: usize,
     }
 
@@ -614,12 +676,12 @@ mod tests {
         fn run(&self, t0: usize) -> usize {
             self.run - t0 % self.run
         }
-        fn tile(&self, kv: usize, t0: usize, n: usize) -> &[T] {
+        fn tile(&self, head: usize, kv: usize, t0: usize, n: usize) -> &[T] {
             let src = if kv == 0 { &self.k } else { &self.v };
-            &src[t0 * self.hd..(t0 + n) * self.hd]
+            &src[(head * self.ctx + t0) * self.hd..][..n * self.hd]
         }
-        fn scales(&self, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
-            out[..n].copy_from_slice(&self.scales[kv][t0..t0 + n]);
+        fn scales(&self, head: usize, kv: usize, t0: usize, n: usize, out: &mut [f32]) {
+            out[..n].copy_from_slice(&self.scales[kv][head * self.ctx + t0..][..n]);
         }
     }
 
@@ -657,37 +719,46 @@ mod tests {
     }
 
     fn check_type<T: Element, V: Simd>(simd: V) {
-        // (head dim, context, queries, group, run length); Miri runs the small first
-        // shapes, which still cover partial runs, several queries and a group.
+        // (head dim, context, queries, group, run length, KV heads per task); Miri runs
+        // the small first shapes, which still cover partial runs, several queries, a
+        // group and several heads.
         let shapes = [
-            (7, 9, 9, 1, 1),
-            (12, 20, 3, 3, 7),
-            (40, 50, 5, 3, 7),
-            (128, 77, 1, 4, 16),
-            (64, 130, 3, 8, 32),
-            (256, 20, 2, 2, 64),
+            (7, 9, 9, 1, 1, 1),
+            (12, 20, 1, 3, 7, 3),
+            (12, 20, 3, 3, 7, 1),
+            (40, 50, 5, 3, 7, 1),
+            (128, 77, 1, 4, 16, 1),
+            (64, 130, 3, 8, 32, 1),
+            (256, 20, 2, 2, 64, 1),
             // Three rows (a pair, then one) and one row, at head dims of 32 multiples
             // that leave a last group of 32 (the bf16 in-lane path's tail).
-            (96, 40, 1, 3, 16),
-            (32, 33, 1, 1, 8),
+            (96, 40, 1, 3, 16, 1),
+            (32, 33, 1, 1, 8, 1),
             // Five rows: more than one pass takes, so 16-bit storage is widened per step.
-            (64, 21, 5, 1, 16),
+            (64, 21, 5, 1, 16, 1),
+            // Decode tasks of several KV heads: 4 × 4 rows, 5 × 3, 16 × 1, 8 × 2 (two
+            // query tokens of one head each).
+            (128, 77, 1, 4, 16, 4),
+            (96, 40, 1, 3, 16, 5),
+            (32, 70, 1, 1, 16, 16),
+            (64, 45, 2, 1, 8, 8),
         ];
         let shapes = if cfg!(miri) {
-            &shapes[..2]
+            &shapes[..3]
         } else {
             &shapes[..]
         };
-        for &(hd, ctx, queries, group, run) in shapes {
+        for &(hd, ctx, queries, group, run, heads) in shapes {
             let ((k, ks), (v, vs)) = (
-                stored::<T>(&values(ctx * hd, 1), hd),
-                stored::<T>(&values(ctx * hd, 2), hd),
+                stored::<T>(&values(heads * ctx * hd, 1), hd),
+                stored::<T>(&values(heads * ctx * hd, 2), hd),
             );
             let src: Flat<T> = Flat {
                 k,
                 v,
                 scales: [ks, vs],
                 hd,
+                ctx,
                 run,
             };
             // The values the storage holds: code times its row's scale.
@@ -698,28 +769,38 @@ mod tests {
                     .collect()
             };
             let (k, v) = (exact(&src.k, &src.scales[0]), exact(&src.v, &src.scales[1]));
-            let q = values(queries * group * hd, 3);
+            let q_heads = heads * group;
+            let q = values(queries * q_heads * hd, 3);
             let all_rows = queries * group;
             let mut sc = Scratch::new();
             let mut row0 = 0;
             while row0 < all_rows {
-                let rows = MAX_ROWS.min(all_rows - row0);
+                let head_rows = (MAX_ROWS / heads).min(all_rows - row0);
                 let task = RowTask {
                     q: &q,
                     context_len: ctx,
                     queries,
                     group,
-                    q_heads: group,
+                    q_heads,
                     kv_head: 0,
+                    heads,
                     row0,
-                    rows,
+                    head_rows,
+                    rows: heads * head_rows,
                     head_dim: hd,
                     scale: 0.4,
                 };
+                assert!(
+                    heads == 1 || head_rows == all_rows,
+                    "a shape of several heads is one task"
+                );
                 attend_body(simd, &task, &src, &mut sc);
-                for j in 0..rows {
+                for j in 0..task.rows {
                     let (qi, qh) = task.row(j);
-                    let qr = &q[(qi * group + qh) * hd..][..hd];
+                    let h = qh / group;
+                    assert_eq!(h, j / head_rows);
+                    let (k, v) = (&k[h * ctx * hd..], &v[h * ctx * hd..]);
+                    let qr = &q[(qi * q_heads + qh) * hd..][..hd];
                     let limit = ctx - queries + qi + 1;
                     let s: Vec<f64> = (0..limit)
                         .map(|t| {
@@ -737,11 +818,11 @@ mod tests {
                         let got = f64::from(sc.acc[j * hd + d]);
                         assert!(
                             (got - want).abs() < 1e-5,
-                            "hd {hd} row {j} dim {d}: {got} vs {want}"
+                            "hd {hd} heads {heads} row {j} dim {d}: {got} vs {want}"
                         );
                     }
                 }
-                row0 += rows;
+                row0 += head_rows;
             }
         }
     }

@@ -54,6 +54,14 @@ pub trait Executor: Sync {
     /// outside a scope must itself keep that promise. A panic of `job` is the
     /// implementation's to handle (re-raise it, as [`WorkerPool`] does, or abort).
     fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync));
+
+    /// Threads that may run a call's tasks, the calling thread included: the kernels
+    /// size their tasks by it (fewer, larger tasks read memory in longer runs; enough
+    /// of them keep every thread busy). The default, `usize::MAX`, says "unknown": the
+    /// kernels then cut their work as finely as they can. O(1).
+    fn threads(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// What the calling thread and the workers share, behind [`Shared::state`].
@@ -250,6 +258,11 @@ impl Executor for WorkerPool {
     /// Re-raises a panic of `job` (see [`WorkerPool::for_each_task`]).
     fn execute(&self, helpers: usize, job: &(dyn Fn() + Sync)) {
         self.run(helpers, job);
+    }
+
+    /// The started workers plus the calling thread ([`WorkerPool::threads`]).
+    fn threads(&self) -> usize {
+        WorkerPool::threads(self)
     }
 }
 
