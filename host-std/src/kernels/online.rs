@@ -720,8 +720,9 @@ mod tests {
 
     fn check_type<T: Element, V: Simd>(simd: V) {
         // (head dim, context, queries, group, run length, KV heads per task); Miri runs
-        // the small first shapes, which still cover partial runs, several queries, a
-        // group and several heads.
+        // the two small first shapes, which still cover partial runs, several queries
+        // (widened per step), a group and several heads. (The routine is safe code:
+        // what Miri adds here is the byte views of the stored tiles.)
         let shapes = [
             (7, 9, 9, 1, 1, 1),
             (12, 20, 1, 3, 7, 3),
@@ -744,7 +745,7 @@ mod tests {
             (64, 45, 2, 1, 8, 8),
         ];
         let shapes = if cfg!(miri) {
-            &shapes[..3]
+            &shapes[..2]
         } else {
             &shapes[..]
         };
