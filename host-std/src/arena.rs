@@ -5,8 +5,9 @@
 //! `[layer][k|v][kv_head]` tiles of `[token_in_block][head_dim]` elements (for the 8-bit
 //! dtypes followed by the tile's `[token_in_block]` f32 scales, 4 one-byte elements
 //! each). A kernel for one layer and one KV head therefore reads one contiguous tile per
-//! block, and a copy-on-write or swap of a block is a single range copy covering all
-//! layers, scales included.
+//! block (and for consecutive KV heads, as the CPU decode takes them, one contiguous
+//! range of K tiles and one of V tiles), and a copy-on-write or swap of a block is a
+//! single range copy covering all layers, scales included.
 //!
 //! The arena starts 64-byte aligned (a cache line, and the width of an AVX-512 load);
 //! a block starts aligned whenever `bytes_per_block` is a multiple of 64, which holds for
