@@ -104,7 +104,7 @@ impl RowTask<'_> {
     }
 }
 
-/// Per-worker scratch space (about 36 KiB), made once per worker per call, on its
+/// Per-worker scratch space (about 49 KiB), made once per worker per call, on its
 /// stack: the kernels allocate nothing.
 pub(crate) struct Scratch {
     q: [f32; (MAX_ROWS + SPARE_ROWS) * super::MAX_HEAD_DIM],
