@@ -337,20 +337,19 @@ pub(super) fn run<'s, T, S, F>(
         q_base: 0,
     };
     for_each_task(shape.pool, total, init, |c, task| {
-        // Advance to the sequence holding `task`.
-        loop {
+        // Advance to the sequence holding `task`; its KV heads per task.
+        let heads = loop {
             let s = &seqs[c.seq];
-            let n = split(s, shape).1;
+            let (heads, n) = split(s, shape);
             if task < c.task_base + n {
-                break;
+                break heads;
             }
             c.task_base += n;
             c.q_base += s.queries as usize;
             c.seq += 1;
-        }
+        };
         let seq = &seqs[c.seq];
         let local = task - c.task_base;
-        let heads = split(seq, shape).0;
         let head_groups = shape.kv_heads / heads;
         let (kv_head, tile) = ((local % head_groups) * heads, local / head_groups);
         let all_rows = seq.queries as usize * shape.group;
@@ -366,13 +365,12 @@ pub(super) fn run<'s, T, S, F>(
             heads,
             row0,
             head_rows,
-            rows: heads * head_rows,
             head_dim: shape.head_dim,
             scale: shape.scale,
         };
         online::attend(&t, &source(seq, kv_head, heads), &mut c.scratch);
         let hd = shape.head_dim;
-        for j in 0..t.rows {
+        for j in 0..t.rows() {
             let (qi, qh) = t.row(j);
             let offset = (c.q_base + qi) * row_len + qh * hd;
             // SAFETY: (query token, query head) pairs are partitioned among tasks: each

@@ -82,10 +82,8 @@ pub(crate) struct RowTask<'a> {
     pub heads: usize,
     /// First row of the task, in each head.
     pub row0: usize,
-    /// Rows of the task per KV head.
+    /// Rows of the task per KV head (`heads * head_rows <= MAX_ROWS`).
     pub head_rows: usize,
-    /// Rows of the task in all (`heads * head_rows <= MAX_ROWS`).
-    pub rows: usize,
     /// Elements per head (`<= MAX_HEAD_DIM`).
     pub head_dim: usize,
     /// Softmax scale applied to the scores.
@@ -93,9 +91,16 @@ pub(crate) struct RowTask<'a> {
 }
 
 impl RowTask<'_> {
+    /// Rows of the task in all: `heads * head_rows`. O(1).
+    #[inline(always)]
+    pub(crate) fn rows(&self) -> usize {
+        self.heads * self.head_rows
+    }
+
     /// Query token and query head of row `j` of the task.
     #[inline(always)]
     pub(crate) fn row(&self, j: usize) -> (usize, usize) {
+        debug_assert!(j < self.rows());
         let (h, r) = (j / self.head_rows, self.row0 + j % self.head_rows);
         (
             r / self.group,
@@ -137,7 +142,7 @@ impl Scratch {
 }
 
 /// Runs `task` over `src`, leaving the normalised output rows in `scratch.acc`
-/// (`[task.rows][task.head_dim]`). Uses the AVX2 + FMA arithmetic when the CPU has it.
+/// (`[task.rows()][task.head_dim]`). Uses the AVX2 + FMA arithmetic when the CPU has it.
 /// O(rows × limit × head_dim). The caller has validated the task (rows within
 /// `MAX_ROWS`, head dim within `MAX_HEAD_DIM`, query rows inside `q`, `src` covering
 /// `context_len` tokens).
@@ -377,7 +382,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     sc: &mut Scratch,
 ) {
     let hd = task.head_dim;
-    let rows = task.rows;
+    let rows = task.rows();
     // Rows per KV head, and KV heads: task row `j` belongs to head `j / hr`, and each
     // head's rows are `hr` consecutive ones of `sc.q`, `sc.s`, `sc.acc`, `sc.limit`.
     let (hr, heads) = (task.head_rows, task.heads);
@@ -800,7 +805,6 @@ mod tests {
                     heads,
                     row0,
                     head_rows,
-                    rows: heads * head_rows,
                     head_dim: hd,
                     scale: 0.4,
                 };
@@ -809,7 +813,7 @@ mod tests {
                     "a shape of several heads is one task"
                 );
                 attend_body(simd, &task, &src, &mut sc);
-                for j in 0..task.rows {
+                for j in 0..task.rows() {
                     let (qi, qh) = task.row(j);
                     let h = qh / group;
                     assert_eq!(h, j / head_rows);
