@@ -7,7 +7,8 @@ use core::marker::PhantomData;
 
 use super::avx512::Avx512;
 use super::lanes::{fp8_bf16, int8_vnni, pairs};
-use super::math::Simd;
+use super::math::{accumulate_tokens_one_by_one, Simd};
+use super::online::MAX_CHUNK;
 use crate::dtype::Element;
 
 /// One dot-product arithmetic for 8-bit codes: the kernels of [`super::lanes`] it
@@ -40,16 +41,16 @@ pub(crate) trait DotKernels: Copy {
     /// # Safety
     /// As [`DotKernels::encode_query`].
     unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]);
-    /// The accumulation of `R <= 4` rows, in the order of [`pairs::acc_dim`].
+    /// The accumulation of `R <= 4` rows over the tokens `v` (one slice each), in the
+    /// order of [`pairs::acc_dim`].
     ///
     /// # Safety
     /// As [`DotKernels::encode_query`].
     unsafe fn accumulate<T: Element, const R: usize>(
         acc: &mut [f32],
         p: [&[f32]; R],
-        v: &[T],
+        v: &[&[T]],
         hd: usize,
-        n: usize,
     );
 }
 
@@ -102,12 +103,11 @@ macro_rules! dot_kernels {
             unsafe fn accumulate<T: Element, const R: usize>(
                 acc: &mut [f32],
                 p: [&[f32]; R],
-                v: &[T],
+                v: &[&[T]],
                 hd: usize,
-                n: usize,
             ) {
                 // SAFETY: the caller's.
-                unsafe { pairs::accumulate::<$pairs, T, R>(acc, p, v, hd, n) }
+                unsafe { pairs::accumulate::<$pairs, T, R>(acc, p, v, hd) }
             }
         }
     };
@@ -115,6 +115,35 @@ macro_rules! dot_kernels {
 
 dot_kernels!(Vnni, int8_vnni, int8_vnni::Int8Pairs, "avx512vnni");
 dot_kernels!(Bf16Dot, fp8_bf16, fp8_bf16::Fp8Pairs, "avx512bf16");
+
+/// `K::accumulate` over `n` tokens stored one after another in `v`, up to a chunk of
+/// them a call. O(R × n × hd).
+///
+/// # Safety
+/// As [`DotKernels::encode_query`]; `v.len() >= n * hd`, and every `p[r].len() >= n`.
+#[inline(always)]
+unsafe fn accumulate_tile<K: DotKernels, T: Element, const R: usize>(
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(MAX_CHUNK);
+        let tokens: [&[T]; MAX_CHUNK] = core::array::from_fn(|i| {
+            if i < m {
+                &v[(t0 + i) * hd..][..hd]
+            } else {
+                &[]
+            }
+        });
+        // SAFETY: the caller's.
+        unsafe { K::accumulate::<T, R>(acc, p.map(|pr| &pr[t0..]), &tokens[..m], hd) };
+        t0 += m;
+    }
+}
 
 /// [`Avx512`] with the dot-product arithmetic `K` for its storage type. Only
 /// [`Avx512Dot::detect`] makes one, so holding a value proves the CPU has AVX-512F and
@@ -176,7 +205,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         n: usize,
     ) {
         if K::applies::<T>(hd) {
-            unsafe { K::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
+            unsafe { accumulate_tile::<K, T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
             self.avx512.accumulate2(acc, p0, p1, v, hd, n)
         }
@@ -191,7 +220,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         n: usize,
     ) {
         if K::applies::<T>(hd) {
-            unsafe { K::accumulate::<T, 4>(acc, p, v, hd, n) }
+            unsafe { accumulate_tile::<K, T, 4>(acc, p, v, hd, n) }
         } else {
             self.avx512.accumulate4(acc, p, v, hd, n)
         }
@@ -199,7 +228,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
         if K::applies::<T>(hd) {
-            unsafe { K::accumulate::<T, 1>(acc, [p], v, hd, n) }
+            unsafe { accumulate_tile::<K, T, 1>(acc, [p], v, hd, n) }
         } else {
             self.avx512.accumulate1(acc, p, v, hd, n)
         }
@@ -223,15 +252,26 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
             self.avx512.leave_kernel_order::<T>(rows, hd)
         }
     }
-    /// A whole chunk for 8-bit storage: each call puts its weights in the arithmetic's
-    /// form and scales its sums into the accumulators once (measured for int8 in cache,
-    /// 1 × 256 tokens: 8 tokens a call 7.9 GB/s per thread, 16: 9.0, 64: 10.5).
+    /// 8-bit storage: each call puts its weights in the arithmetic's form and scales
+    /// its sums into the accumulators once, so a call takes a whole chunk (measured for
+    /// int8 in cache, 1 × 256 tokens: 8 tokens a call 7.9 GB/s per thread, 16: 9.0,
+    /// 64: 10.5).
     #[inline(always)]
-    fn value_step<T: Element>(self, hd: usize, default: usize) -> usize {
+    fn gathers_values<T: Element>(self, hd: usize) -> bool {
+        K::applies::<T>(hd)
+    }
+    #[inline(always)]
+    fn accumulate_tokens<T: Element, const R: usize>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; R],
+        v: &[&[T]],
+        hd: usize,
+    ) {
         if K::applies::<T>(hd) {
-            super::online::MAX_CHUNK
+            unsafe { K::accumulate::<T, R>(acc, p, v, hd) }
         } else {
-            default
+            accumulate_tokens_one_by_one(self, acc, p, v, hd)
         }
     }
     #[inline(always)]

@@ -65,13 +65,29 @@ pub(crate) trait Simd: Copy {
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         let _ = (rows, hd);
     }
-    /// Tokens per call of the accumulation for storage `T` (the attention loop's step,
-    /// at most a chunk): by default the loop's own; more for an arithmetic whose calls
-    /// carry a fixed cost. O(1).
+    /// Whether [`Simd::accumulate_tokens`] is this arithmetic's form of the accumulation
+    /// for storage `T` with head dim `hd`: one whose calls carry a fixed cost (putting
+    /// the weights in its form, scaling its sums into the accumulators), which the
+    /// attention loop then calls once per chunk and KV head, with the tokens of all
+    /// the chunk's runs. False by default. O(1).
     #[inline(always)]
-    fn value_step<T: Element>(self, hd: usize, default: usize) -> usize {
+    fn gathers_values<T: Element>(self, hd: usize) -> bool {
         let _ = hd;
-        default
+        false
+    }
+    /// `acc_r[d] += Σ_t p[r][t] * v[t][d]` for the `R <= 4` rows `acc_r = acc[r *
+    /// hd..]`, over the tokens `v` (one slice of at least `hd` elements per token,
+    /// wherever each is stored). By default one [`Simd::accumulate1`] per row and token
+    /// ([`accumulate_tokens_one_by_one`]). O(R × v.len() × hd).
+    #[inline(always)]
+    fn accumulate_tokens<T: Element, const R: usize>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; R],
+        v: &[&[T]],
+        hd: usize,
+    ) {
+        accumulate_tokens_one_by_one(self, acc, p, v, hd);
     }
     /// Maximum of `x` (`-inf` when empty).
     fn max(self, x: &[f32]) -> f32;
@@ -126,6 +142,23 @@ pub(crate) fn accumulate4_by_pairs<V: Simd, T: Element>(
     let (a01, a23) = acc[..4 * hd].split_at_mut(2 * hd);
     simd.accumulate2(a01, p[0], p[1], v, hd, n);
     simd.accumulate2(a23, p[2], p[3], v, hd, n);
+}
+
+/// [`Simd::accumulate_tokens`] as one [`Simd::accumulate1`] call per row and token.
+/// O(R × v.len() × hd).
+#[inline(always)]
+pub(crate) fn accumulate_tokens_one_by_one<V: Simd, T: Element, const R: usize>(
+    simd: V,
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[&[T]],
+    hd: usize,
+) {
+    for (r, pr) in p.iter().enumerate() {
+        for (t, vt) in v.iter().enumerate() {
+            simd.accumulate1(&mut acc[r * hd..(r + 1) * hd], &pr[t..=t], vt, hd, 1);
+        }
+    }
 }
 
 /// The portable implementation (any CPU): widens one token at a time into a stack

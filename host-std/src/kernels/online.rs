@@ -410,11 +410,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // `sc.wide` and the passes read f32, instead of widening each vector once per pass.
     // (Such a task has one KV head.)
     let widen = T::KIND != Kind::F32 && hr > 4;
-    let value_step = if widen {
-        VALUE_STEP
-    } else {
-        simd.value_step::<T>(hd, VALUE_STEP)
-    };
+    // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
+    // dot-product extensions) takes a chunk's values of one head in one call, token by
+    // token from all of the chunk's runs ([`Simd::gathers_values`]).
+    let gather = !widen && simd.gathers_values::<T>(hd);
     // Where the arithmetic has it, such a task over 16-bit or 8-bit storage scores all
     // its rows against one widened key at once ([`Simd::scores16`]), the queries held
     // dimension-major; `WIDE_STEP` keys are widened at a time. (f32 storage keeps the
@@ -475,11 +474,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // a block stores them.
         let steps = heads * n.div_ceil(score_step);
         let per_step = pf_k.lines().div_ceil(steps);
-        // An accumulation of few steps (int8 on VNNI takes the chunk in one) would
-        // prefetch the next V tiles in one burst: they are spread over the scores'
-        // steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
-        let v_early = value_step > VALUE_STEP;
-        let per_step_v = if v_early {
+        // An accumulation of few steps (a gathered one takes the chunk in one per
+        // head) would prefetch the next V tiles in one burst: they are spread over the
+        // scores' steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
+        let per_step_v = if gather {
             pf_v.lines().div_ceil(steps)
         } else {
             0
@@ -551,25 +549,44 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             }
         }
 
-        // Weighted values from the V tiles, four rows at a time (then two, then one),
-        // `value_step` tokens at a time, each run's tiles head after head.
-        let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
-        for (t, len) in runs(src, t0, n) {
+        // Weighted values from the V tiles, four rows at a time (then two, then one):
+        // gathered, the chunk's tokens of one head at a time; else `VALUE_STEP` tokens
+        // at a time, each run's tiles head after head.
+        if gather {
+            let per_step = pf_v.lines().div_ceil(heads);
             for h in 0..heads {
-                let v = src.tile(h, 1, t, len);
-                let limit = &sc.limit[h * hr..(h + 1) * hr];
-                for ts in (0..len).step_by(value_step) {
-                    let m = (len - ts).min(value_step);
-                    let vt = &v[ts * hd..(ts + m) * hd];
-                    let acc = &mut sc.acc[h * hr * hd..];
-                    let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                    if widen {
-                        simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
-                        value_rows(simd, acc, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
-                    } else {
-                        value_rows(simd, acc, s, limit, hd, t + ts, vt, m);
+                let mut tokens: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
+                for (t, len) in runs(src, t0, n) {
+                    let v = src.tile(h, 1, t, len);
+                    for (slot, vt) in tokens[t - t0..].iter_mut().zip(v.chunks_exact(hd)) {
+                        *slot = vt;
                     }
-                    pf_v.advance(src, per_step);
+                }
+                let limit = &sc.limit[h * hr..(h + 1) * hr];
+                let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
+                value_rows(simd, acc, s, limit, hd, t0, Values::Tokens(&tokens[..n]));
+                pf_v.advance(src, per_step);
+            }
+        } else {
+            let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(VALUE_STEP));
+            for (t, len) in runs(src, t0, n) {
+                for h in 0..heads {
+                    let v = src.tile(h, 1, t, len);
+                    let limit = &sc.limit[h * hr..(h + 1) * hr];
+                    for ts in (0..len).step_by(VALUE_STEP) {
+                        let m = (len - ts).min(VALUE_STEP);
+                        let vt = &v[ts * hd..(ts + m) * hd];
+                        let acc = &mut sc.acc[h * hr * hd..];
+                        let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
+                        if widen {
+                            simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
+                            let wide = Values::Tile(&sc.wide[..m * hd], m);
+                            value_rows(simd, acc, s, limit, hd, t + ts, wide);
+                        } else {
+                            value_rows(simd, acc, s, limit, hd, t + ts, Values::Tile(vt, m));
+                        }
+                        pf_v.advance(src, per_step);
+                    }
                 }
             }
         }
@@ -630,12 +647,30 @@ fn score_rows<U: Element, V: Simd>(
     }
 }
 
-/// Weighted values of the `m` tokens `v` (context tokens `t..t + m`) added into every
+/// The values one accumulation call reads: `Tile(v, m)`, `m` tokens stored one after
+/// another; or `Tokens`, one slice per token, wherever each is stored.
+#[derive(Clone, Copy)]
+enum Values<'a, U> {
+    Tile(&'a [U], usize),
+    Tokens(&'a [&'a [U]]),
+}
+
+impl<U> Values<'_, U> {
+    /// How many tokens.
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match self {
+            Values::Tile(_, m) => *m,
+            Values::Tokens(v) => v.len(),
+        }
+    }
+}
+
+/// Weighted values of the tokens `v` (context tokens `t..t + v.len()`) added into every
 /// row's accumulator (`acc[j * hd..]`), with the weights `s[j * MAX_CHUNK..]` (`s`
 /// starts at the step's offset in the chunk): four rows at a time, then two, then one.
 /// O(rows × m × hd).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn value_rows<U: Element, V: Simd>(
     simd: V,
     acc: &mut [f32],
@@ -643,17 +678,20 @@ fn value_rows<U: Element, V: Simd>(
     limit: &[usize],
     hd: usize,
     t: usize,
-    v: &[U],
-    m: usize,
+    v: Values<'_, U>,
 ) {
-    let rows = limit.len();
+    let (rows, m) = (limit.len(), v.len());
     let weights = |j: usize| &s[j * MAX_CHUNK..j * MAX_CHUNK + m];
     let mut j = 0;
     while j + 4 <= rows {
         let cnt = visible(limit[j + 3], t, m);
         if cnt > 0 {
             let p = [weights(j), weights(j + 1), weights(j + 2), weights(j + 3)];
-            simd.accumulate4(&mut acc[j * hd..(j + 4) * hd], p, v, hd, cnt);
+            let a = &mut acc[j * hd..(j + 4) * hd];
+            match v {
+                Values::Tile(v, _) => simd.accumulate4(a, p, v, hd, cnt),
+                Values::Tokens(v) => simd.accumulate_tokens(a, p, &v[..cnt], hd),
+            }
         }
         j += 4;
     }
@@ -662,9 +700,18 @@ fn value_rows<U: Element, V: Simd>(
         let cnt = visible(limit[if pair { j + 1 } else { j }], t, m);
         if cnt > 0 && pair {
             let a = &mut acc[j * hd..(j + 2) * hd];
-            simd.accumulate2(a, weights(j), weights(j + 1), v, hd, cnt);
+            match v {
+                Values::Tile(v, _) => simd.accumulate2(a, weights(j), weights(j + 1), v, hd, cnt),
+                Values::Tokens(v) => {
+                    simd.accumulate_tokens(a, [weights(j), weights(j + 1)], &v[..cnt], hd)
+                }
+            }
         } else if cnt > 0 {
-            simd.accumulate1(&mut acc[j * hd..(j + 1) * hd], weights(j), v, hd, cnt);
+            let a = &mut acc[j * hd..(j + 1) * hd];
+            match v {
+                Values::Tile(v, _) => simd.accumulate1(a, weights(j), v, hd, cnt),
+                Values::Tokens(v) => simd.accumulate_tokens(a, [weights(j)], &v[..cnt], hd),
+            }
         }
         j += if pair { 2 } else { 1 };
     }
@@ -757,6 +804,10 @@ mod tests {
             (96, 40, 1, 3, 16, 5),
             (32, 70, 1, 1, 16, 16),
             (64, 45, 2, 1, 8, 8),
+            // Runs of odd lengths, so that a gathered accumulation (8-bit storage in
+            // the dot-product extensions) pairs tokens of two runs.
+            (64, 100, 1, 4, 7, 2),
+            (128, 90, 2, 2, 5, 1),
         ];
         // Miri runs two tiny shapes, which still cover partial runs, a task of several
         // heads and one widened per step (the routine is safe code: what Miri adds here
