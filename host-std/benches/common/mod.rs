@@ -186,4 +186,35 @@ impl<T: Element> PagedCall<T> {
     pub fn bytes(&self) -> &[u8] {
         self.arena.as_bytes()
     }
+
+    /// The byte ranges of the arena that a decode reads, per task and in the order the
+    /// task reads them, for tasks of `heads` consecutive KV heads (`heads` divides
+    /// `kv_heads`): for each sequence and group of heads, block after block of the
+    /// sequence's table row, the group's K tiles (adjacent in the block), then its V
+    /// tiles. Whole tiles: the ranges cover the arena once when every context is a
+    /// multiple of the block size.
+    pub fn decode_ranges(&self, heads: u32) -> Vec<Vec<(usize, usize)>> {
+        let g = self.layout.geometry();
+        let size = g.dtype().size_bytes() as usize;
+        let tile = self.layout.tile_elems() * size;
+        let blocks = self
+            .seqs
+            .first()
+            .map_or(0, |s| s.context_len.div_ceil(g.block_size()));
+        let mut tasks = Vec::new();
+        for s in &self.seqs {
+            let row = &self.physical[(s.row * self.stride) as usize..][..blocks as usize];
+            for group in (0..g.kv_heads()).step_by(heads as usize) {
+                let mut ranges = Vec::with_capacity(2 * row.len());
+                for &block in row {
+                    for kv in 0..2 {
+                        let start = self.layout.tile_offset(block, 0, kv, group) * size;
+                        ranges.push((start, heads as usize * tile));
+                    }
+                }
+                tasks.push(ranges);
+            }
+        }
+        tasks
+    }
 }

@@ -245,8 +245,8 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
 
 /// Tokens per step of the scores loop (between two prefetch bursts).
 const SCORE_STEP: usize = 4;
-/// Tokens per step of the value accumulation (unless the arithmetic asks for more:
-/// [`Simd::value_step`]).
+/// Tokens per step of the value accumulation (unless the arithmetic takes a whole chunk
+/// at once: [`Simd::gathers_values`]).
 const VALUE_STEP: usize = 8;
 /// Tokens of the widened K or V step.
 const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
