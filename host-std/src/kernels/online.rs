@@ -404,42 +404,26 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         first.advance(src, lines);
     }
 
-    // A task of more rows per KV head than one pass of the arithmetic takes (chunked
-    // prefill: four query heads × several query tokens) reads each stored K and V
-    // vector once per four rows; 16-bit storage is then widened once per step into
-    // `sc.wide` and the passes read f32, instead of widening each vector once per pass.
-    // (Such a task has one KV head.)
-    let widen = T::KIND != Kind::F32 && hr > 4;
+    // A task of more rows per KV head than one pass of the arithmetic takes (decode of
+    // groups of five or more query heads per KV head, chunked prefill) reads each
+    // stored K and V vector once per four rows. Where the arithmetic asks for it
+    // ([`Simd::widens_for_passes`]: 8-bit storage without AVX-512), such a task widens
+    // the storage once per step into `sc.wide` and the passes read f32. (Such a task
+    // has one KV head.)
+    let widen = hr > 4 && simd.widens_for_passes::<T>();
     // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
     // dot-product extensions) takes a chunk's values of one head in one call, token by
     // token from all of the chunk's runs ([`Simd::gathers_values`]).
     let gather = !widen && simd.gathers_values::<T>(hd);
-    // Where the arithmetic has it, such a task over 16-bit or 8-bit storage scores all
-    // its rows against one widened key at once ([`Simd::scores16`]), the queries held
-    // dimension-major; `WIDE_STEP` keys are widened at a time. (f32 storage keeps the
-    // four-row scores: copying its keys cost more than the sums saved, 1.08x.)
-    let transposed = widen && V::SCORES16;
-    let score_step = if transposed { WIDE_STEP } else { SCORE_STEP };
 
     // Load the scaled queries, reset the softmax state.
-    if transposed {
-        // The lanes past `rows` are computed and never read; zeros keep stale values
-        // (possibly subnormal or NaN) out of the arithmetic. 16 hd stores per task.
-        sc.q[..16 * hd].fill(0.0);
-    }
     for j in 0..rows {
         let (qi, qh) = task.row(j);
         let src_q = &task.q[(qi * task.q_heads + qh) * hd..][..hd];
-        if transposed {
-            for (d, s) in src_q.iter().enumerate() {
-                sc.q[16 * d + j] = s * task.scale;
-            }
-        } else {
-            for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
-                *d = s * task.scale;
-            }
+        for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
+            *d = s * task.scale;
         }
-        if !widen && !transposed {
+        if !widen {
             simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
         }
         sc.limit[j] = first_pos + qi + 1;
@@ -467,12 +451,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         );
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
-        // four query rows), `SCORE_STEP` tokens at a time; or, `transposed`, all rows at
-        // once, `WIDE_STEP` tokens at a time. Scores past a row's limit are computed
-        // (for the group's widest row, or for every row) and zeroed after the
-        // exponentials. Each run's tiles are taken head after head, the order in which
-        // a block stores them.
-        let steps = heads * n.div_ceil(score_step);
+        // four query rows), `SCORE_STEP` tokens at a time. Scores past a row's limit
+        // are computed (for the group's widest row) and zeroed after the exponentials.
+        // Each run's tiles are taken head after head, the order in which a block
+        // stores them.
+        let steps = heads * n.div_ceil(SCORE_STEP);
         let per_step = pf_k.lines().div_ceil(steps);
         // An accumulation of few steps (a gathered one takes the chunk in one per
         // head) would prefetch the next V tiles in one burst: they are spread over the
@@ -486,14 +469,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             for h in 0..heads {
                 let k = src.tile(h, 0, t, len);
                 let (q, limit) = (&sc.q[h * hr * hd..], &sc.limit[h * hr..(h + 1) * hr]);
-                for ts in (0..len).step_by(score_step) {
-                    let m = (len - ts).min(score_step);
+                for ts in (0..len).step_by(SCORE_STEP) {
+                    let m = (len - ts).min(SCORE_STEP);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                    if transposed {
-                        simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
-                        simd.scores16(&q[..16 * hd], &sc.wide[..m * hd], hd, m, rows, s, MAX_CHUNK);
-                    } else if widen {
+                    if widen {
                         simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                         score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                     } else {
@@ -796,8 +776,11 @@ mod tests {
             // that leave a last group of 32 (the bf16 in-lane path's tail).
             (96, 40, 1, 3, 16, 1),
             (32, 33, 1, 1, 8, 1),
-            // Five rows: more than one pass takes, so 16-bit storage is widened per step.
+            // Five rows and more: more than one pass takes (8-bit storage without
+            // AVX-512 is widened per step), among them decode of groups of 7 and 8.
             (64, 21, 5, 1, 16, 1),
+            (64, 50, 1, 7, 16, 1),
+            (128, 77, 1, 8, 16, 1),
             // Decode tasks of several KV heads: 4 × 4 rows, 5 × 3, 16 × 1, 8 × 2 (two
             // query tokens of one head each).
             (128, 77, 1, 4, 16, 4),
@@ -810,7 +793,7 @@ mod tests {
             (128, 90, 2, 2, 5, 1),
         ];
         // Miri runs two tiny shapes, which still cover partial runs, a task of several
-        // heads and one widened per step (the routine is safe code: what Miri adds here
+        // heads and one of five rows per head, widened per step for 8-bit storage (the routine is safe code: what Miri adds here
         // is the byte views of the stored tiles; the two small shapes above took about
         // 50 s interpreted).
         let shapes: &[_] = if cfg!(miri) {
