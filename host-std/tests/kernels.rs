@@ -210,8 +210,14 @@ fn check<T: Element>(case: &Case) {
             }
         }
     }
+    // 8-bit storage on AVX-512 VNNI / BF16 computes on queries and softmax weights
+    // rounded to 16 bits (weights to 2^-16 of a block's largest): over a few hundred
+    // near-uniform weights the output is an average of random values, far smaller than
+    // each, and that rounding comes to up to 1.8e-5 of it (int8, decode of 300 tokens,
+    // 24 or 32 query heads over 4; the f32 arithmetic of the same codes: 2e-7). The
+    // codes themselves lose about 1e-2.
     let tol = if code.is_some() {
-        1e-5
+        4e-5
     } else {
         tolerance::<T>()
     };
@@ -234,7 +240,7 @@ fn check<T: Element>(case: &Case) {
     let err = rel_error(&out, &want);
     assert!(
         err <= tol,
-        "paged: relative error {err:e} (bs {bs}, {})",
+        "paged: relative error {err:e} (bs {bs}, {}, kvh {kvh} qh {qh})",
         core::any::type_name::<T>()
     );
 
@@ -296,6 +302,25 @@ fn decode_every_block_size_and_dtype() {
             lens: cases(&[37, 1, 300, 129], 2).to_vec(),
             queries: cases(&[1, 1, 1, 1], 2).to_vec(),
             seed: 10 + i as u64,
+        });
+    }
+}
+
+#[test]
+// Safe routing over the same unsafe paths as the decode above; under Miri even one
+// short case took 78 s (the online routine's own tests run a task of several heads).
+#[cfg_attr(miri, ignore)]
+fn decode_of_groups_of_five_to_eight_query_heads() {
+    // Two KV heads a task, each in passes of four rows (8 = 4 + 4, 6 = 4 + 2, 5 = 4 + 1).
+    for (i, &(kvh, qh)) in [(2u32, 10u32), (4, 32), (4, 24)].iter().enumerate() {
+        all_dtypes(&Case {
+            block_size: 16,
+            kv_heads: kvh,
+            q_heads: qh,
+            head_dim: 64,
+            lens: vec![5, 37, 300],
+            queries: vec![1, 1, 1],
+            seed: 15 + i as u64,
         });
     }
 }

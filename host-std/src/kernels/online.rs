@@ -63,7 +63,8 @@ pub(crate) trait KvSource<T> {
 /// `row0 + j % head_rows` of the task's head `j / head_rows`.
 ///
 /// Invariants (the caller's): `rows == heads * head_rows <= MAX_ROWS`, and a task of
-/// several heads has at most four rows per head (one pass of the arithmetic).
+/// several heads has at most eight rows per head (a decode step; they go in passes of
+/// four).
 #[derive(Clone, Copy)]
 pub(crate) struct RowTask<'a> {
     /// The sequence's queries `[queries][q_heads][head_dim]`.
@@ -386,7 +387,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // Rows per KV head, and KV heads: task row `j` belongs to head `j / hr`, and each
     // head's rows are `hr` consecutive ones of `sc.q`, `sc.s`, `sc.acc`, `sc.limit`.
     let (hr, heads) = (task.head_rows, task.heads);
-    debug_assert!(heads * hr == rows && (heads == 1 || hr <= 4));
+    debug_assert!(heads * hr == rows && (heads == 1 || hr <= 8));
     let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
     // A head's rows are ordered by query token, so later rows see at least as many
@@ -791,6 +792,10 @@ mod tests {
             // the dot-product extensions) pairs tokens of two runs.
             (64, 100, 1, 4, 7, 2),
             (128, 90, 2, 2, 5, 1),
+            // Two heads a task of 8, 6 and 5 rows each (decode of groups of 5 to 8).
+            (64, 45, 1, 8, 8, 2),
+            (64, 33, 1, 6, 7, 2),
+            (96, 40, 1, 5, 16, 2),
         ];
         // Miri runs two tiny shapes, which still cover partial runs, a task of several
         // heads and one of five rows per head, widened per step for 8-bit storage (the routine is safe code: what Miri adds here
