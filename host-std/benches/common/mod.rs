@@ -191,8 +191,9 @@ impl<T: Element> PagedCall<T> {
     /// task reads them, for tasks of `heads` consecutive KV heads (`heads` divides
     /// `kv_heads`): for each sequence and group of heads, block after block of the
     /// sequence's table row, the group's K tiles (adjacent in the block), then its V
-    /// tiles. Whole tiles: the ranges cover the arena once when every context is a
-    /// multiple of the block size.
+    /// tiles. Whole tiles: the ranges cover the arena once when the context is a
+    /// multiple of the block size (every sequence of a `PagedCall` has the same
+    /// context, so the first one's block count serves for all).
     pub fn decode_ranges(&self, heads: u32) -> Vec<Vec<(usize, usize)>> {
         let g = self.layout.geometry();
         let size = g.dtype().size_bytes() as usize;
