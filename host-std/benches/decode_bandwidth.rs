@@ -46,6 +46,15 @@ const HEAD_DIM: u32 = 128;
 const BLOCK: u32 = 16;
 const ITERS: usize = 11;
 
+/// Adds the eight `u64` words of a 64-byte `line` into the eight accumulators (the
+/// probes' loads, independent chains so that the loop is bound by loads).
+#[inline(always)]
+fn add_line(acc: &mut [u64; 8], line: &[u8]) {
+    for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
+        *a = a.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap()));
+    }
+}
+
 /// Sums `bytes` as `u64` words, one contiguous chunk per thread of `pool`, eight
 /// independent accumulators per thread (so the loop is bound by loads, not by one add
 /// chain).
@@ -60,9 +69,7 @@ fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
             let mut acc = [0u64; 8];
             let mut lines = chunk.chunks_exact(64);
             for line in &mut lines {
-                for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
-                    *a = a.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap()));
-                }
+                add_line(&mut acc, line);
             }
             let tail = lines.remainder().iter().map(|&b| u64::from(b)).sum::<u64>();
             let s = acc.iter().fold(tail, |x, &y| x.wrapping_add(y));
@@ -126,9 +133,7 @@ fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
     for &(start, len) in ranges {
         for line in bytes[start..start + len].chunks_exact(64) {
             prefetch(1);
-            for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
-                *a = a.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap()));
-            }
+            add_line(&mut acc, line);
         }
     }
     acc.iter().fold(0, |x, &y| x.wrapping_add(y))
