@@ -115,6 +115,17 @@ pub(crate) trait Simd: Copy {
     fn widens_for_passes<T: Element>(self) -> bool {
         T::DTYPE.is_scaled()
     }
+    /// Tokens per step of the attention loop's scores, and of its value accumulation
+    /// (unless [`Simd::gathers_values`]), for storage `T` with head dim `hd`: at most
+    /// [`super::online::SCORE_STEP`] and [`super::online::VALUE_STEP`], which they are
+    /// by default. Each step ends with a burst of prefetches as long as the step (its
+    /// lines of the next chunk), so the steps set the bursts' length, and the arithmetic
+    /// pays a fixed cost per step (loading and storing its accumulators). O(1).
+    #[inline(always)]
+    fn steps<T: Element>(self, hd: usize) -> (usize, usize) {
+        let _ = hd;
+        (super::online::SCORE_STEP, super::online::VALUE_STEP)
+    }
 }
 
 /// [`Simd::accumulate4`] as two [`Simd::accumulate2`] calls (rows 0-1, then 2-3). O(n ×

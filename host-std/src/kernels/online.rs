@@ -244,11 +244,29 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
     attend_body(simd, task, src, scratch);
 }
 
-/// Tokens per step of the scores loop (between two prefetch bursts).
-const SCORE_STEP: usize = 4;
-/// Tokens per step of the value accumulation (unless the arithmetic takes a whole chunk
-/// at once: [`Simd::gathers_values`]).
-const VALUE_STEP: usize = 8;
+/// Most tokens per step of the scores loop (between two prefetch bursts), and the
+/// default ([`Simd::steps`]).
+pub(crate) const SCORE_STEP: usize = 4;
+/// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
+/// chunk at once: [`Simd::gathers_values`]), and the default ([`Simd::steps`]).
+pub(crate) const VALUE_STEP: usize = 8;
+
+/// Steps ([`Simd::steps`]) of at most `score_lines` 64-byte lines of one head's K and
+/// `value_lines` of its V (storage `T`, head dim `hd`), within `1..=SCORE_STEP` and
+/// `2..=VALUE_STEP` tokens (a step of one token of values would load and store the
+/// accumulators for every token). O(1).
+pub(crate) fn steps_of_lines<T>(
+    hd: usize,
+    score_lines: usize,
+    value_lines: usize,
+) -> (usize, usize) {
+    let lines = (hd * core::mem::size_of::<T>()).div_ceil(64).max(1);
+    (
+        (score_lines / lines).clamp(1, SCORE_STEP),
+        (value_lines / lines).clamp(2, VALUE_STEP),
+    )
+}
+
 /// Tokens of the widened K or V step.
 const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
     SCORE_STEP
@@ -416,6 +434,17 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // dot-product extensions) takes a chunk's values of one head in one call, token by
     // token from all of the chunk's runs ([`Simd::gathers_values`]).
     let gather = !widen && simd.gathers_values::<T>(hd);
+    // Steps: the arithmetic's ([`Simd::steps`]) for a task of one pass over each head's
+    // K/V (decode with up to four query heads per KV head), which memory bounds; the
+    // longest for more passes (wider groups, chunked prefill), bound by the arithmetic,
+    // which a step's fixed cost slows.
+    let (score_step, value_step) = if hr <= 4 {
+        simd.steps::<T>(hd)
+    } else {
+        (SCORE_STEP, VALUE_STEP)
+    };
+    debug_assert!((1..=SCORE_STEP).contains(&score_step));
+    debug_assert!((1..=VALUE_STEP).contains(&value_step));
 
     // Load the scaled queries, reset the softmax state.
     for j in 0..rows {
@@ -452,11 +481,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         );
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
-        // four query rows), `SCORE_STEP` tokens at a time. Scores past a row's limit
+        // four query rows), `score_step` tokens at a time. Scores past a row's limit
         // are computed (for the group's widest row) and zeroed after the exponentials.
         // Each run's tiles are taken head after head, the order in which a block
         // stores them.
-        let steps = heads * n.div_ceil(SCORE_STEP);
+        let steps = heads * n.div_ceil(score_step);
         let per_step = pf_k.lines().div_ceil(steps);
         // An accumulation of few steps (a gathered one takes the chunk in one per
         // head) would prefetch the next V tiles in one burst: they are spread over the
@@ -470,8 +499,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             for h in 0..heads {
                 let k = src.tile(h, 0, t, len);
                 let (q, limit) = (&sc.q[h * hr * hd..], &sc.limit[h * hr..(h + 1) * hr]);
-                for ts in (0..len).step_by(SCORE_STEP) {
-                    let m = (len - ts).min(SCORE_STEP);
+                for ts in (0..len).step_by(score_step) {
+                    let m = (len - ts).min(score_step);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
                     if widen {
@@ -531,7 +560,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         }
 
         // Weighted values from the V tiles, four rows at a time (then two, then one):
-        // gathered, the chunk's tokens of one head at a time; else `VALUE_STEP` tokens
+        // gathered, the chunk's tokens of one head at a time; else `value_step` tokens
         // at a time, each run's tiles head after head.
         if gather {
             let per_step = pf_v.lines().div_ceil(heads);
@@ -549,13 +578,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 pf_v.advance(src, per_step);
             }
         } else {
-            let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(VALUE_STEP));
+            let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
             for (t, len) in runs(src, t0, n) {
                 for h in 0..heads {
                     let v = src.tile(h, 1, t, len);
                     let limit = &sc.limit[h * hr..(h + 1) * hr];
-                    for ts in (0..len).step_by(VALUE_STEP) {
-                        let m = (len - ts).min(VALUE_STEP);
+                    for ts in (0..len).step_by(value_step) {
+                        let m = (len - ts).min(value_step);
                         let vt = &v[ts * hd..(ts + m) * hd];
                         let acc = &mut sc.acc[h * hr * hd..];
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
@@ -882,6 +911,22 @@ mod tests {
                 row0 += head_rows;
             }
         }
+    }
+
+    #[test]
+    fn steps_of_lines_fit_the_lines_within_the_bounds() {
+        use crate::dtype::Int8;
+        // 16 lines of K and 32 of V a step: f32 rows of 128 are 8 lines, f16 4, int8 2.
+        assert_eq!(steps_of_lines::<f32>(128, 16, 32), (2, 4));
+        assert_eq!(steps_of_lines::<half::f16>(128, 16, 32), (4, 8));
+        assert_eq!(steps_of_lines::<Int8>(128, 16, 32), (4, 8));
+        // Bounded: at most the longest steps, at least one token of scores and two of
+        // values; a row of a partial line counts as a whole line.
+        assert_eq!(steps_of_lines::<f32>(64, 16, 32), (4, 8));
+        assert_eq!(steps_of_lines::<f32>(256, 16, 32), (1, 2));
+        assert_eq!(steps_of_lines::<f32>(1024, 16, 32), (1, 2));
+        assert_eq!(steps_of_lines::<Int8>(7, 16, 32), (4, 8));
+        assert_eq!(steps_of_lines::<f32>(20, 1, 1), (1, 2));
     }
 
     fn check<V: Simd>(simd: V) {
