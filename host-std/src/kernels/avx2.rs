@@ -111,19 +111,24 @@ impl Simd for Avx2 {
             lanes::from_split_order::<{ bf16::GROUP }, 2>(rows);
         }
     }
-    /// Steps of at most 16 lines of K and 32 of V per head: f32 at head dim 128 takes 2
-    /// and 4 tokens (against 4 and 8), the 16-bit and 8-bit types keep 4 and 8.
+    /// Steps of at most 16 lines of K and 32 of V per head (f32 at head dim 128: 2 and
+    /// 4 tokens; the 16-bit and 8-bit types keep 4 and 8), each step's prefetches split
+    /// around its arithmetic.
     ///
-    /// Measured on AMD EPYC (Zen 3, AVX2, 512 KiB L2 per core), decode of 32 x 2048
-    /// tokens of f32 out of cache on 2 threads, paired against 4 and 8 tokens: 2 and 4
-    /// tokens 0.87 to 0.93 (four runs, 512 to 8192 tokens), 2 and 2 0.85 (scores of 1
-    /// or 2 tokens alike); in cache, one thread, 1.12 and 1.26 (a step's fixed cost). Bursts of prefetches are what
-    /// shorter steps save: the same steps of 1 and 2 tokens with their prefetches
-    /// issued every fourth step took 1.58. f16 and bf16 with value steps of 4: 0.89 to
-    /// 1.00, and 1.05 to 1.07 in cache, so they keep 8.
+    /// Measured on AMD EPYC (Zen 3, AVX2, 512 KiB L2 per core), decode out of cache on
+    /// 2 threads (32 x 2048 tokens unless said), paired:
+    /// - f32, steps of 2 and 4 tokens against 4 and 8: 0.87 to 0.93 (512 to 8192
+    ///   tokens); 2 and 2: 0.85; the same short steps with their prefetches issued every
+    ///   fourth step: 1.58. In cache, one thread: 1.12 (2 and 2: 1.26), a step's fixed
+    ///   cost. f16 and bf16 with value steps of 4: 0.89 to 1.00, and 1.05 to 1.07 in
+    ///   cache, so they keep 8.
+    /// - Split bursts against all after: f32 0.86 to 0.89, bf16 0.78 to 0.83, f16 0.94,
+    ///   at 512, 2048 and 8192 tokens; int8 1.01 (its arithmetic bounds it); in cache
+    ///   1.00 to 1.01. (Four prefetches an iteration instead of one, which issues a
+    ///   burst faster: 1.22 to 1.27.)
     #[inline(always)]
-    fn steps<T: Element>(self, hd: usize) -> (usize, usize) {
-        super::online::steps_of_lines::<T>(hd, 16, 32)
+    fn schedule<T: Element>(self, hd: usize) -> super::online::Schedule {
+        super::online::Schedule::of_lines::<T>(hd, 16, 32, true)
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {

@@ -115,16 +115,17 @@ pub(crate) trait Simd: Copy {
     fn widens_for_passes<T: Element>(self) -> bool {
         T::DTYPE.is_scaled()
     }
-    /// Tokens per step of the attention loop's scores, and of its value accumulation
-    /// (unless [`Simd::gathers_values`]), for storage `T` with head dim `hd`: at most
-    /// [`super::online::SCORE_STEP`] and [`super::online::VALUE_STEP`], which they are
-    /// by default. Each step ends with a burst of prefetches as long as the step (its
-    /// lines of the next chunk), so the steps set the bursts' length, and the arithmetic
-    /// pays a fixed cost per step (loading and storing its accumulators). O(1).
+    /// How the attention loop paces the prefetches of a decode task over storage `T`
+    /// with head dim `hd`: the tokens per step of the scores and of the value
+    /// accumulation (unless [`Simd::gathers_values`]), each step prefetching as many
+    /// lines of the next chunk as it reads, and whether a step's prefetches are split
+    /// around its arithmetic. Shorter steps mean shorter bursts of prefetches, and more
+    /// of the arithmetic's fixed cost per step (loading and storing its accumulators).
+    /// By default [`super::online::Schedule::LONGEST`]. O(1).
     #[inline(always)]
-    fn steps<T: Element>(self, hd: usize) -> (usize, usize) {
+    fn schedule<T: Element>(self, hd: usize) -> super::online::Schedule {
         let _ = hd;
-        (super::online::SCORE_STEP, super::online::VALUE_STEP)
+        super::online::Schedule::LONGEST
     }
 }
 

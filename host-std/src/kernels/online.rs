@@ -245,26 +245,62 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
 }
 
 /// Most tokens per step of the scores loop (between two prefetch bursts), and the
-/// default ([`Simd::steps`]).
+/// default ([`Schedule::LONGEST`]).
 pub(crate) const SCORE_STEP: usize = 4;
 /// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
-/// chunk at once: [`Simd::gathers_values`]), and the default ([`Simd::steps`]).
+/// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
 pub(crate) const VALUE_STEP: usize = 8;
 
-/// Steps ([`Simd::steps`]) of at most `score_lines` 64-byte lines of one head's K and
-/// `value_lines` of its V (storage `T`, head dim `hd`), within `1..=SCORE_STEP` and
-/// `2..=VALUE_STEP` tokens (a step of one token of values would load and store the
-/// accumulators for every token). O(1).
-pub(crate) fn steps_of_lines<T>(
-    hd: usize,
-    score_lines: usize,
-    value_lines: usize,
-) -> (usize, usize) {
-    let lines = (hd * core::mem::size_of::<T>()).div_ceil(64).max(1);
-    (
-        (score_lines / lines).clamp(1, SCORE_STEP),
-        (value_lines / lines).clamp(2, VALUE_STEP),
-    )
+/// How the attention loop paces a task's prefetches of the next chunk ([`Simd::schedule`]):
+/// each step of the scores and of the value accumulation prefetches as many lines as it
+/// reads, so the steps set how long each burst of prefetches is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Schedule {
+    /// Tokens per step of the scores, `1..=SCORE_STEP`.
+    pub(crate) score_step: usize,
+    /// Tokens per step of the value accumulation, `1..=VALUE_STEP`.
+    pub(crate) value_step: usize,
+    /// Whether a step issues half of its prefetches before its arithmetic and half
+    /// after (two shorter bursts), rather than all after.
+    pub(crate) split: bool,
+}
+
+impl Schedule {
+    /// The longest steps, each step's prefetches after its arithmetic: the least
+    /// bookkeeping per token.
+    pub(crate) const LONGEST: Self = Self {
+        score_step: SCORE_STEP,
+        value_step: VALUE_STEP,
+        split: false,
+    };
+
+    /// Steps of at most `score_lines` 64-byte lines of one head's K and `value_lines` of
+    /// its V (storage `T`, head dim `hd`), within `1..=SCORE_STEP` and `2..=VALUE_STEP`
+    /// tokens (a step of one token of values would load and store the accumulators for
+    /// every token), with `split` bursts. O(1).
+    pub(crate) fn of_lines<T>(
+        hd: usize,
+        score_lines: usize,
+        value_lines: usize,
+        split: bool,
+    ) -> Self {
+        let lines = (hd * core::mem::size_of::<T>()).div_ceil(64).max(1);
+        Self {
+            score_step: (score_lines / lines).clamp(1, SCORE_STEP),
+            value_step: (value_lines / lines).clamp(2, VALUE_STEP),
+            split,
+        }
+    }
+
+    /// Of a step's `lines` of prefetches, how many go before its arithmetic. O(1).
+    #[inline(always)]
+    fn before(&self, lines: usize) -> usize {
+        if self.split {
+            lines / 2
+        } else {
+            0
+        }
+    }
 }
 
 /// Tokens of the widened K or V step.
@@ -434,17 +470,18 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // dot-product extensions) takes a chunk's values of one head in one call, token by
     // token from all of the chunk's runs ([`Simd::gathers_values`]).
     let gather = !widen && simd.gathers_values::<T>(hd);
-    // Steps: the arithmetic's ([`Simd::steps`]) for a task of one pass over each head's
-    // K/V (decode with up to four query heads per KV head), which memory bounds; the
-    // longest for more passes (wider groups, chunked prefill), bound by the arithmetic,
-    // which a step's fixed cost slows.
-    let (score_step, value_step) = if hr <= 4 {
-        simd.steps::<T>(hd)
+    // The prefetch schedule: the arithmetic's ([`Simd::schedule`]) for a task of one
+    // pass over each head's K/V (decode with up to four query heads per KV head), which
+    // memory bounds; the longest steps for more passes (wider groups, chunked prefill),
+    // bound by the arithmetic, which a step's fixed cost slows.
+    let sched = if hr <= 4 {
+        simd.schedule::<T>(hd)
     } else {
-        (SCORE_STEP, VALUE_STEP)
+        Schedule::LONGEST
     };
-    debug_assert!((1..=SCORE_STEP).contains(&score_step));
-    debug_assert!((1..=VALUE_STEP).contains(&value_step));
+    debug_assert!((1..=SCORE_STEP).contains(&sched.score_step));
+    debug_assert!((1..=VALUE_STEP).contains(&sched.value_step));
+    let (score_step, value_step) = (sched.score_step, sched.value_step);
 
     // Load the scaled queries, reset the softmax state.
     for j in 0..rows {
@@ -503,14 +540,17 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     let m = (len - ts).min(score_step);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
+                    let (k_before, v_before) = (sched.before(per_step), sched.before(per_step_v));
+                    pf_k.advance(src, k_before);
+                    pf_v.advance(src, v_before);
                     if widen {
                         simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                         score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                     } else {
                         score_rows(simd, q, s, limit, hd, t + ts, kt, m);
                     }
-                    pf_k.advance(src, per_step);
-                    pf_v.advance(src, per_step_v);
+                    pf_k.advance(src, per_step - k_before);
+                    pf_v.advance(src, per_step_v - v_before);
                 }
             }
         }
@@ -574,8 +614,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 }
                 let limit = &sc.limit[h * hr..(h + 1) * hr];
                 let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
+                let before = sched.before(per_step);
+                pf_v.advance(src, before);
                 value_rows(simd, acc, s, limit, hd, t0, Values::Tokens(&tokens[..n]));
-                pf_v.advance(src, per_step);
+                pf_v.advance(src, per_step - before);
             }
         } else {
             let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
@@ -588,6 +630,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let vt = &v[ts * hd..(ts + m) * hd];
                         let acc = &mut sc.acc[h * hr * hd..];
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
+                        let before = sched.before(per_step);
+                        pf_v.advance(src, before);
                         if widen {
                             simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
@@ -595,7 +639,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         } else {
                             value_rows(simd, acc, s, limit, hd, t + ts, Values::Tile(vt, m));
                         }
-                        pf_v.advance(src, per_step);
+                        pf_v.advance(src, per_step - before);
                     }
                 }
             }
@@ -914,19 +958,31 @@ mod tests {
     }
 
     #[test]
-    fn steps_of_lines_fit_the_lines_within_the_bounds() {
+    fn schedules_of_lines_fit_the_lines_within_the_bounds() {
         use crate::dtype::Int8;
+        let steps = |s: Schedule| (s.score_step, s.value_step);
         // 16 lines of K and 32 of V a step: f32 rows of 128 are 8 lines, f16 4, int8 2.
-        assert_eq!(steps_of_lines::<f32>(128, 16, 32), (2, 4));
-        assert_eq!(steps_of_lines::<half::f16>(128, 16, 32), (4, 8));
-        assert_eq!(steps_of_lines::<Int8>(128, 16, 32), (4, 8));
+        assert_eq!(steps(Schedule::of_lines::<f32>(128, 16, 32, true)), (2, 4));
+        assert_eq!(
+            steps(Schedule::of_lines::<half::f16>(128, 16, 32, true)),
+            (4, 8)
+        );
+        assert_eq!(steps(Schedule::of_lines::<Int8>(128, 16, 32, true)), (4, 8));
         // Bounded: at most the longest steps, at least one token of scores and two of
         // values; a row of a partial line counts as a whole line.
-        assert_eq!(steps_of_lines::<f32>(64, 16, 32), (4, 8));
-        assert_eq!(steps_of_lines::<f32>(256, 16, 32), (1, 2));
-        assert_eq!(steps_of_lines::<f32>(1024, 16, 32), (1, 2));
-        assert_eq!(steps_of_lines::<Int8>(7, 16, 32), (4, 8));
-        assert_eq!(steps_of_lines::<f32>(20, 1, 1), (1, 2));
+        assert_eq!(steps(Schedule::of_lines::<f32>(64, 16, 32, true)), (4, 8));
+        assert_eq!(steps(Schedule::of_lines::<f32>(256, 16, 32, true)), (1, 2));
+        assert_eq!(steps(Schedule::of_lines::<f32>(1024, 16, 32, true)), (1, 2));
+        assert_eq!(steps(Schedule::of_lines::<Int8>(7, 16, 32, true)), (4, 8));
+        assert_eq!(steps(Schedule::of_lines::<f32>(20, 1, 1, true)), (1, 2));
+        // A split step issues the smaller half (none of one line) first.
+        let split = Schedule::of_lines::<f32>(128, 16, 32, true);
+        assert_eq!(
+            (split.before(17), split.before(1), split.before(0)),
+            (8, 0, 0)
+        );
+        assert_eq!(Schedule::LONGEST.before(17), 0);
+        assert_eq!(steps(Schedule::LONGEST), (SCORE_STEP, VALUE_STEP));
     }
 
     fn check<V: Simd>(simd: V) {
