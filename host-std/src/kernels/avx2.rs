@@ -251,11 +251,16 @@ unsafe fn scores4<T: Element>(
                 _mm256_add_ps(a[6], a[7]),
             )
         };
-        for (r, sum) in sums.into_iter().enumerate() {
-            let tail: f32 = (w8..hd)
-                .map(|d| q[r * hd + d] * k[t * hd + d].to_f32())
-                .sum();
-            s[r * stride + t] = sum + tail;
+        // The dimensions past the last multiple of 8 (none for the usual head dims).
+        if w8 == hd {
+            for (r, sum) in sums.into_iter().enumerate() {
+                s[r * stride + t] = sum;
+            }
+        } else {
+            for (r, sum) in sums.into_iter().enumerate() {
+                let (qr, kt) = (&q[r * hd..(r + 1) * hd], &k[t * hd..(t + 1) * hd]);
+                s[r * stride + t] = sum + math::tail_dot(qr, kt, w8);
+            }
         }
     }
 }
@@ -292,8 +297,11 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
                 _mm256_add_ps(a[2], a[3]),
             ))
         };
-        let tail: f32 = (w8..hd).map(|d| q[d] * k[t * hd + d].to_f32()).sum();
-        s[t] = sum + tail;
+        s[t] = if w8 == hd {
+            sum
+        } else {
+            sum + math::tail_dot(q, &k[t * hd..(t + 1) * hd], w8)
+        };
     }
 }
 

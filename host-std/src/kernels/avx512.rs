@@ -292,7 +292,7 @@ unsafe fn scores4<T: Element>(
         if w16 == hd {
             return 0.0;
         }
-        tail_dot(&q[r * hd..(r + 1) * hd], &k[t * hd..(t + 1) * hd], w16)
+        math::tail_dot(&q[r * hd..(r + 1) * hd], &k[t * hd..(t + 1) * hd], w16)
     };
     // Four tokens at a time: 16 accumulators (row × token), so each query vector is
     // loaded once per four tokens and each key vector once per four rows.
@@ -370,17 +370,6 @@ unsafe fn scores4<T: Element>(
     }
 }
 
-/// `q[from..] · k[from..]` in scalar f32 arithmetic (the dimensions past the vector
-/// loops). O(k.len() - from).
-#[inline(never)]
-fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
-    q[from..]
-        .iter()
-        .zip(&k[from..])
-        .map(|(a, b)| a * b.to_f32())
-        .sum()
-}
-
 /// See [`Simd::scores1`].
 ///
 /// # Safety
@@ -415,7 +404,7 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
         s[t] = if w16 == hd {
             sum
         } else {
-            sum + tail_dot(q, &k[t * hd..(t + 1) * hd], w16)
+            sum + math::tail_dot(q, &k[t * hd..(t + 1) * hd], w16)
         };
     }
 }

@@ -129,6 +129,20 @@ pub(crate) trait Simd: Copy {
     }
 }
 
+/// `q[from..] · k[from..]` in scalar f32 arithmetic: the dimensions past a vector
+/// loop's last whole vector. Out of line, and called only where such dimensions exist:
+/// inlined as a closure per score, its environment was rebuilt on the stack for every
+/// score, even at head dims with none (a fifth of the f16 decode on AVX-512, half of
+/// the AVX2 scores' instructions). O(k.len() - from).
+#[inline(never)]
+pub(super) fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
+    q[from..]
+        .iter()
+        .zip(&k[from..])
+        .map(|(a, b)| a * b.to_f32())
+        .sum()
+}
+
 /// [`Simd::accumulate4`] as two [`Simd::accumulate2`] calls (rows 0-1, then 2-3). O(n ×
 /// hd).
 #[inline(always)]
