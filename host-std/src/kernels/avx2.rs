@@ -4,7 +4,8 @@
 //!
 //! Registers: scores take 4 query rows × 16 lanes per token (8 independent FMA chains,
 //! enough to cover the FMA latency); accumulation keeps 2 rows × 32 output lanes in
-//! registers across all tokens of a chunk, so each V vector loaded feeds two FMAs.
+//! registers across all tokens of a step, so each V vector loaded feeds two FMAs, or
+//! for 8-bit storage 4 rows × 16 lanes, so each one widened feeds four.
 
 use core::arch::x86_64::*;
 
@@ -87,6 +88,10 @@ impl Simd for Avx2 {
     ) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 4>(acc, p, v, hd, n) }
+        } else if T::DTYPE.is_scaled() {
+            // Measured (Zen 3, paired, against two pairs): fp8 0.81 in and out of cache,
+            // int8 0.96 and 0.98; f32 and f16 0.99-1.00 in cache but 1.04 out of it.
+            unsafe { accumulate4(acc, p, v, hd, n) }
         } else {
             math::accumulate4_by_pairs(self, acc, p, v, hd, n);
         }
@@ -365,6 +370,73 @@ unsafe fn accumulate2<T: Element>(
         for t in 0..n {
             acc[d] += p0[t] * v[t * hd + d].to_f32();
             acc[hd + d] += p1[t] * v[t * hd + d].to_f32();
+        }
+    }
+}
+
+/// See [`Simd::accumulate4`]: 16 dimensions of the four rows at a time (8 registers of
+/// accumulators), so each stored value is loaded and widened once for the four rows
+/// (two [`accumulate2`] calls widen it twice): for the 8-bit types, whose widening
+/// costs most.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: usize, n: usize) {
+    assert!(acc.len() >= 4 * hd && v.len() >= n * hd);
+    let p = [&p[0][..n], &p[1][..n], &p[2][..n], &p[3][..n]];
+    let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
+    let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
+    let mut d = 0;
+    // SAFETY: accesses `acc[r * hd + d..+16]` (r < 4) and `v[t * hd + d..+16]` with
+    // `d + 16 <= hd`, `t < n` (asserted lengths above); then the same with 8.
+    unsafe {
+        while d < w16 {
+            let mut x = [[_mm256_setzero_ps(); 2]; 4];
+            for (r, xr) in x.iter_mut().enumerate() {
+                for (i, xi) in xr.iter_mut().enumerate() {
+                    *xi = _mm256_loadu_ps(ap.add(r * hd + d + 8 * i));
+                }
+            }
+            for t in 0..n {
+                let vt = vp.add(t * hd + d);
+                let (v0, v1) = (load8(vt), load8(vt.add(8)));
+                for (xr, pr) in x.iter_mut().zip(p) {
+                    let b = _mm256_set1_ps(pr[t]);
+                    xr[0] = _mm256_fmadd_ps(b, v0, xr[0]);
+                    xr[1] = _mm256_fmadd_ps(b, v1, xr[1]);
+                }
+            }
+            for (r, xr) in x.iter().enumerate() {
+                for (i, xi) in xr.iter().enumerate() {
+                    _mm256_storeu_ps(ap.add(r * hd + d + 8 * i), *xi);
+                }
+            }
+            d += 16;
+        }
+        while d < w8 {
+            let mut x = [_mm256_setzero_ps(); 4];
+            for (r, xr) in x.iter_mut().enumerate() {
+                *xr = _mm256_loadu_ps(ap.add(r * hd + d));
+            }
+            for t in 0..n {
+                let v0 = load8(vp.add(t * hd + d));
+                for (xr, pr) in x.iter_mut().zip(p) {
+                    *xr = _mm256_fmadd_ps(_mm256_set1_ps(pr[t]), v0, *xr);
+                }
+            }
+            for (r, xr) in x.iter().enumerate() {
+                _mm256_storeu_ps(ap.add(r * hd + d), *xr);
+            }
+            d += 8;
+        }
+    }
+    for d in w8..hd {
+        for (r, pr) in p.iter().enumerate() {
+            for (t, &pt) in pr.iter().enumerate() {
+                acc[r * hd + d] += pt * v[t * hd + d].to_f32();
+            }
         }
     }
 }

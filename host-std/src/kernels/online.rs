@@ -869,6 +869,10 @@ mod tests {
             (64, 45, 1, 8, 8, 2),
             (64, 33, 1, 6, 7, 2),
             (96, 40, 1, 5, 16, 2),
+            // Four rows at head dims past a multiple of 16 and of 8 (the four-row
+            // accumulation's narrower loops and scalar tail).
+            (40, 30, 1, 4, 16, 1),
+            (12, 30, 2, 2, 5, 1),
         ];
         // Miri runs two tiny shapes, which still cover partial runs, a task of several
         // heads and one of five rows per head, widened per step for 8-bit storage (the routine is safe code: what Miri adds here
