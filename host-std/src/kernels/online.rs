@@ -532,6 +532,9 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         } else {
             0
         };
+        // Of each step's prefetches, those issued before its arithmetic (the same for
+        // every step of the chunk).
+        let (k_before, v_before) = (sched.before(per_step), sched.before(per_step_v));
         for (t, len) in runs(src, t0, n) {
             for h in 0..heads {
                 let k = src.tile(h, 0, t, len);
@@ -540,7 +543,6 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     let m = (len - ts).min(score_step);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                    let (k_before, v_before) = (sched.before(per_step), sched.before(per_step_v));
                     pf_k.advance(src, k_before);
                     pf_v.advance(src, v_before);
                     if widen {
@@ -604,6 +606,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // at a time, each run's tiles head after head.
         if gather {
             let per_step = pf_v.lines().div_ceil(heads);
+            let before = sched.before(per_step);
             for h in 0..heads {
                 let mut tokens: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
                 for (t, len) in runs(src, t0, n) {
@@ -614,13 +617,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 }
                 let limit = &sc.limit[h * hr..(h + 1) * hr];
                 let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
-                let before = sched.before(per_step);
                 pf_v.advance(src, before);
                 value_rows(simd, acc, s, limit, hd, t0, Values::Tokens(&tokens[..n]));
                 pf_v.advance(src, per_step - before);
             }
         } else {
             let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
+            let before = sched.before(per_step);
             for (t, len) in runs(src, t0, n) {
                 for h in 0..heads {
                     let v = src.tile(h, 1, t, len);
@@ -630,7 +633,6 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let vt = &v[ts * hd..(ts + m) * hd];
                         let acc = &mut sc.acc[h * hr * hd..];
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                        let before = sched.before(per_step);
                         pf_v.advance(src, before);
                         if widen {
                             simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
