@@ -5,11 +5,13 @@
 //! Registers: scores take 4 query rows × 16 lanes per token (8 independent FMA chains,
 //! enough to cover the FMA latency); accumulation keeps 2 rows × 32 output lanes in
 //! registers across all tokens of a step, so each V vector loaded feeds two FMAs, or
-//! for 8-bit storage 4 rows × 16 lanes, so each one widened feeds four.
+//! for 8-bit storage 4 rows × 16 lanes, so each one widened feeds four. Int8 keys'
+//! scores go to 16-bit integer products ([`super::lanes::int8_avx2`]), on queries put
+//! in fixed point once per task.
 
 use core::arch::x86_64::*;
 
-use super::lanes::{self, bf16_avx2 as bf16};
+use super::lanes::{self, bf16_avx2 as bf16, int8_avx2 as int8};
 use super::math::{self, Simd};
 use crate::dtype::{Element, Kind};
 
@@ -35,7 +37,8 @@ impl Avx2 {
     }
 }
 
-// SAFETY (every method): an `Avx2` value exists only when `detect` found AVX2 and FMA.
+// SAFETY (every method): an `Avx2` value exists only when `detect` found AVX2, FMA and
+// F16C; `int8::applies` is checked before each `int8` call.
 impl Simd for Avx2 {
     #[inline(always)]
     fn scores4<T: Element>(
@@ -47,7 +50,9 @@ impl Simd for Avx2 {
         s: &mut [f32],
         s_stride: usize,
     ) {
-        if lanes::applies::<T>(hd, bf16::GROUP) {
+        if int8::applies::<T>(hd) {
+            unsafe { int8::scores4(q, k, hd, n, s, s_stride) }
+        } else if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }
         } else {
             unsafe { scores4(q, k, hd, n, s, s_stride) }
@@ -55,7 +60,9 @@ impl Simd for Avx2 {
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        if lanes::applies::<T>(hd, bf16::GROUP) {
+        if int8::applies::<T>(hd) {
+            unsafe { int8::scores1(q, k, hd, n, s) }
+        } else if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores1(q, k, hd, n, s) }
         } else {
             unsafe { scores1(q, k, hd, n, s) }
@@ -106,7 +113,11 @@ impl Simd for Avx2 {
     }
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
-        if lanes::applies::<T>(hd, bf16::GROUP) {
+        if int8::applies::<T>(hd) {
+            for row in rows.chunks_exact_mut(hd) {
+                unsafe { int8::encode_query(row, hd) };
+            }
+        } else if lanes::applies::<T>(hd, bf16::GROUP) {
             lanes::to_split_order::<{ bf16::GROUP }, 2>(rows);
         }
     }

@@ -26,12 +26,10 @@
 
 use core::arch::x86_64::*;
 
+use super::fixed16::fixed_point;
 use super::pairs::{self, BLOCK, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
-
-/// The largest 16-bit code of the queries and weights.
-const ONE: f32 = 32767.0;
 
 // The 32-bit accumulators of weighted values take a `BLOCK` of tokens before they are
 // scaled into the f32 ones: `BLOCK / 2` `vpdpwssd` per lane, each adding at most `2 ×
@@ -42,20 +40,6 @@ const _: () = assert!(BLOCK <= 256);
 #[inline(always)]
 pub(in crate::kernels) fn applies<T: Element>(hd: usize) -> bool {
     T::KIND == Kind::Int8 && hd.is_multiple_of(GROUP) && hd > 0
-}
-
-/// The scale that makes `max` code 32767, and its inverse: `(max / 32767, 32767 /
-/// max)`; `(0, 0)` for `max == 0`, and a NaN scale when `finite` is false (so that the
-/// call's output is NaN, as the f32 arithmetic's would be).
-#[inline(always)]
-fn fixed_point(max: f32, finite: bool) -> (f32, f32) {
-    if !finite || !max.is_finite() {
-        (f32::NAN, 0.0)
-    } else if max > 0.0 {
-        (max / ONE, ONE / max)
-    } else {
-        (0.0, 0.0)
-    }
 }
 
 /// Puts a scaled query row (`row[..hd]`, dimension order) into the form
@@ -259,6 +243,7 @@ impl pairs::PairDots for Int8Pairs {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fixed16::ONE;
     use super::*;
     use crate::dtype::Int8;
 

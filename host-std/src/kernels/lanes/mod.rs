@@ -2,7 +2,8 @@
 //! AVX-512F ([`bf16_avx512`], 16 lanes) and AVX2 + FMA ([`bf16_avx2`], 8 lanes), the
 //! 8-bit codes on AVX-512F ([`byte_avx512`]), and the 8-bit codes in the dot-product
 //! extensions' arithmetic: int8 with VNNI ([`int8_vnni`]), FP8 with AVX512_BF16
-//! ([`fp8_bf16`]), on what they share ([`pairs`]).
+//! ([`fp8_bf16`]), on what they share ([`pairs`]); and int8 keys' scores in AVX2's
+//! 16-bit integer products ([`int8_avx2`]).
 //!
 //! One vector-wide load holds 2 bf16 (or 4 codes) in each 32-bit lane; each of them
 //! widens with shifts and masks inside its lane, where the general paths' `vpmovzxwd` /
@@ -19,7 +20,9 @@
 pub(super) mod bf16_avx2;
 pub(super) mod bf16_avx512;
 pub(super) mod byte_avx512;
+mod fixed16;
 pub(super) mod fp8_bf16;
+pub(super) mod int8_avx2;
 pub(super) mod int8_vnni;
 pub(super) mod pairs;
 

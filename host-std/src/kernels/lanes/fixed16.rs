@@ -1,0 +1,38 @@
+//! 16-bit fixed point of the f32 side of the integer dot products over int8 codes
+//! ([`super::int8_vnni`], [`super::int8_avx2`]): a query row, or a block of softmax
+//! weights, becomes codes `round(x / s)` with `s = max |x| / 32767`, so each element
+//! is off by at most `2^-16 max |x|`.
+
+/// The largest 16-bit code of the queries and weights.
+pub(super) const ONE: f32 = 32767.0;
+
+/// The scale that makes `max` code 32767, and its inverse: `(max / 32767, 32767 /
+/// max)`; `(0, 0)` for `max == 0`, and a NaN scale (inverse 0) when `finite` is false
+/// or `max` is not finite, so that the call's output is NaN, as the f32 arithmetic's
+/// would be. O(1).
+#[inline(always)]
+pub(super) fn fixed_point(max: f32, finite: bool) -> (f32, f32) {
+    if !finite || !max.is_finite() {
+        (f32::NAN, 0.0)
+    } else if max > 0.0 {
+        (max / ONE, ONE / max)
+    } else {
+        (0.0, 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_maps_the_largest_magnitude_to_the_largest_code() {
+        let (s, inv) = fixed_point(2.5, true);
+        assert_eq!(s, 2.5 / ONE);
+        assert_eq!((2.5 * inv).round(), ONE);
+        assert_eq!(fixed_point(0.0, true), (0.0, 0.0));
+        assert!(fixed_point(1.0, false).0.is_nan());
+        assert!(fixed_point(f32::INFINITY, true).0.is_nan());
+        assert_eq!(fixed_point(f32::NAN, true).1, 0.0);
+    }
+}
