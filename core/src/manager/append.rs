@@ -110,6 +110,17 @@ impl BlockManager<'_> {
                 self.claim_partial(last, offset);
             }
         }
+        // The new blocks, in one run when the free set provides them all (their
+        // eligibility checked once), else one by one.
+        let new_blocks = &mut self.seqs.table[row + old_blocks..row + old_blocks + grow as usize];
+        if !self
+            .pool
+            .alloc_free_run(owner, &mut self.prefix, new_blocks)
+        {
+            for b in new_blocks.iter_mut() {
+                *b = self.pool.alloc(owner, &mut self.prefix);
+            }
+        }
         // A block at a time: its slots are consecutive, its ids one copy, its fill one
         // store.
         let mut block_index = full_blocks as usize;
@@ -117,13 +128,7 @@ impl BlockManager<'_> {
         let mut k = 0usize;
         let n = n as usize;
         while k < n {
-            let b = if off == 0 {
-                let b = self.pool.alloc(owner, &mut self.prefix);
-                self.seqs.table[row + block_index] = b;
-                b
-            } else {
-                self.seqs.table[row + block_index]
-            };
+            let b = self.seqs.table[row + block_index];
             let take = ((bs - off) as usize).min(n - k);
             let first_slot = b * bs + off;
             for (slot, s) in slots[k..k + take].iter_mut().zip(first_slot..) {

@@ -232,6 +232,42 @@ impl<'a> BlockPool<'a> {
         b
     }
 
+    /// Takes `out.len()` blocks for namespace slot `s` into `out` when [`BlockPool::alloc`]
+    /// would take every one of them from the free set (none evicted): the same blocks,
+    /// lowest index first, with the eligibility checked once for the run instead of per
+    /// block. Returns `false`, having changed nothing, when some would need an eviction
+    /// (the caller then calls `alloc` per block). Charging `s` changes neither its
+    /// limit nor the reservations of other slots, so the run is eligible exactly when its
+    /// last block would be. O(out.len()) amortized.
+    pub(crate) fn alloc_free_run(
+        &mut self,
+        s: usize,
+        prefix: &mut PrefixCache<'_>,
+        out: &mut [u32],
+    ) -> bool {
+        let Ok(k) = u32::try_from(out.len()) else {
+            return false;
+        };
+        let t = &self.tenants;
+        let others = t.reserved_for_others(s);
+        if t.below_limit(s) < k || self.free.count() < k.saturating_add(others) {
+            return false;
+        }
+        for slot in out.iter_mut() {
+            // Counted above: the free set holds at least `k` blocks.
+            let b = self.free.pop_first().unwrap_or(0);
+            debug_assert!(!prefix.is_registered(b), "a free block is never registered");
+            trace!("kvpage: alloc block {=u32}", b);
+            prefix.clear(b);
+            self.tenants.charge(b, s);
+            self.refcount[b as usize] = 1;
+            self.fill[b as usize] = 0;
+            *slot = b;
+        }
+        self.total_refs += u64::from(k);
+        true
+    }
+
     /// Takes a free block for namespace slot `s` without evicting anything, for content
     /// the prefix cache is about to register: it comes back with no reference, `fill`
     /// tokens, unknown to the prefix cache and charged to `s` (the caller registers and

@@ -146,6 +146,12 @@ impl<'a> Tenants<'a> {
         self.charged[s] >= self.limit[s]
     }
 
+    /// Blocks slot `s` may still be charged before it reaches its limit. O(1).
+    #[inline]
+    pub(crate) fn below_limit(&self, s: usize) -> u32 {
+        self.limit[s].saturating_sub(self.charged[s])
+    }
+
     /// The owner slot of block `b`. O(1).
     #[inline]
     pub(crate) fn owner(&self, b: u32) -> usize {
