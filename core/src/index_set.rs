@@ -279,6 +279,40 @@ impl<'a> IndexSet<'a> {
         self.pop_first_searching()
     }
 
+    /// Removes the `out.len()` lowest members into `out`, in increasing order: what as
+    /// many [`Self::pop_first`] calls return, with the members of each level-0 word taken
+    /// in one loop over its bits. Returns `false`, having changed nothing, when the set
+    /// holds fewer. O(out.len() + levels per level-0 word emptied).
+    pub fn pop_first_into(&mut self, out: &mut [u32]) -> bool {
+        if (self.count as usize) < out.len() {
+            return false;
+        }
+        let mut k = 0;
+        while k < out.len() {
+            let mut w = self.hint_bits;
+            if w == 0 {
+                // The next member lies past the hinted word: a descent moves the hint
+                // to its word.
+                out[k] = self.pop_first_searching().unwrap_or(0);
+                k += 1;
+                continue;
+            }
+            let base = self.hint * BITS as u32;
+            let before = k;
+            while w != 0 && k < out.len() {
+                out[k] = base + w.trailing_zeros();
+                w &= w - 1;
+                k += 1;
+            }
+            self.hint_bits = w;
+            self.count -= (k - before) as u32;
+            if w == 0 {
+                self.clear_summary(self.hint as usize);
+            }
+        }
+        true
+    }
+
     /// [`Self::pop_first`] when the hinted word is empty: a descent from the top level.
     #[cold]
     fn pop_first_searching(&mut self) -> Option<u32> {

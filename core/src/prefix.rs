@@ -332,8 +332,9 @@ impl<'a> PrefixCache<'a> {
         (self.namespace[i], self.hash[i], parent)
     }
 
-    /// Stores `ids` as the token ids of block `b` from token `offset` on (`offset +
-    /// ids.len()` at most the block size; nothing when the cache is off). O(ids).
+    /// Stores `ids` as the token ids of block `b` from token `offset` on; past the
+    /// block size they run on into blocks `b + 1`, `b + 2`, ... (whose places follow
+    /// `b`'s), which must exist. Nothing when the cache is off. O(ids).
     #[inline]
     pub(crate) fn set_tokens(&mut self, b: u32, offset: u32, ids: &[u32]) {
         if self.enabled() {

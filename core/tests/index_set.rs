@@ -1,5 +1,6 @@
 //! Property test: `IndexSet` against a `BTreeSet` reference, over universes of one to
-//! three levels, starting empty or full, under random inserts, removes and pops.
+//! three levels, starting empty or full, under random inserts, removes and pops (one
+//! at a time and into buffers).
 
 mod common;
 
@@ -14,6 +15,8 @@ enum Op {
     Remove(u32),
     First,
     PopFirst,
+    /// `pop_first_into` a buffer of this many.
+    PopInto(usize),
 }
 
 /// An index in or just past the universe, clustered near word boundaries half the time.
@@ -30,6 +33,7 @@ fn op(universe: u32) -> impl Strategy<Value = Op> {
         3 => index(universe).prop_map(Op::Remove),
         1 => Just(Op::First),
         3 => Just(Op::PopFirst),
+        1 => (0..80usize).prop_map(Op::PopInto),
     ]
 }
 
@@ -59,6 +63,17 @@ proptest! {
                 Op::Remove(i) => prop_assert_eq!(set.remove(i), model.remove(&i)),
                 Op::First => prop_assert_eq!(set.first(), model.first().copied()),
                 Op::PopFirst => prop_assert_eq!(set.pop_first(), model.pop_first()),
+                Op::PopInto(k) => {
+                    let mut out = vec![u32::MAX; k];
+                    if model.len() < k {
+                        prop_assert!(!set.pop_first_into(&mut out));
+                        prop_assert!(out.iter().all(|&x| x == u32::MAX), "changed on refusal");
+                    } else {
+                        prop_assert!(set.pop_first_into(&mut out));
+                        let want: Vec<u32> = (0..k).filter_map(|_| model.pop_first()).collect();
+                        prop_assert_eq!(out, want);
+                    }
+                }
             }
             prop_assert_eq!(set.count() as usize, model.len());
         }

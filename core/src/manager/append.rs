@@ -121,29 +121,49 @@ impl BlockManager<'_> {
                 *b = self.pool.alloc(owner, &mut self.prefix);
             }
         }
-        // A block at a time: its slots are consecutive, its ids one copy, its fill one
-        // store.
+        // A run of blocks at a time: a block, and the blocks after it in the table whose
+        // indices follow on from its own (lowest-index-first allocation from a pool
+        // that is not fragmented gives such runs), hold consecutive slots, and their
+        // ids consecutive places in the prefix cache: one slot loop and one copy of ids
+        // per run, one fill store per block.
+        let bs_tokens = bs as usize;
         let mut block_index = full_blocks as usize;
-        let mut off = offset;
+        let mut off = offset as usize;
         let mut k = 0usize;
         let n = n as usize;
         while k < n {
             let b = self.seqs.table[row + block_index];
-            let take = ((bs - off) as usize).min(n - k);
-            let first_slot = b * bs + off;
+            let mut take = (bs_tokens - off).min(n - k);
+            let mut blocks = 1u32;
+            // Tokens left past the run's end means its last block is full and the
+            // next block (allocated above, starting empty) exists.
+            while k + take < n
+                && Some(self.seqs.table[row + block_index + blocks as usize])
+                    == b.checked_add(blocks)
+            {
+                take = (take + bs_tokens).min(n - k);
+                blocks += 1;
+            }
+            let first_slot = b * bs + off as u32;
             for (slot, s) in slots[k..k + take].iter_mut().zip(first_slot..) {
                 *slot = s;
             }
             if let Some(ids) = ids {
-                self.prefix.set_tokens(b, off, &ids[k..k + take]);
+                self.prefix.set_tokens(b, off as u32, &ids[k..k + take]);
             }
-            let end = off + take as u32;
-            if end > self.pool.fill(b) {
-                self.pool.set_fill(b, end);
+            // Tokens of the run's blocks, counted from its first block's start.
+            let mut left = off + take;
+            for j in 0..blocks {
+                let end = left.min(bs_tokens);
+                left -= end;
+                if end as u32 > self.pool.fill(b + j) {
+                    self.pool.set_fill(b + j, end as u32);
+                }
+                off = end;
             }
             k += take;
-            off = end;
-            if off == bs {
+            block_index += blocks as usize - 1;
+            if off == bs_tokens {
                 off = 0;
                 block_index += 1;
             }

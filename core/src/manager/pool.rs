@@ -253,17 +253,18 @@ impl<'a> BlockPool<'a> {
         if t.below_limit(s) < k || self.free.count() < k.saturating_add(others) {
             return false;
         }
-        for slot in out.iter_mut() {
-            // Counted above: the free set holds at least `k` blocks.
-            let b = self.free.pop_first().unwrap_or(0);
+        // Counted above: the free set holds at least `k` blocks.
+        if !self.free.pop_first_into(out) {
+            return false;
+        }
+        for &b in out.iter() {
             debug_assert!(!prefix.is_registered(b), "a free block is never registered");
             trace!("kvpage: alloc block {=u32}", b);
             prefix.clear(b);
-            self.tenants.charge(b, s);
             self.refcount[b as usize] = 1;
             self.fill[b as usize] = 0;
-            *slot = b;
         }
+        self.tenants.charge_run(out, s);
         self.total_refs += u64::from(k);
         true
     }

@@ -158,6 +158,19 @@ impl<'a> Tenants<'a> {
         self.owner.get(b as usize).map_or(0, |&s| s as usize)
     }
 
+    /// Charges newly used blocks `blocks` to slot `s`: [`Self::charge`] for each, the
+    /// counts updated once. O(blocks.len()).
+    pub(crate) fn charge_run(&mut self, blocks: &[u32], s: usize) {
+        for &b in blocks {
+            if let Some(o) = self.owner.get_mut(b as usize) {
+                *o = s as u32;
+            }
+        }
+        let k = blocks.len() as u32;
+        self.shortfall_total -= self.shortfall(s).min(k);
+        self.charged[s] += k;
+    }
+
     /// Charges newly used block `b` to slot `s`. O(1).
     #[inline]
     pub(crate) fn charge(&mut self, b: u32, s: usize) {

@@ -327,6 +327,19 @@ fn check_invariants(kv: &BlockManager<'_>, model: &Model) {
     }
     assert!(PREFIX_CACHE || cached == 0);
     assert_eq!(stats.logical_tokens, logical);
+    // Every used block stores at least the tokens its holders read from it (a block's
+    // fill can only run ahead of them, after a truncation).
+    let mut read: HashMap<u32, u64> = HashMap::new();
+    for (&s, cells) in &model.seqs {
+        for (j, &b) in kv.blocks(s).unwrap().iter().enumerate() {
+            let tokens = (cells.len() - j * BS as usize).min(BS as usize) as u64;
+            let r = read.entry(b).or_default();
+            *r = (*r).max(tokens);
+        }
+    }
+    let read: u64 = read.values().sum();
+    assert!(stats.tokens_stored >= read, "{} tokens stored, {read} read", stats.tokens_stored);
+    assert!(stats.tokens_stored <= u64::from(stats.used_blocks) * u64::from(BS));
     assert_eq!(stats.live_seqs as usize, model.seqs.len() + model.swapped.len());
     let total_refs: u64 = refs.values().map(|&r| u64::from(r)).sum();
     assert_eq!(stats.blocks_saved_by_sharing, total_refs - refs.len() as u64);
