@@ -161,8 +161,9 @@ impl BlockManager<'_> {
                 if end as u32 > self.pool.fill(b + j) {
                     self.pool.set_fill(b + j, end as u32);
                 }
-                off = end;
             }
+            // The run's last block ends here.
+            off = off + take - (blocks as usize - 1) * bs_tokens;
             k += take;
             block_index += blocks as usize - 1;
             if off == bs_tokens {

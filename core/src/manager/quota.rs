@@ -158,8 +158,9 @@ impl<'a> Tenants<'a> {
         self.owner.get(b as usize).map_or(0, |&s| s as usize)
     }
 
-    /// Charges newly used blocks `blocks` to slot `s`: [`Self::charge`] for each, the
-    /// counts updated once. O(blocks.len()).
+    /// Charges newly used blocks `blocks` to slot `s` (each one's owner, then the
+    /// slot's count and the reservations' shortfall once). O(blocks.len()).
+    #[inline]
     pub(crate) fn charge_run(&mut self, blocks: &[u32], s: usize) {
         for &b in blocks {
             if let Some(o) = self.owner.get_mut(b as usize) {
@@ -174,11 +175,7 @@ impl<'a> Tenants<'a> {
     /// Charges newly used block `b` to slot `s`. O(1).
     #[inline]
     pub(crate) fn charge(&mut self, b: u32, s: usize) {
-        if let Some(o) = self.owner.get_mut(b as usize) {
-            *o = s as u32;
-        }
-        self.shortfall_total -= u32::from(self.charged[s] < self.reserve[s]);
-        self.charged[s] += 1;
+        self.charge_run(core::slice::from_ref(&b), s);
     }
 
     /// Stops charging block `b` (it became free). O(1).

@@ -21,6 +21,16 @@ pub(super) fn fixed_point(max: f32, finite: bool) -> (f32, f32) {
     }
 }
 
+/// Stores 16-bit codes two to a float, as bits (`codes[2 i]` in the low half of
+/// `slots[i]`, `codes[2 i + 1]` in the high half): how an encoded query row keeps its
+/// codes among its floats. Fills `min(slots.len(), codes.len() / 2)` slots. O(codes).
+#[inline(always)]
+pub(super) fn pack_pairs(slots: &mut [f32], codes: &[i16]) {
+    for (slot, pair) in slots.iter_mut().zip(codes.chunks_exact(2)) {
+        *slot = f32::from_bits(u32::from(pair[0] as u16) | u32::from(pair[1] as u16) << 16);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -34,5 +44,13 @@ mod tests {
         assert!(fixed_point(1.0, false).0.is_nan());
         assert!(fixed_point(f32::INFINITY, true).0.is_nan());
         assert_eq!(fixed_point(f32::NAN, true).1, 0.0);
+    }
+
+    #[test]
+    fn pairs_pack_low_code_first() {
+        let mut slots = [0.0f32; 2];
+        pack_pairs(&mut slots, &[1, -1, -32767, 32767]);
+        assert_eq!(slots[0].to_bits(), 0xFFFF_0001);
+        assert_eq!(slots[1].to_bits(), 0x7FFF_8001);
     }
 }

@@ -30,7 +30,7 @@
 use core::arch::x86_64::*;
 
 use super::bytes;
-use super::fixed16::fixed_point;
+use super::fixed16::{fixed_point, pack_pairs};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
 
@@ -132,9 +132,7 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
             _mm256_storeu_si256(out.as_mut_ptr().cast(), c);
         }
     }
-    for (slot, pair) in row[..hd / 2].iter_mut().zip(codes[..hd].chunks_exact(2)) {
-        *slot = f32::from_bits(u32::from(pair[0] as u16) | u32::from(pair[1] as u16) << 16);
-    }
+    pack_pairs(&mut row[..hd / 2], &codes[..hd]);
     row[scale_slot(hd)] = scale;
 }
 
@@ -238,6 +236,7 @@ pub(in crate::kernels) unsafe fn scores1<T: Element>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::pairs::test_values as values;
     use super::*;
     use crate::dtype::Int8;
 
@@ -246,16 +245,6 @@ mod tests {
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
-    }
-
-    /// A deterministic spread of `n` values in (-1, 1).
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-                x as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
     }
 
     #[test]

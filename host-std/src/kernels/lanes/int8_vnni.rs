@@ -26,7 +26,7 @@
 
 use core::arch::x86_64::*;
 
-use super::fixed16::fixed_point;
+use super::fixed16::{fixed_point, pack_pairs};
 use super::pairs::{self, BLOCK, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
@@ -91,9 +91,7 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
         .chunks_exact_mut(GROUP)
         .zip(codes[..hd].chunks_exact(GROUP))
     {
-        for (slot, pair) in slots.iter_mut().zip(group.chunks_exact(2)) {
-            *slot = f32::from_bits(u32::from(pair[0] as u16) | u32::from(pair[1] as u16) << 16);
-        }
+        pack_pairs(slots, group);
     }
     row[SCALE_SLOT] = scale;
 }
