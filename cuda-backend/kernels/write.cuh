@@ -63,15 +63,23 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
     }
     default: { // 8-bit codes: one scale per row, stored after the tile's codes
         uint8_t *bytes = static_cast<uint8_t *>(p.arena);
-        float absmax = 0.0f;
-        for (uint32_t d = lane; d < hd; d += 32u) absmax = fmaxf(absmax, fabsf(__ldg(src + d)));
+        // fmaxf skips NaN, so NaN is counted apart: a row with a NaN stores a NaN scale
+        // (its codes as without it), host-std's rule (quant::Code::quantize_row).
+        float absmax = 0.0f, nan = 0.0f;
+        for (uint32_t d = lane; d < hd; d += 32u) {
+            const float x = __ldg(src + d);
+            absmax = fmaxf(absmax, fabsf(x));
+            if (x != x) nan = 1.0f;
+        }
         absmax = warp_max(absmax);
+        nan = warp_max(nan);
         const float s = scale_for(g.dtype, absmax);
         for (uint32_t d = lane; d < hd; d += 32u) bytes[at + d] = encode8(g.dtype, __ldg(src + d), s);
         if (lane < 4u) {
             // Little-endian f32, byte by byte (the row's scale need not be 4-aligned).
             const uint64_t so = scale_offset(g, r.block, p.layer, r.kv, r.head, r.off);
-            bytes[so + lane] = (uint8_t)(__float_as_uint(s) >> (8u * lane));
+            const uint32_t stored = nan != 0.0f ? 0x7fc00000u : __float_as_uint(s);
+            bytes[so + lane] = (uint8_t)(stored >> (8u * lane));
         }
         break;
     }

@@ -104,8 +104,17 @@ fn check_write(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
     slots.truncate(tokens as usize);
     let n = tokens as usize * (g.kv_heads() * g.head_dim()) as usize;
     // Scaled rows: values over several magnitudes, so scales differ row to row.
-    let k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 7) as f32).collect();
-    let v: Vec<f32> = (0..n).map(|_| rng.value() * 3.0).collect();
+    let mut k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 7) as f32).collect();
+    let mut v: Vec<f32> = (0..n).map(|_| rng.value() * 3.0).collect();
+    if g.dtype().is_scaled() {
+        // A few NaNs: their rows store a NaN scale (and the NaN code), both writers.
+        for i in (7..n).step_by(97) {
+            k[i] = f32::NAN;
+        }
+        for i in (30..n).step_by(131) {
+            v[i] = f32::NAN;
+        }
+    }
     let layer = rng.below(g.layers());
     let mut cpu = poisoned(&layout);
     with_element!(g.dtype(), T => kernels::write_kv::<T>(

@@ -192,7 +192,8 @@ pub(crate) fn bytes_of_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
 }
 
 /// An 8-bit integer code (−127..=127) of [`kvpage_core::DType::Int8`] storage: the value
-/// is the code times its row's scale.
+/// is the code times its row's scale. The kernels treat −128, the code of a NaN, as the
+/// integer it is: the row's NaN scale carries the NaN ([`crate::quant::Code::quantize_row`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct Int8(pub i8);

@@ -203,7 +203,14 @@ unsafe fn load16<T: Element>(p: *const T) -> (__m256, __m256) {
 
 /// Decodes 16 FP8 E4M3 codes (bytes) to f32 by way of f16: a code's magnitude bits
 /// shifted into an f16's exponent and mantissa (exponent bias 15 against 7) give 2^-8
-/// of its value, subnormals included; `S.1111.111` (NaN) gets an f16 NaN's exponent.
+/// of its value, subnormals included.
+///
+/// The NaN codes `S.1111.111` decode to ±480, a finite value no other code has: a row
+/// holding one stores a NaN scale ([`crate::quant::Code::quantize_row`]), which makes
+/// every value of the row NaN wherever the scale is applied, so no per-element NaN test
+/// is needed here. Leaving that test out (4 of 13 instructions per 16 codes) measured
+/// 0.89 of the time in cache and 0.90 out of cache (Zen 3, paired: one thread, 1 × 256
+/// tokens; two threads, 32 × 2048 tokens; 32 query heads over 8 KV heads, head dim 128).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn fp8_16(codes: __m128i) -> (__m256, __m256) {
@@ -211,11 +218,6 @@ fn fp8_16(codes: __m128i) -> (__m256, __m256) {
     // bit 15 (and a copy at 14, cleared), exponent at 10..13, mantissa at 7..9.
     let h = _mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(codes)));
     let h = _mm256_and_si256(h, _mm256_set1_epi16(0xBFFFu16 as i16));
-    let nan = _mm256_cmpeq_epi16(
-        _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)),
-        _mm256_set1_epi16(0x3F80),
-    );
-    let h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
     let scale = _mm256_set1_ps(256.0);
     (
         _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale),
@@ -585,7 +587,9 @@ unsafe fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
         // SAFETY: `ch` holds 8 floats.
         let xv = _mm256_sub_ps(unsafe { _mm256_loadu_ps(ch.as_ptr()) }, shift_v);
         let under = _mm256_cmp_ps::<_CMP_LT_OQ>(xv, lo);
-        let xc = _mm256_min_ps(_mm256_max_ps(xv, lo), zero);
+        // Operand order: `max`/`min` return their second operand when one is NaN, so a
+        // NaN score stays NaN (and its row's outputs with it) instead of clamping to 0.
+        let xc = _mm256_min_ps(zero, _mm256_max_ps(lo, xv));
         let t = _mm256_fmadd_ps(xc, log2e, magic);
         let k = _mm256_sub_epi32(_mm256_castps_si256(t), magic_bits);
         let kf = _mm256_sub_ps(t, magic);
@@ -640,7 +644,8 @@ mod tests {
     use super::*;
 
     /// Every FP8 code through the 16-at-a-time f16 decoding, against the format's own
-    /// decoding: the same value bit for bit (zeros keep their sign), NaN for NaN.
+    /// decoding: the same value bit for bit (zeros keep their sign); the NaN codes give
+    /// ±480, beyond the largest finite code (their row's scale is NaN).
     #[test]
     fn fp8_by_way_of_f16_decodes_every_code() {
         if Avx2::detect().is_none() {
@@ -654,7 +659,8 @@ mod tests {
             for (i, got) in lo.into_iter().chain(hi).enumerate() {
                 let want = crate::quant::fp8::decode(codes[i]);
                 if want.is_nan() {
-                    assert!(got.is_nan(), "code {:#04x}: {got}", codes[i]);
+                    let sign = if codes[i] & 0x80 != 0 { -1.0 } else { 1.0 };
+                    assert_eq!(got, sign * 480.0, "code {:#04x}", codes[i]);
                 } else {
                     assert_eq!(got.to_bits(), want.to_bits(), "code {:#04x}", codes[i]);
                 }

@@ -200,7 +200,9 @@ unsafe fn exp_shifted_sum16(x: &mut [f32], shift: f32) -> f32 {
         let xv = _mm512_sub_ps(unsafe { _mm512_loadu_ps(ch.as_ptr()) }, shift_v);
         // Zero below -87 (as the AVX2 form's `andnot`: not for NaN).
         let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(xv, lo);
-        let xc = _mm512_min_ps(_mm512_max_ps(xv, lo), zero);
+        // Operand order: `max`/`min` return their second operand when one is NaN, so a
+        // NaN score stays NaN (and its row's outputs with it) instead of clamping to 0.
+        let xc = _mm512_min_ps(zero, _mm512_max_ps(lo, xv));
         let kf = _mm512_sub_ps(_mm512_fmadd_ps(xc, log2e, magic), magic);
         let r = _mm512_fnmadd_ps(kf, ln2_lo, _mm512_fnmadd_ps(kf, ln2_hi, xc));
         let mut p = c[0];

@@ -77,18 +77,32 @@ impl Code {
 
 impl Code {
     /// Quantizes one group `src` into `codes` (same length) with the scale of its
-    /// largest magnitude ([`Code::scale_for`]), and returns that scale: the one rule by
-    /// which the kernels write a row and the references quantize a group. O(src.len()).
+    /// largest magnitude ([`Code::scale_for`]), and returns the scale to store: the one
+    /// rule by which the kernels write a row and the references quantize a group.
+    /// O(src.len()).
+    ///
+    /// A group with a NaN among its values stores a NaN scale (its codes are those of
+    /// the finite scale of the other values, the NaN's its NaN code): every value of the
+    /// group then reads back as NaN, so a NaN written to the cache is never lost to a
+    /// finite code (int8's NaN code, −128, is an integer to the kernels' arithmetic)
+    /// and the decoders need no per-element NaN test. The CUDA write kernel keeps the
+    /// same rule.
     ///
     /// # Panics
     /// If `codes` is shorter than `src` (a caller's sizing error, never data).
     pub fn quantize_row(self, src: &[f32], codes: &mut [u8]) -> f32 {
         let absmax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let s = self.scale_for(absmax);
+        let mut nan = false;
         for (c, &v) in codes[..src.len()].iter_mut().zip(src) {
             *c = self.encode(v, s);
+            nan |= v.is_nan();
         }
-        s
+        if nan {
+            f32::NAN
+        } else {
+            s
+        }
     }
 }
 
@@ -167,9 +181,24 @@ mod tests {
         quantize(Code::Int8, &[0.0, 0.0, f32::NAN, 1.0], 2, &mut c, &mut s);
         assert_eq!(s[0], 1.0);
         assert_eq!(&c[..2], &[0, 0]);
+        // The NaN's group: its scale is NaN, its codes those of the finite values'
+        // scale (1.0 → 127) and the NaN code.
+        assert!(s[1].is_nan());
+        assert_eq!(&c[2..], &[0x80, 127]);
         let mut y = [0.0f32; 4];
         dequantize(Code::Int8, &c, &s, 2, &mut y);
-        assert!(y[2].is_nan(), "NaN stays visible");
-        assert_eq!(y[3], 1.0);
+        assert_eq!(&y[..2], &[0.0, 0.0]);
+        assert!(
+            y[2].is_nan() && y[3].is_nan(),
+            "NaN stays visible, group-wide"
+        );
+        for code in [Code::Int8, Code::Fp8E4m3] {
+            let mut c = [0u8; 3];
+            assert_eq!(
+                code.quantize_row(&[1.0, -2.0, 0.5], &mut c),
+                2.0 / code.max()
+            );
+            assert!(code.quantize_row(&[1.0, f32::NAN, 0.5], &mut c).is_nan());
+        }
     }
 }
