@@ -280,7 +280,13 @@ unsafe fn scores4<T: Element>(
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
     let qp = q.as_ptr();
-    for t in 0..n {
+    let first = if w8 == hd && matches!(T::KIND, Kind::F16 | Kind::Fp8E4m3) {
+        // SAFETY: the lengths asserted above; AVX2 + FMA + F16C (caller).
+        unsafe { scores4_token_pairs(q, k, hd, n, s, stride) }
+    } else {
+        0
+    };
+    for t in first..n {
         // SAFETY: every load below reads `qp[r * hd + d..+8]` or `kt[d..+8]` with
         // `d + 8 <= hd` (asserted lengths above).
         let sums = unsafe {
@@ -321,6 +327,72 @@ unsafe fn scores4<T: Element>(
             }
         }
     }
+}
+
+/// [`scores4`] two tokens at a time, while two are left: each query vector loaded
+/// serves both tokens' keys (eight accumulators, four rows × two tokens), so a step of
+/// 16 dimensions loads 8 query vectors for 16 FMAs instead of for 8. `hd` is a multiple
+/// of 8. Returns the tokens done (`n` rounded down to even).
+///
+/// Measured on Zen 3 (AVX2, paired against one token at a time; 32 query heads over 8
+/// KV heads, head dim 128): decode f16 0.93-0.94 out of cache (two threads, 512, 2048
+/// and 8192 tokens) and 0.94 in cache (one thread, 256 tokens), FP8 0.97-0.98 and
+/// 0.98; chunked prefill (512 new tokens after 1536) f16 0.88, f32 0.94. f32 keeps
+/// one token at a time: its decode out of cache, bound by memory, took 1.01-1.02.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `q.len() >= 4 * hd`, `k.len() >= n * hd`,
+/// `s.len() >= 3 * stride + n` (when `n > 0`), `hd % 8 == 0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn scores4_token_pairs<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) -> usize {
+    let w16 = hd / 16 * 16;
+    let qp = q.as_ptr();
+    let mut t = 0;
+    while t + 2 <= n {
+        // SAFETY: loads of `qp[r * hd + d..+8]` and of tokens t and t + 1's `[d..+8]`
+        // with `d + 8 <= hd` and `t + 1 < n` (caller's lengths).
+        let (sa, sb) = unsafe {
+            let ka = k.as_ptr().add(t * hd);
+            let kb = ka.add(hd);
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut b = [_mm256_setzero_ps(); 4];
+            let mut d = 0;
+            while d < w16 {
+                let ((x0, x1), (y0, y1)) = (load16(ka.add(d)), load16(kb.add(d)));
+                for (half, (x, y)) in [(x0, y0), (x1, y1)].into_iter().enumerate() {
+                    for r in 0..4 {
+                        let qv = _mm256_loadu_ps(qp.add(r * hd + d + 8 * half));
+                        a[r] = _mm256_fmadd_ps(qv, x, a[r]);
+                        b[r] = _mm256_fmadd_ps(qv, y, b[r]);
+                    }
+                }
+                d += 16;
+            }
+            if d < hd {
+                let (x, y) = (load8(ka.add(d)), load8(kb.add(d)));
+                for r in 0..4 {
+                    let qv = _mm256_loadu_ps(qp.add(r * hd + d));
+                    a[r] = _mm256_fmadd_ps(qv, x, a[r]);
+                    b[r] = _mm256_fmadd_ps(qv, y, b[r]);
+                }
+            }
+            (hsum4(a[0], a[1], a[2], a[3]), hsum4(b[0], b[1], b[2], b[3]))
+        };
+        for r in 0..4 {
+            s[r * stride + t] = sa[r];
+            s[r * stride + t + 1] = sb[r];
+        }
+        t += 2;
+    }
+    t
 }
 
 /// See [`Simd::scores1`].
