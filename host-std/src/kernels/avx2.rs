@@ -146,6 +146,14 @@ impl Simd for Avx2 {
     fn schedule<T: Element>(self, hd: usize) -> super::online::Schedule {
         super::online::Schedule::of_lines::<T>(hd, 16, 32, true)
     }
+    /// Vector widening ([`load16`]): FP8 was decoded a code at a time by
+    /// [`Element::widen`] before (paired, Zen 3: chunked prefill of 512 new tokens
+    /// after 2048, 0.74 of the time; decode of 64 query heads over 8 KV heads, 32 x
+    /// 2048 tokens, 0.63; int8 1.00, the compiler's loop was as fast).
+    #[inline(always)]
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        unsafe { widen(src, dst) }
+    }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {
         unsafe { max(x) }
@@ -614,6 +622,30 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
             acc[d] += p[t] * v[t * hd + d].to_f32();
         }
     }
+}
+
+/// See [`Simd::widen`]: 16 elements at a time through [`load16`], the rest by
+/// [`Element::widen`].
+///
+/// # Safety
+/// The CPU has AVX2 and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn widen<T: Element>(src: &[T], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let w16 = n / 16 * 16;
+    for (s16, d16) in src[..w16]
+        .chunks_exact(16)
+        .zip(dst[..w16].chunks_exact_mut(16))
+    {
+        // SAFETY: 16 elements are read and 16 floats written.
+        unsafe {
+            let (a, b) = load16(s16.as_ptr());
+            _mm256_storeu_ps(d16.as_mut_ptr(), a);
+            _mm256_storeu_ps(d16.as_mut_ptr().add(8), b);
+        }
+    }
+    T::widen(&src[w16..n], &mut dst[w16..n]);
 }
 
 /// See [`Simd::max`].
