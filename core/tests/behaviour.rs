@@ -299,6 +299,31 @@ fn fork_then_append_copies_the_shared_partial_block() {
     });
 }
 
+/// Decoding token by token stores every token's id, also the ones that open a new
+/// block (the single-token new-block path), so the decoded blocks, once committed,
+/// serve a later prompt that repeats them.
+#[test]
+fn decoded_tokens_enter_the_prefix_cache_one_by_one() {
+    with_manager(|kv| {
+        let mut slots = [0u32; 16];
+        let p = prompt(13);
+        let a = kv.create_with_prompt(5, &p[..2], &mut slots).unwrap();
+        for (t, &id) in p.iter().enumerate().take(12).skip(2) {
+            let step = kv.append_tokens(a.seq, &[id], &mut slots).unwrap();
+            assert_eq!(step.new_blocks, u32::from(t % 4 == 0), "token {t}");
+            assert_eq!(slots[0] % 4, t as u32 % 4, "token {t}");
+        }
+        assert_eq!(kv.commit(a.seq, 12), Ok(3));
+        assert_eq!(kv.cached_prefix_tokens(5, &p), 12);
+        let b = kv.create_with_prompt(5, &p, &mut slots).unwrap();
+        assert_eq!(b.reused_tokens, 12);
+        assert_eq!(
+            kv.blocks(b.seq).unwrap()[..3],
+            kv.blocks(a.seq).unwrap()[..3]
+        );
+    });
+}
+
 #[test]
 fn prefix_reuse_namespaces_and_lru_eviction() {
     with_manager(|kv| {
