@@ -147,9 +147,10 @@ impl Simd for Avx2 {
         super::online::Schedule::of_lines::<T>(hd, 16, 32, true)
     }
     /// Vector widening ([`load16`]): FP8 was decoded a code at a time by
-    /// [`Element::widen`] before (paired, Zen 3: chunked prefill of 512 new tokens
-    /// after 2048, 0.74 of the time; decode of 64 query heads over 8 KV heads, 32 x
-    /// 2048 tokens, 0.63; int8 1.00, the compiler's loop was as fast).
+    /// [`Element::widen`] before (paired, Zen 3, two threads: chunked prefill of 512
+    /// new tokens in a context of 2048, two sequences, 0.74 of the time; decode of 64
+    /// query heads over 8 KV heads, 32 × 2048 tokens, 0.63; int8 1.00, the compiler's
+    /// loop was as fast).
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         unsafe { widen(src, dst) }
