@@ -63,13 +63,14 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
     }
     default: { // 8-bit codes: one scale per row, stored after the tile's codes
         uint8_t *bytes = static_cast<uint8_t *>(p.arena);
-        // fmaxf skips NaN, so NaN is counted apart: a row with a NaN stores a NaN scale
-        // (its codes as without it), host-std's rule (quant::Code::quantize_row).
+        // fmaxf skips NaN, so non-finite values are counted apart: a row with a NaN or
+        // an infinity stores a NaN scale (its codes as without it), host-std's rule
+        // (quant::Code::quantize_row).
         float absmax = 0.0f, nan = 0.0f;
         for (uint32_t d = lane; d < hd; d += 32u) {
             const float x = __ldg(src + d);
             absmax = fmaxf(absmax, fabsf(x));
-            if (x != x) nan = 1.0f;
+            if (!(fabsf(x) <= 3.4028234663852886e38f)) nan = 1.0f;
         }
         absmax = warp_max(absmax);
         nan = warp_max(nan);

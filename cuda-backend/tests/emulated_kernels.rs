@@ -107,9 +107,9 @@ fn check_write(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
     let mut k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 7) as f32).collect();
     let mut v: Vec<f32> = (0..n).map(|_| rng.value() * 3.0).collect();
     if g.dtype().is_scaled() {
-        // A few NaNs: their rows store a NaN scale (and the NaN code), both writers.
-        for i in (7..n).step_by(97) {
-            k[i] = f32::NAN;
+        // A few NaNs and infinities: their rows store a NaN scale, both writers.
+        for (j, i) in (7..n).step_by(97).enumerate() {
+            k[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][j % 3];
         }
         for i in (30..n).step_by(131) {
             v[i] = f32::NAN;

@@ -405,12 +405,13 @@ fn large_scores_stay_finite_with_the_running_max() {
     assert!(rel_error(&out, &want) < 1e-5);
 }
 
-/// A NaN written into one key or one value reaches the outputs of the query heads that
-/// read its KV head, and only those, for every dtype: the 8-bit dtypes keep it in the
-/// row's scale (int8's NaN code alone would be the integer −128 to the kernels), the
-/// float dtypes in the element. Decode and a prefill of 3 queries, head dim 64 (the
-/// SIMD paths' full-width loops).
-fn nan_reaches_the_outputs<T: Element>() {
+/// A NaN or an infinity written into one key or one value makes the outputs of the
+/// query heads that read its KV head non-finite, and only those, for every dtype: the
+/// 8-bit dtypes keep it as the row's NaN scale (int8's NaN code alone would be the
+/// integer −128 to the kernels, an infinity would saturate), the float dtypes in the
+/// element. Decode and a prefill of 3 queries, head dim 64 (the SIMD paths' full-width
+/// loops).
+fn non_finite_reaches_the_outputs<T: Element>() {
     let (kv_heads, q_heads, hd, bs, len) = (2usize, 4usize, 64usize, 4u32, 11usize);
     let layout = layout_of::<T>(1, kv_heads as u32, hd as u32, bs, 4).unwrap();
     let table: Vec<u32> = vec![2, 0, 3, 1];
@@ -423,12 +424,18 @@ fn nan_reaches_the_outputs<T: Element>() {
     };
     let mut rng = rng(41);
     let row = |t: usize, h: usize| (t * kv_heads + h) * hd;
-    // (K or V, token, KV head, dimension) of the NaN.
-    for (in_v, t, h, d) in [(false, 3, 0, 5), (true, 6, 1, 40), (false, 10, 1, 63)] {
+    // (K or V, token, KV head, dimension, value) of the non-finite value.
+    let cases = [
+        (false, 3, 0, 5, f32::NAN),
+        (true, 6, 1, 40, f32::NAN),
+        (false, 10, 1, 63, f32::NAN),
+        (true, 2, 0, 0, f32::INFINITY),
+    ];
+    for (in_v, t, h, d, bad) in cases {
         let mut k = random_vec(&mut rng, len * kv_heads * hd);
         let mut v = random_vec(&mut rng, len * kv_heads * hd);
         let poisoned = if in_v { &mut v } else { &mut k };
-        poisoned[row(t, h) + d] = f32::NAN;
+        poisoned[row(t, h) + d] = bad;
         let mut arena = Arena::for_layout(&layout).unwrap();
         write_kv(&layout, arena.as_mut_slice::<T>(), 0, &slots, &k, &v).unwrap();
         for queries in [1usize, 3] {
@@ -461,9 +468,9 @@ fn nan_reaches_the_outputs<T: Element>() {
                 for (qh, o) in per_query.chunks_exact(hd).enumerate() {
                     let reads = qh / (q_heads / kv_heads) == h;
                     assert_eq!(
-                        o.iter().any(|x| x.is_nan()),
+                        o.iter().any(|x| !x.is_finite()),
                         sees && reads,
-                        "{:?}, NaN in {} of token {t} head {h}: query {i} head {qh}",
+                        "{:?}, {bad} in {} of token {t} head {h}: query {i} head {qh}",
                         T::DTYPE,
                         if in_v { "V" } else { "K" }
                     );
@@ -474,12 +481,12 @@ fn nan_reaches_the_outputs<T: Element>() {
 }
 
 #[test]
-fn a_nan_in_the_cache_reaches_the_outputs_that_read_it() {
-    nan_reaches_the_outputs::<f32>();
-    nan_reaches_the_outputs::<f16>();
-    nan_reaches_the_outputs::<bf16>();
-    nan_reaches_the_outputs::<Int8>();
-    nan_reaches_the_outputs::<Fp8E4m3>();
+fn a_non_finite_value_in_the_cache_reaches_the_outputs_that_read_it() {
+    non_finite_reaches_the_outputs::<f32>();
+    non_finite_reaches_the_outputs::<f16>();
+    non_finite_reaches_the_outputs::<bf16>();
+    non_finite_reaches_the_outputs::<Int8>();
+    non_finite_reaches_the_outputs::<Fp8E4m3>();
 }
 
 #[test]

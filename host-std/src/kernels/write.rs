@@ -13,10 +13,10 @@ use crate::quant::Code;
 /// `k` and `v` are `[tokens][kv_heads][head_dim]` in `f32`. A slot listed twice ends up
 /// holding the later token. With 8-bit storage ([`kvpage_core::DType::is_scaled`]) each
 /// (token, head) row gets its own scale, its largest magnitude over the code's largest,
-/// stored after the tile's codes; it never changes after. A row with a NaN among its
-/// values stores a NaN scale, so all of it reads back as NaN and attention's outputs
-/// that read it are NaN (with the float dtypes, a NaN stays in its element; either way
-/// it is never lost to a finite value). O(tokens × kv_heads ×
+/// stored after the tile's codes; it never changes after. A row with a NaN or an
+/// infinity among its values stores a NaN scale, so all of it reads back as NaN and
+/// attention's outputs that read it are NaN (with the float dtypes the value stays in
+/// its element; either way it is never lost to a finite value). O(tokens × kv_heads ×
 /// head_dim), single-threaded (it moves one token's worth of data per slot, far less
 /// than attention reads).
 ///

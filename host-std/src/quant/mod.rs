@@ -81,24 +81,24 @@ impl Code {
     /// rule by which the kernels write a row and the references quantize a group.
     /// O(src.len()).
     ///
-    /// A group with a NaN among its values stores a NaN scale (its codes are those of
-    /// the finite scale of the other values, the NaN's its NaN code): every value of the
-    /// group then reads back as NaN, so a NaN written to the cache is never lost to a
-    /// finite code (int8's NaN code, −128, is an integer to the kernels' arithmetic)
-    /// and the decoders need no per-element NaN test. The CUDA write kernel keeps the
-    /// same rule.
+    /// A group with a NaN or an infinity among its values stores a NaN scale (its codes
+    /// are those of the finite scale of the other values): every value of the group
+    /// then reads back as NaN, so a non-finite value written to the cache is never lost
+    /// to a finite code (int8's NaN code, −128, is an integer to the kernels'
+    /// arithmetic; an infinity would saturate) and the decoders need no per-element NaN
+    /// test. The CUDA write kernel keeps the same rule.
     ///
     /// # Panics
     /// If `codes` is shorter than `src` (a caller's sizing error, never data).
     pub fn quantize_row(self, src: &[f32], codes: &mut [u8]) -> f32 {
         let absmax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let s = self.scale_for(absmax);
-        let mut nan = false;
+        let mut non_finite = false;
         for (c, &v) in codes[..src.len()].iter_mut().zip(src) {
             *c = self.encode(v, s);
-            nan |= v.is_nan();
+            non_finite |= !v.is_finite();
         }
-        if nan {
+        if non_finite {
             f32::NAN
         } else {
             s
@@ -198,7 +198,9 @@ mod tests {
                 code.quantize_row(&[1.0, -2.0, 0.5], &mut c),
                 2.0 / code.max()
             );
-            assert!(code.quantize_row(&[1.0, f32::NAN, 0.5], &mut c).is_nan());
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                assert!(code.quantize_row(&[1.0, bad, 0.5], &mut c).is_nan());
+            }
         }
     }
 }
