@@ -98,10 +98,13 @@ KVP_HD uint16_t f32_to_bf16(float x) {
 // Largest magnitude of an 8-bit code: 127 (int8), 448 (fp8 e4m3).
 KVP_HD float code_max(uint32_t dtype) { return dtype == KVP_DTYPE_INT8 ? 127.0f : 448.0f; }
 
+// Whether `x` is neither NaN nor infinite (|x| at most FLT_MAX).
+KVP_HD bool finite_f32(float x) { return fabsf(x) <= 3.4028234663852886e38f; }
+
 // Scale of a row whose largest magnitude is `absmax`: absmax / max, or 1 for a zero or
 // non-finite row (Code::scale_for).
 KVP_HD float scale_for(uint32_t dtype, float absmax) {
-    return (absmax > 0.0f && absmax <= 3.4028234663852886e38f) ? absmax / code_max(dtype) : 1.0f;
+    return (absmax > 0.0f && finite_f32(absmax)) ? absmax / code_max(dtype) : 1.0f;
 }
 
 // FP8 E4M3 (e4m3fn) code of y: nearest, ties to even, saturating to +-448 (infinities

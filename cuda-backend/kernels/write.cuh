@@ -70,7 +70,7 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
         for (uint32_t d = lane; d < hd; d += 32u) {
             const float x = __ldg(src + d);
             absmax = fmaxf(absmax, fabsf(x));
-            if (!(fabsf(x) <= 3.4028234663852886e38f)) nan = 1.0f;
+            if (!finite_f32(x)) nan = 1.0f;
         }
         absmax = warp_max(absmax);
         nan = warp_max(nan);

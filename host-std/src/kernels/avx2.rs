@@ -364,37 +364,37 @@ unsafe fn scores4_token_pairs<T: Element>(
 ) -> usize {
     let w16 = hd / 16 * 16;
     let qp = q.as_ptr();
+    // The four rows' dimensions `d..d + 8` against both keys' (`x`, `y`), into their
+    // accumulators (`a`, `b`); `d + 8 <= hd`.
+    let rows = |d: usize, x: __m256, y: __m256, a: &mut [__m256; 4], b: &mut [__m256; 4]| {
+        for r in 0..4 {
+            // SAFETY: `qp[r * hd + d..+8]` lies in `q` (`q.len() >= 4 * hd`, `d + 8 <= hd`).
+            let qv = unsafe { _mm256_loadu_ps(qp.add(r * hd + d)) };
+            a[r] = _mm256_fmadd_ps(qv, x, a[r]);
+            b[r] = _mm256_fmadd_ps(qv, y, b[r]);
+        }
+    };
     let mut t = 0;
     while t + 2 <= n {
-        // SAFETY: loads of `qp[r * hd + d..+8]` and of tokens t and t + 1's `[d..+8]`
-        // with `d + 8 <= hd` and `t + 1 < n` (caller's lengths).
-        let (sa, sb) = unsafe {
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut b = [_mm256_setzero_ps(); 4];
+        // SAFETY: tokens t and t + 1's `[d..+16]` (then `[d..+8]`) with `d + 16 <= hd`
+        // (`d + 8 <= hd`) and `t + 1 < n` (caller's lengths).
+        unsafe {
             let ka = k.as_ptr().add(t * hd);
             let kb = ka.add(hd);
-            let mut a = [_mm256_setzero_ps(); 4];
-            let mut b = [_mm256_setzero_ps(); 4];
             let mut d = 0;
             while d < w16 {
                 let ((x0, x1), (y0, y1)) = (load16(ka.add(d)), load16(kb.add(d)));
-                for (half, (x, y)) in [(x0, y0), (x1, y1)].into_iter().enumerate() {
-                    for r in 0..4 {
-                        let qv = _mm256_loadu_ps(qp.add(r * hd + d + 8 * half));
-                        a[r] = _mm256_fmadd_ps(qv, x, a[r]);
-                        b[r] = _mm256_fmadd_ps(qv, y, b[r]);
-                    }
-                }
+                rows(d, x0, y0, &mut a, &mut b);
+                rows(d + 8, x1, y1, &mut a, &mut b);
                 d += 16;
             }
             if d < hd {
-                let (x, y) = (load8(ka.add(d)), load8(kb.add(d)));
-                for r in 0..4 {
-                    let qv = _mm256_loadu_ps(qp.add(r * hd + d));
-                    a[r] = _mm256_fmadd_ps(qv, x, a[r]);
-                    b[r] = _mm256_fmadd_ps(qv, y, b[r]);
-                }
+                rows(d, load8(ka.add(d)), load8(kb.add(d)), &mut a, &mut b);
             }
-            (hsum4(a[0], a[1], a[2], a[3]), hsum4(b[0], b[1], b[2], b[3]))
-        };
+        }
+        let (sa, sb) = (hsum4(a[0], a[1], a[2], a[3]), hsum4(b[0], b[1], b[2], b[3]));
         for r in 0..4 {
             s[r * stride + t] = sa[r];
             s[r * stride + t + 1] = sb[r];
