@@ -101,6 +101,15 @@ pub(crate) trait Simd: Copy {
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         T::widen(src, dst);
     }
+    /// The unit in which this arithmetic decodes the codes of 8-bit storage `T`: its
+    /// scores, accumulations and widening see a code's value divided by it, and the
+    /// attention loop multiplies the codes' scales by it. A power of two, so the results
+    /// are those of unit 1 bit for bit unless a product falls among the subnormals; 1
+    /// by default. O(1).
+    #[inline(always)]
+    fn code_unit<T: Element>(self) -> f32 {
+        1.0
+    }
     /// Whether a task of more than four rows per KV head should widen storage `T` to
     /// f32 once per step, so that its passes of four rows read f32, rather than have
     /// each pass read the storage itself. True for the 8-bit storage types, whose

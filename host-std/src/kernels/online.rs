@@ -560,12 +560,17 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // Online softmax, head by head: new running max, weights, rescale what was
         // accumulated. 8-bit storage: the scores so far are q · code; times each key's
         // scale, q · k.
-        let scaled = T::DTYPE.is_scaled();
+        let (scaled, unit) = (T::DTYPE.is_scaled(), simd.code_unit::<T>());
         for h in 0..heads {
             if scaled {
                 for (t, len) in runs(src, t0, n) {
                     src.scales(h, 0, t, len, &mut sc.scales[0][t - t0..]);
                     src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
+                }
+                if unit != 1.0 {
+                    for x in sc.scales.iter_mut().flat_map(|s| &mut s[..n]) {
+                        *x *= unit;
+                    }
                 }
             }
             for j in h * hr..(h + 1) * hr {
