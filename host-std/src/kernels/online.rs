@@ -568,8 +568,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
                 }
                 if unit != 1.0 {
-                    for x in sc.scales.iter_mut().flat_map(|s| &mut s[..n]) {
-                        *x *= unit;
+                    for scales in &mut sc.scales {
+                        simd.scale(&mut scales[..n], unit);
                     }
                 }
             }
