@@ -140,7 +140,8 @@ impl Simd for Avx512 {
         self.avx2.scale(x, c)
     }
     #[inline(always)]
-    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+    fn widen<T: Element>(self, kv: usize, src: &[T], dst: &mut [f32]) {
+        let _ = kv;
         let n = src.len().min(dst.len());
         let w16 = n / 16 * 16;
         for (s16, d16) in src[..w16]

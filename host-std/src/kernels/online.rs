@@ -125,6 +125,10 @@ pub(crate) struct Scratch {
     m: [f32; MAX_ROWS],
     l: [f32; MAX_ROWS],
     limit: [usize; MAX_ROWS],
+    /// Per row, what its scores are multiplied by after their keys' scales: the
+    /// arithmetic's key unit over the power of two its query row was lifted by
+    /// ([`lift_query`]).
+    key_unit: [f32; MAX_ROWS],
 }
 
 impl Scratch {
@@ -138,6 +142,7 @@ impl Scratch {
             m: [0.0; MAX_ROWS],
             l: [0.0; MAX_ROWS],
             limit: [0; MAX_ROWS],
+            key_unit: [1.0; MAX_ROWS],
         }
     }
 }
@@ -484,12 +489,18 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let (score_step, value_step) = (sched.score_step, sched.value_step);
 
     // Load the scaled queries, reset the softmax state.
+    let [key_unit, value_unit] = simd.code_units::<T>();
     for j in 0..rows {
         let (qi, qh) = task.row(j);
         let src_q = &task.q[(qi * task.q_heads + qh) * hd..][..hd];
         for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
             *d = s * task.scale;
         }
+        sc.key_unit[j] = if key_unit == 1.0 {
+            1.0
+        } else {
+            lift_query(&mut sc.q[j * hd..(j + 1) * hd], key_unit)
+        };
         if !widen {
             simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
         }
@@ -546,7 +557,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     pf_k.advance(src, k_before);
                     pf_v.advance(src, v_before);
                     if widen {
-                        simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
+                        simd.widen::<T>(0, kt, &mut sc.wide[..m * hd]);
                         score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                     } else {
                         score_rows(simd, q, s, limit, hd, t + ts, kt, m);
@@ -560,17 +571,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // Online softmax, head by head: new running max, weights, rescale what was
         // accumulated. 8-bit storage: the scores so far are q · code; times each key's
         // scale, q · k.
-        let (scaled, unit) = (T::DTYPE.is_scaled(), simd.code_unit::<T>());
+        let scaled = T::DTYPE.is_scaled();
         for h in 0..heads {
             if scaled {
                 for (t, len) in runs(src, t0, n) {
                     src.scales(h, 0, t, len, &mut sc.scales[0][t - t0..]);
                     src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
-                }
-                if unit != 1.0 {
-                    for scales in &mut sc.scales {
-                        simd.scale(&mut scales[..n], unit);
-                    }
                 }
             }
             for j in h * hr..(h + 1) * hr {
@@ -578,8 +584,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 let s = &mut sc.s[j * MAX_CHUNK..(j + 1) * MAX_CHUNK];
                 if vis > 0 {
                     if scaled {
+                        // The score times the scale first: the arithmetic's unit can be
+                        // large ([`Simd::code_units`]).
+                        let unit = sc.key_unit[j];
                         for (x, k) in s[..vis].iter_mut().zip(&sc.scales[0]) {
-                            *x *= k;
+                            *x = *x * k * unit;
                         }
                     }
                     let m_new = sc.m[j].max(simd.max(&s[..vis]));
@@ -598,7 +607,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         // The weights meet codes of V: fold each value's scale into its
                         // weight (after the sum, which is over the weights themselves).
                         for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
-                            *w *= v;
+                            *w = *w * v * value_unit;
                         }
                     }
                 }
@@ -640,7 +649,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
                         pf_v.advance(src, before);
                         if widen {
-                            simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
+                            simd.widen::<T>(1, vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
                             value_rows(simd, acc, s, limit, hd, t + ts, wide);
                         } else {
@@ -661,6 +670,33 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             simd.leave_kernel_order::<T>(&mut sc.acc[j * hd..(j + 1) * hd], hd);
         }
     }
+}
+
+/// Multiplies a query row whose largest magnitude is below 1 by the power of two `2^e`
+/// that brings it to `[1, 2)` (`2^e` at most `unit`, a power of two), and returns
+/// `unit / 2^e`: what the row's scores are multiplied by after their keys' scales.
+/// A row of larger (or no finite nonzero) magnitude is left alone: `unit` itself.
+/// O(q.len()).
+///
+/// For an arithmetic whose keys decode in a large unit ([`Simd::code_units`]: AVX2's
+/// FP8 keys, 2^-120 of their values): a product of a small query and a small decoded
+/// key falls among the f32 subnormals, or to zero, where the lifted one keeps its
+/// precision. Exact: both factors are powers of two, and the lifted row stays below 2.
+#[inline]
+fn lift_query(q: &mut [f32], unit: f32) -> f32 {
+    let max = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    if !(max > 0.0 && max < 1.0) {
+        return unit;
+    }
+    // `max` is `1.m · 2^(E - 127)` for its exponent field `E` (0: subnormal, where the
+    // largest lift applies), so `2^(127 - E)` brings it to `[1, 2)`.
+    let (e_max, e_unit) = ((max.to_bits() >> 23) as i32, (unit.to_bits() >> 23) as i32);
+    let lift = (127 - e_max).min(e_unit - 127);
+    let factor = f32::from_bits(((127 + lift) as u32) << 23);
+    for x in q.iter_mut() {
+        *x *= factor;
+    }
+    f32::from_bits(((e_unit - lift) as u32) << 23)
 }
 
 /// Tokens `t..t + n` that a row seeing tokens `0..limit` sees, as a count.
@@ -844,6 +880,13 @@ mod tests {
     }
 
     fn check_type<T: Element, V: Simd>(simd: V) {
+        check_type_at::<T, V>(simd, [1.0; 3]);
+    }
+
+    /// [`check_type`] with the queries, keys and values multiplied by `mag` (the
+    /// tolerance by the values' factor).
+    fn check_type_at<T: Element, V: Simd>(simd: V, mag: [f32; 3]) {
+        let scaled = |x: Vec<f32>, m: f32| -> Vec<f32> { x.into_iter().map(|x| x * m).collect() };
         // (head dim, context, queries, group, run length, KV heads per task).
         let shapes = [
             (7, 9, 9, 1, 1, 1),
@@ -894,11 +937,11 @@ mod tests {
         // widened) round the queries to 16-bit fixed point, 2^-16 of each row's
         // largest: up to 3.3e-5 off on these shapes (the f32 arithmetics: 2.5e-7); an
         // indexing or masking mistake is off by the order of the outputs (0.1).
-        let tolerance = if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 };
+        let tolerance = if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 } * f64::from(mag[2]);
         for &(hd, ctx, queries, group, run, heads) in shapes {
             let ((k, ks), (v, vs)) = (
-                stored::<T>(&values(heads * ctx * hd, 1), hd),
-                stored::<T>(&values(heads * ctx * hd, 2), hd),
+                stored::<T>(&scaled(values(heads * ctx * hd, 1), mag[1]), hd),
+                stored::<T>(&scaled(values(heads * ctx * hd, 2), mag[2]), hd),
             );
             let src: Flat<T> = Flat {
                 k,
@@ -917,7 +960,7 @@ mod tests {
             };
             let (k, v) = (exact(&src.k, &src.scales[0]), exact(&src.v, &src.scales[1]));
             let q_heads = heads * group;
-            let q = values(queries * q_heads * hd, 3);
+            let q = scaled(values(queries * q_heads * hd, 3), mag[0]);
             let all_rows = queries * group;
             let mut sc = Scratch::new();
             let mut row0 = 0;
@@ -1007,6 +1050,25 @@ mod tests {
         check_type::<half::bf16, V>(simd);
         check_type::<crate::dtype::Int8, V>(simd);
         check_type::<crate::dtype::Fp8E4m3, V>(simd);
+        // Far from 1, where only f32 and the 8-bit types (whose scales take the
+        // magnitude) hold the values: tiny queries against huge keys and the other way
+        // round (the scores stay near 1), huge keys against queries near 1 (one token
+        // takes all the weight), values near the largest and smallest normal
+        // magnitudes. An arithmetic that decodes codes in a unit far from 1 (AVX2's FP8
+        // keys, 2^-120) must neither lose the scores' precision nor overflow.
+        if !cfg!(miri) {
+            for mag in [
+                [1e-30, 1e30, 1.0],
+                [1e30, 1e-30, 1.0],
+                [1.0, 1e30, 1.0],
+                [1.0, 1.0, 1e36],
+                [1.0, 1.0, 1e-34],
+            ] {
+                check_type_at::<f32, V>(simd, mag);
+                check_type_at::<crate::dtype::Int8, V>(simd, mag);
+                check_type_at::<crate::dtype::Fp8E4m3, V>(simd, mag);
+            }
+        }
     }
 
     #[test]
