@@ -152,29 +152,28 @@ impl Simd for Avx2 {
     /// query heads over 8 KV heads, 32 × 2048 tokens, 0.63; int8 1.00, the compiler's
     /// loop was as fast).
     #[inline(always)]
-    fn widen<T: Element>(self, kv: usize, src: &[T], dst: &mut [f32]) {
-        if kv == KEYS {
-            unsafe { widen::<KEYS, T>(src, dst) }
-        } else {
-            unsafe { widen::<VALUES, T>(src, dst) }
-        }
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        unsafe { widen(src, dst) }
     }
-    /// [`FP8_UNITS`] for FP8, whatever the head dim (the tails decode in them too).
+    /// [`FP8_UNIT`] for FP8, whatever the head dim (the tails decode in it too).
     ///
-    /// Measured (Zen 3, decode of 32 query heads over 8 KV heads, head dim 128), against
-    /// decoding to the values, which rescaled each vector of 8: both in units of 2^8,
-    /// 0.93 of the time in cache (one thread, 1 × 256 tokens; callgrind, the same calls:
-    /// 7.31 → 7.01 M instructions, the saved ones on the FMA ports) and 0.93 out of
-    /// cache (two threads, 32 × 2048). Then keys in units of 2^120 ([`fp8_keys_8`],
-    /// no F16C conversion) against 2^8: 0.89 to 0.95 of the time in cache (three
-    /// runs) and 0.88 and 0.92 out of cache (two). Values too in 2^120 measured 0.86 to
-    /// 0.88 in all, but see [`FP8_UNITS`] for why they cannot.
+    /// Measured (Zen 3, decode of 32 query heads over 8 KV heads, head dim 128):
+    /// - the f16 route in units of 2^8, against decoding to the values (which rescaled
+    ///   each vector of 8): 0.93 of the time in cache (one thread, 1 × 256 tokens;
+    ///   callgrind, the same calls: 7.31 → 7.01 M instructions) and 0.93 out of cache
+    ///   (two threads, 32 × 2048);
+    /// - keys by [`fp8_8`] in units of 2^120, values by the f16 route, against both by
+    ///   it: 0.89 to 0.95 in cache (three runs), 0.88 and 0.92 out of cache;
+    /// - values by [`fp8_8`] too, against keys only: 0.92 to 0.96 in cache (three
+    ///   runs), 0.91 and 0.94 out of cache (two); callgrind 6.73 → 6.81 M instructions
+    ///   (the shifts of the weights' unit), with no F16C conversion left. Against the
+    ///   f16 route for both: 0.82 to 0.85 in cache, 0.83 and 0.85 out of it.
     #[inline(always)]
-    fn code_units<T: Element>(self) -> [f32; 2] {
+    fn code_unit<T: Element>(self) -> f32 {
         if T::KIND == Kind::Fp8E4m3 {
-            FP8_UNITS
+            FP8_UNIT
         } else {
-            [1.0, 1.0]
+            1.0
         }
     }
     #[inline(always)]
@@ -191,14 +190,14 @@ impl Simd for Avx2 {
     }
 }
 
-/// Loads 8 stored elements of keys (`KV == KEYS`) or values from `p` as `f32`
-/// (converting f16 with F16C, bf16 by shift; FP8 in units of [`FP8_UNITS`]`[KV]`).
+/// Loads 8 stored elements from `p` as `f32` (converting f16 with F16C, bf16 by shift;
+/// FP8 in units of [`FP8_UNIT`]).
 ///
 /// # Safety
 /// `p` points to 8 readable elements of type `T`; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8<const KV: usize, T: Element>(p: *const T) -> __m256 {
+unsafe fn load8<T: Element>(p: *const T) -> __m256 {
     // SAFETY: `T::KIND` names `T`, so the pointer casts read `T`'s bytes as what they
     // are; 8 elements are readable (caller).
     unsafe {
@@ -209,138 +208,83 @@ unsafe fn load8<const KV: usize, T: Element>(p: *const T) -> __m256 {
                 _mm_loadu_si128(p.cast()),
             ))),
             Kind::Int8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
-            Kind::Fp8E4m3 if KV == KEYS => fp8_keys_8(_mm_loadl_epi64(p.cast())),
-            Kind::Fp8E4m3 => fp8_8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))),
+            Kind::Fp8E4m3 => fp8_8(_mm_loadl_epi64(p.cast())),
         }
     }
 }
 
 /// Loads 16 stored elements from `p` as two vectors of 8 `f32` (`p[..8]`, `p[8..16]`):
-/// FP8 values through f16 (16 at a time, fewer instructions than twice [`fp8_8`]), the
-/// others (FP8 keys too: [`fp8_keys_8`] takes its 8 codes straight from memory) as two
-/// [`load8`].
+/// two [`load8`].
 ///
 /// # Safety
 /// `p` points to 16 readable elements of type `T`; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load16<const KV: usize, T: Element>(p: *const T) -> (__m256, __m256) {
-    // SAFETY: 16 elements are readable (caller); an FP8 element is one byte.
-    unsafe {
-        if T::KIND == Kind::Fp8E4m3 && KV == VALUES {
-            fp8_16(_mm_loadu_si128(p.cast()))
-        } else {
-            (load8::<KV, T>(p), load8::<KV, T>(p.add(8)))
-        }
-    }
+unsafe fn load16<T: Element>(p: *const T) -> (__m256, __m256) {
+    // SAFETY: 16 elements are readable (caller).
+    unsafe { (load8(p), load8(p.add(8))) }
 }
 
-/// What [`load8`], [`load16`], [`decode1`] and [`widen`] decode: keys (`KV == KEYS`)
-/// or values, whose FP8 codes take different units.
-const KEYS: usize = 0;
-/// See [`KEYS`].
-const VALUES: usize = 1;
-
-/// The units in which this arithmetic decodes FP8 keys and values: every decoding here
-/// ([`load8`], [`load16`], [`decode1`], [`widen`]) gives a code's value divided by
-/// `FP8_UNITS[KV]`, and the attention loop multiplies each score, after its key's
-/// scale, and each weight, after its value's scale, by it ([`Simd::code_units`]).
-/// Powers of two, so each step is exact outside the subnormals.
+/// The unit in which this arithmetic decodes FP8 codes, 2^120: every decoding here
+/// ([`load8`], [`load16`], [`decode1`], [`widen`]) gives a code's value divided by it
+/// ([`fp8_8`] puts a code's bits straight into an f32's, with no conversion), and the
+/// attention loop applies it to the scores and weights ([`Simd::code_unit`]): each
+/// score times its key's scale, then times the unit over the power of two its query
+/// row was lifted by (into `[1, 2)`, when below 1), and each weight times its value's
+/// scale, then times the unit over a power of two that keeps the product finite
+/// (the accumulator being rescaled when that power grows).
 ///
-/// Keys, 2^120: [`fp8_keys_8`] puts a code's bits straight into an f32, with no
-/// conversion. A score is then a sum of products 2^-120 of their values, among the
-/// f32 subnormals below 2^-6 of them (where code · query is that small): its error
-/// there is at most 2^-149 a rounding, 2^-29 of a key's scale once the units are
-/// applied, far below the code's own step. The product of the sum and the scale,
-/// taken first, cannot overflow where the score does not.
+/// A sum of decoded products falls among the f32 subnormals where code · query is
+/// below 2^-6 (the query lifted): its error there is at most 2^-149 a rounding, 2^-29
+/// of a scale once the unit is applied, far below a code's own step.
 ///
-/// Values, 2^8: a weight times its value's scale times 2^120 could overflow (a scale
-/// can reach `f32::MAX / 448`), so values keep the f16 route of [`fp8_16`], which gives
-/// 2^-8 of a value before its rescaling: the two multiplications per 16 codes it saves
-/// are on the FMA ports, beside 8 FMAs. A weight is at most 1, so the largest weight
-/// times its scale stays finite times 2^8.
-pub(super) const FP8_UNITS: [f32; 2] = [f32::from_bits((127 + 120) << 23), 256.0];
+/// Before, FP8 went through f16 (a code's magnitude bits in an f16's exponent and
+/// mantissa, `vcvtph2ps`), 2^-8 of the value, in units of 2^8 (which saved the
+/// rescaling, two multiplications per 16 codes on the FMA ports, beside 8 FMAs).
+pub(super) const FP8_UNIT: f32 = f32::from_bits((127 + 120) << 23);
 
-/// One stored element of keys (`KV == KEYS`) or values as this arithmetic decodes it:
-/// its value, FP8 in units of [`FP8_UNITS`]`[KV]`. O(1).
+/// One stored element as this arithmetic decodes it: its value, FP8 in units of
+/// [`FP8_UNIT`]. O(1).
 #[inline(always)]
-fn decode1<const KV: usize, T: Element>(x: T) -> f32 {
+fn decode1<T: Element>(x: T) -> f32 {
     if T::KIND == Kind::Fp8E4m3 {
-        x.to_f32() * (1.0 / FP8_UNITS[KV])
+        x.to_f32() * (1.0 / FP8_UNIT)
     } else {
         x.to_f32()
     }
 }
 
-/// `Σ q[d] · k[d]` over `d >= from`, the stored keys as [`decode1`] gives them.
+/// `Σ q[d] · k[d]` over `d >= from`, the stored elements as [`decode1`] gives them.
 /// O(q.len() - from).
 #[inline(always)]
 fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
     q[from..]
         .iter()
         .zip(&k[from..])
-        .map(|(a, &b)| a * decode1::<KEYS, T>(b))
+        .map(|(a, &b)| a * decode1(b))
         .sum()
 }
 
-/// The 8 FP8 E4M3 codes in the low half of `codes` to f32, in units of
-/// [`FP8_UNITS`]`[KEYS]`: each code sign-extended to 32 bits and shifted so that its
-/// exponent and mantissa bits land at the bottom of an f32's (bits 20..26), the sign's
-/// copies cleared but for bit 31. An exponent field of 1 to 15 is then an f32 normal
-/// 2^-120 of the code's value, 0 an f32 subnormal (or zero) 2^-120 of it. The NaN codes
-/// give ±480 · 2^-120, as [`fp8_16`] does ±480 · 2^-8. Three instructions (the load
+/// The 8 FP8 E4M3 codes in the low half of `codes` to f32, in units of [`FP8_UNIT`]:
+/// each code sign-extended to 32 bits and shifted so that its exponent and mantissa
+/// bits land at the bottom of an f32's (bits 20..26), the sign's copies cleared but
+/// for bit 31. An exponent field of 1 to 15 is then an f32 normal 2^-120 of the code's
+/// value, 0 an f32 subnormal (or zero) 2^-120 of it. Three instructions (the load
 /// folded into the first) and no conversion unit.
+///
+/// The NaN codes `S.1111.111` decode to ±480 · 2^-120, a finite value no other code
+/// has: a row holding one stores a NaN scale ([`crate::quant::Code::quantize_row`]),
+/// which makes every value of the row NaN wherever the scale is applied, so no
+/// per-element NaN test is needed here. (Leaving that test out of the f16 route that
+/// came before measured 0.89 of the time in cache and 0.90 out of cache, Zen 3.)
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn fp8_keys_8(codes: __m128i) -> __m256 {
+fn fp8_8(codes: __m128i) -> __m256 {
     let bits = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(codes));
     _mm256_castsi256_ps(_mm256_and_si256(
         bits,
         _mm256_set1_epi32(0x87F0_0000u32 as i32),
     ))
-}
-
-/// Decodes 16 FP8 E4M3 codes (bytes) to f32 in units of [`FP8_UNITS`]`[VALUES]`
-/// (2^8), by way of f16: a
-/// code's magnitude bits shifted into an f16's exponent and mantissa (exponent bias 15
-/// against 7) give 2^-8 of its value, subnormals included.
-///
-/// The NaN codes `S.1111.111` decode to ±480 / 256, a finite value no other code has: a
-/// row holding one stores a NaN scale ([`crate::quant::Code::quantize_row`]), which
-/// makes every value of the row NaN wherever the scale is applied, so no per-element
-/// NaN test is needed here. Leaving that test out (4 of 13 instructions per 16 codes)
-/// measured 0.89 of the time in cache and 0.90 out of cache (Zen 3, paired: one thread,
-/// 1 × 256 tokens; two threads, 32 × 2048 tokens; 32 query heads over 8 KV heads, head
-/// dim 128).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn fp8_16(codes: __m128i) -> (__m256, __m256) {
-    // Each code in a 16-bit lane's high byte, then one arithmetic shift: the sign at
-    // bit 15 (and a copy at 14, cleared), exponent at 10..13, mantissa at 7..9.
-    let h = _mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(codes)));
-    let h = _mm256_and_si256(h, _mm256_set1_epi16(0xBFFFu16 as i16));
-    (
-        _mm256_cvtph_ps(_mm256_castsi256_si128(h)),
-        _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)),
-    )
-}
-
-/// Decodes 8 FP8 E4M3 codes (one per 32-bit lane) to f32 in units of
-/// [`FP8_UNITS`]`[VALUES]`, as
-/// [`super::avx512::fp8_16`] decodes 16 to their values.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn fp8_8(codes: __m256i) -> __m256 {
-    let mag = _mm256_and_si256(codes, _mm256_set1_epi32(0x7F));
-    // The magnitude bits in an f32's exponent and mantissa are 2^-120 of the value.
-    let value = _mm256_mul_ps(
-        _mm256_castsi256_ps(_mm256_slli_epi32::<20>(mag)),
-        _mm256_set1_ps(f32::from_bits((127 + 120 - 8) << 23)),
-    );
-    let nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
-    let value = _mm256_blendv_ps(value, _mm256_set1_ps(f32::NAN), nan);
-    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
-    _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign))
 }
 
 /// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.
@@ -396,7 +340,7 @@ unsafe fn scores4<T: Element>(
             let mut a = [_mm256_setzero_ps(); 8];
             let mut d = 0;
             while d < w16 {
-                let (k0, k1) = load16::<KEYS, _>(kt.add(d));
+                let (k0, k1) = load16(kt.add(d));
                 for r in 0..4 {
                     let qr = qp.add(r * hd + d);
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), k0, a[2 * r]);
@@ -405,7 +349,7 @@ unsafe fn scores4<T: Element>(
                 d += 16;
             }
             if d < w8 {
-                let k0 = load8::<KEYS, _>(kt.add(d));
+                let k0 = load8(kt.add(d));
                 for r in 0..4 {
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
                 }
@@ -478,20 +422,13 @@ unsafe fn scores4_token_pairs<T: Element>(
             let kb = ka.add(hd);
             let mut d = 0;
             while d < w16 {
-                let ((x0, x1), (y0, y1)) =
-                    (load16::<KEYS, _>(ka.add(d)), load16::<KEYS, _>(kb.add(d)));
+                let ((x0, x1), (y0, y1)) = (load16(ka.add(d)), load16(kb.add(d)));
                 rows(d, x0, y0, &mut a, &mut b);
                 rows(d + 8, x1, y1, &mut a, &mut b);
                 d += 16;
             }
             if d < hd {
-                rows(
-                    d,
-                    load8::<KEYS, _>(ka.add(d)),
-                    load8::<KEYS, _>(kb.add(d)),
-                    &mut a,
-                    &mut b,
-                );
+                rows(d, load8(ka.add(d)), load8(kb.add(d)), &mut a, &mut b);
             }
         }
         let (sa, sb) = (hsum4(a[0], a[1], a[2], a[3]), hsum4(b[0], b[1], b[2], b[3]));
@@ -523,18 +460,14 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
             while d < w32 {
                 for (i, pair) in a.chunks_exact_mut(2).enumerate() {
                     let o = d + 16 * i;
-                    let (k0, k1) = load16::<KEYS, _>(kt.add(o));
+                    let (k0, k1) = load16(kt.add(o));
                     pair[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o)), k0, pair[0]);
                     pair[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o + 8)), k1, pair[1]);
                 }
                 d += 32;
             }
             while d < w8 {
-                a[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(qp.add(d)),
-                    load8::<KEYS, _>(kt.add(d)),
-                    a[0],
-                );
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8(kt.add(d)), a[0]);
                 d += 8;
             }
             hsum(_mm256_add_ps(
@@ -582,8 +515,7 @@ unsafe fn accumulate2<T: Element>(
             for t in 0..n {
                 let (b0, b1) = (_mm256_set1_ps(p0[t]), _mm256_set1_ps(p1[t]));
                 let vt = vp.add(t * hd + d);
-                let ((v0, v1), (v2, v3)) =
-                    (load16::<VALUES, _>(vt), load16::<VALUES, _>(vt.add(16)));
+                let ((v0, v1), (v2, v3)) = (load16(vt), load16(vt.add(16)));
                 for (i, x) in [v0, v1, v2, v3].into_iter().enumerate() {
                     x0[i] = _mm256_fmadd_ps(b0, x, x0[i]);
                     x1[i] = _mm256_fmadd_ps(b1, x, x1[i]);
@@ -598,7 +530,7 @@ unsafe fn accumulate2<T: Element>(
         while d < w8 {
             let (mut x0, mut x1) = (_mm256_loadu_ps(a0p.add(d)), _mm256_loadu_ps(a1p.add(d)));
             for t in 0..n {
-                let x = load8::<VALUES, _>(vp.add(t * hd + d));
+                let x = load8(vp.add(t * hd + d));
                 x0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[t]), x, x0);
                 x1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[t]), x, x1);
             }
@@ -609,8 +541,8 @@ unsafe fn accumulate2<T: Element>(
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p0[t] * decode1::<VALUES, _>(v[t * hd + d]);
-            acc[hd + d] += p1[t] * decode1::<VALUES, _>(v[t * hd + d]);
+            acc[d] += p0[t] * decode1(v[t * hd + d]);
+            acc[hd + d] += p1[t] * decode1(v[t * hd + d]);
         }
     }
 }
@@ -641,7 +573,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
                 }
             }
             for t in 0..n {
-                let (v0, v1) = load16::<VALUES, _>(vp.add(t * hd + d));
+                let (v0, v1) = load16(vp.add(t * hd + d));
                 for (xr, pr) in x.iter_mut().zip(p) {
                     let b = _mm256_set1_ps(pr[t]);
                     xr[0] = _mm256_fmadd_ps(b, v0, xr[0]);
@@ -661,7 +593,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
                 *xr = _mm256_loadu_ps(ap.add(r * hd + d));
             }
             for t in 0..n {
-                let v0 = load8::<VALUES, _>(vp.add(t * hd + d));
+                let v0 = load8(vp.add(t * hd + d));
                 for (xr, pr) in x.iter_mut().zip(p) {
                     *xr = _mm256_fmadd_ps(_mm256_set1_ps(pr[t]), v0, *xr);
                 }
@@ -675,7 +607,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
     for d in w8..hd {
         for (r, pr) in p.iter().enumerate() {
             for (t, &pt) in pr.iter().enumerate() {
-                acc[r * hd + d] += pt * decode1::<VALUES, _>(v[t * hd + d]);
+                acc[r * hd + d] += pt * decode1(v[t * hd + d]);
             }
         }
     }
@@ -704,7 +636,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
                 let b = _mm256_set1_ps(pt);
                 let vt = vp.add(t * hd + d);
                 for (i, pair) in x.chunks_exact_mut(2).enumerate() {
-                    let (v0, v1) = load16::<VALUES, _>(vt.add(16 * i));
+                    let (v0, v1) = load16(vt.add(16 * i));
                     pair[0] = _mm256_fmadd_ps(b, v0, pair[0]);
                     pair[1] = _mm256_fmadd_ps(b, v1, pair[1]);
                 }
@@ -717,11 +649,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
         while d < w8 {
             let mut x = _mm256_loadu_ps(ap.add(d));
             for (t, &pt) in p[..n].iter().enumerate() {
-                x = _mm256_fmadd_ps(
-                    _mm256_set1_ps(pt),
-                    load8::<VALUES, _>(vp.add(t * hd + d)),
-                    x,
-                );
+                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), load8(vp.add(t * hd + d)), x);
             }
             _mm256_storeu_ps(ap.add(d), x);
             d += 8;
@@ -729,20 +657,19 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p[t] * decode1::<VALUES, _>(v[t * hd + d]);
+            acc[d] += p[t] * decode1(v[t * hd + d]);
         }
     }
 }
 
-/// See [`Simd::widen`]: 16 keys (`KV == KEYS`) or values at a time through
-/// [`load16`], the rest by [`decode1`] (FP8 in units of [`FP8_UNITS`]`[KV]`, as
-/// everywhere in this arithmetic).
+/// See [`Simd::widen`]: 16 elements at a time through [`load16`], the rest by
+/// [`decode1`] (FP8 in units of [`FP8_UNIT`], as everywhere in this arithmetic).
 ///
 /// # Safety
 /// The CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen<const KV: usize, T: Element>(src: &[T], dst: &mut [f32]) {
+unsafe fn widen<T: Element>(src: &[T], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let w16 = n / 16 * 16;
     for (s16, d16) in src[..w16]
@@ -751,13 +678,13 @@ unsafe fn widen<const KV: usize, T: Element>(src: &[T], dst: &mut [f32]) {
     {
         // SAFETY: 16 elements are read and 16 floats written.
         unsafe {
-            let (a, b) = load16::<KV, T>(s16.as_ptr());
+            let (a, b) = load16(s16.as_ptr());
             _mm256_storeu_ps(d16.as_mut_ptr(), a);
             _mm256_storeu_ps(d16.as_mut_ptr().add(8), b);
         }
     }
     for (d, &x) in dst[w16..n].iter_mut().zip(&src[w16..n]) {
-        *d = decode1::<KV, T>(x);
+        *d = decode1(x);
     }
 }
 
@@ -860,65 +787,36 @@ unsafe fn scale(x: &mut [f32], c: f32) {
 mod tests {
     use super::*;
 
-    /// Every FP8 code through each decoding, against the format's own: the value over
-    /// the decoding's unit ([`FP8_UNITS`]), bit for bit (zeros keep their sign). The NaN
-    /// codes give ±480 over the unit through f16 and the keys' bits, NaN otherwise.
+    /// Every FP8 code through the vector decoding and the scalar one, against the
+    /// format's own decoding: the value over [`FP8_UNIT`], bit for bit (zeros keep
+    /// their sign); the NaN codes give ±480 over the unit (vector) or NaN (scalar).
     #[test]
     fn fp8_decodes_every_code_in_its_unit() {
         if Avx2::detect().is_none() {
             eprintln!("skipped: AVX2 + FMA + F16C absent (or capped by the environment)");
             return;
         }
-        let [key_unit, value_unit] = FP8_UNITS;
-        for first in (0..=255u8).step_by(16) {
-            let codes: [u8; 16] = core::array::from_fn(|i| first + i as u8);
-            // SAFETY: `detect` found AVX2 and F16C; 16 bytes are readable.
-            let [values16, values8, keys] = unsafe { test_decode(&codes) };
-            for (i, &code) in codes.iter().enumerate() {
+        for first in (0..=255u8).step_by(8) {
+            let codes: [u8; 8] = core::array::from_fn(|i| first + i as u8);
+            let mut got = [0.0f32; 8];
+            // SAFETY: `detect` found AVX2; 8 bytes are read, 8 floats written.
+            unsafe {
+                let x = fp8_8(_mm_loadl_epi64(codes.as_ptr().cast()));
+                _mm256_storeu_ps(got.as_mut_ptr(), x);
+            }
+            for (&code, got) in codes.iter().zip(got) {
                 let want = crate::quant::fp8::decode(code);
-                let x = crate::dtype::Fp8E4m3(code);
-                let one = [decode1::<KEYS, _>(x), decode1::<VALUES, _>(x)];
+                let one = decode1(crate::dtype::Fp8E4m3(code));
                 if want.is_nan() {
                     let nan = if code & 0x80 != 0 { -480.0 } else { 480.0 };
-                    assert_eq!(values16[i], nan / value_unit, "code {code:#04x}");
-                    assert_eq!(keys[i], nan / key_unit, "code {code:#04x}");
-                    assert!(values8[i].is_nan(), "code {code:#04x}");
-                    assert!(one.iter().all(|x| x.is_nan()), "code {code:#04x}");
+                    assert_eq!(got, nan / FP8_UNIT, "code {code:#04x}");
+                    assert!(one.is_nan(), "code {code:#04x}");
                 } else {
-                    let (k, v) = ((want / key_unit).to_bits(), (want / value_unit).to_bits());
-                    assert_eq!(values16[i].to_bits(), v, "code {code:#04x}, values by 16");
-                    assert_eq!(values8[i].to_bits(), v, "code {code:#04x}, values by 8");
-                    assert_eq!(keys[i].to_bits(), k, "code {code:#04x}, keys");
-                    assert_eq!(
-                        one.map(f32::to_bits),
-                        [k, v],
-                        "code {code:#04x}, one by one"
-                    );
+                    let want = (want / FP8_UNIT).to_bits();
+                    assert_eq!(got.to_bits(), want, "code {code:#04x}");
+                    assert_eq!(one.to_bits(), want, "code {code:#04x}, one by one");
                 }
             }
         }
-    }
-
-    /// `codes` through [`fp8_16`], [`fp8_8`] and [`fp8_keys_8`] (8 at a time), stored.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn test_decode(codes: &[u8; 16]) -> [[f32; 16]; 3] {
-        let mut out = [[0.0f32; 16]; 3];
-        // SAFETY: 16 bytes are readable, 8 at each half; each output holds 16 floats.
-        unsafe {
-            let (a, b) = fp8_16(_mm_loadu_si128(codes.as_ptr().cast()));
-            _mm256_storeu_ps(out[0].as_mut_ptr(), a);
-            _mm256_storeu_ps(out[0].as_mut_ptr().add(8), b);
-            for half in 0..2 {
-                let p = codes.as_ptr().add(8 * half);
-                let values = fp8_8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
-                _mm256_storeu_ps(out[1].as_mut_ptr().add(8 * half), values);
-                let keys = fp8_keys_8(_mm_loadl_epi64(p.cast()));
-                _mm256_storeu_ps(out[2].as_mut_ptr().add(8 * half), keys);
-            }
-        }
-        out
     }
 }

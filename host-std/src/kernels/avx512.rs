@@ -140,8 +140,7 @@ impl Simd for Avx512 {
         self.avx2.scale(x, c)
     }
     #[inline(always)]
-    fn widen<T: Element>(self, kv: usize, src: &[T], dst: &mut [f32]) {
-        let _ = kv;
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
         let w16 = n / 16 * 16;
         for (s16, d16) in src[..w16]

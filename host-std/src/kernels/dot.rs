@@ -287,8 +287,8 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         self.avx512.scale(x, c)
     }
     #[inline(always)]
-    fn widen<T: Element>(self, kv: usize, src: &[T], dst: &mut [f32]) {
-        self.avx512.widen(kv, src, dst)
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        self.avx512.widen(src, dst)
     }
     /// Never: passes over the storage beat widening it (paired, decode of 64 query
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,

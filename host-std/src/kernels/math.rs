@@ -95,24 +95,22 @@ pub(crate) trait Simd: Copy {
     fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32;
     /// `x[i] *= c`.
     fn scale(self, x: &mut [f32], c: f32);
-    /// Widens stored keys (`kv == 0`) or values to f32 ([`Element::widen`], which it is
-    /// by default; 8-bit codes in this arithmetic's units, [`Simd::code_units`]).
-    /// O(src.len()).
+    /// Widens stored elements to f32 ([`Element::widen`], which it is by default;
+    /// 8-bit codes in this arithmetic's unit, [`Simd::code_unit`]). O(src.len()).
     #[inline(always)]
-    fn widen<T: Element>(self, kv: usize, src: &[T], dst: &mut [f32]) {
-        let _ = kv;
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         T::widen(src, dst);
     }
-    /// The units in which this arithmetic decodes the codes of 8-bit storage `T`, keys
-    /// and values: its scores, accumulations and widening see a code's value divided
-    /// by them, and the attention loop multiplies each score, after its key's scale,
-    /// and each weight, after its value's scale, by them. Powers of two, so the results
-    /// are those of units 1 bit for bit unless a product falls among the subnormals;
-    /// a values' unit is at most 2^8 (a weight times its scale, at most `f32::MAX /
-    /// 448`, stays finite times it). 1 by default. O(1).
+    /// The unit in which this arithmetic decodes the codes of 8-bit storage `T`: its
+    /// scores, accumulations and widening see a code's value divided by it, and the
+    /// attention loop applies it to each score after the key's scale, and to each
+    /// weight after the value's scale (see [`super::online`]'s `lift_query` and
+    /// `value_shift`, which keep both in range). A power of two, at most 2^120, so the
+    /// results are those of unit 1 bit for bit unless a product falls among the
+    /// subnormals. 1 by default. O(1).
     #[inline(always)]
-    fn code_units<T: Element>(self) -> [f32; 2] {
-        [1.0, 1.0]
+    fn code_unit<T: Element>(self) -> f32 {
+        1.0
     }
     /// Whether a task of more than four rows per KV head should widen storage `T` to
     /// f32 once per step, so that its passes of four rows read f32, rather than have

@@ -129,6 +129,10 @@ pub(crate) struct Scratch {
     /// arithmetic's key unit over the power of two its query row was lifted by
     /// ([`lift_query`]).
     key_unit: [f32; MAX_ROWS],
+    /// Per row, the power of two (its exponent) by which its accumulator is below the
+    /// weighted sum of values, where the arithmetic's unit would make a weight times
+    /// its value's scale overflow ([`value_shift`]).
+    value_shift: [i32; MAX_ROWS],
 }
 
 impl Scratch {
@@ -143,6 +147,7 @@ impl Scratch {
             l: [0.0; MAX_ROWS],
             limit: [0; MAX_ROWS],
             key_unit: [1.0; MAX_ROWS],
+            value_shift: [0; MAX_ROWS],
         }
     }
 }
@@ -489,18 +494,19 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let (score_step, value_step) = (sched.score_step, sched.value_step);
 
     // Load the scaled queries, reset the softmax state.
-    let [key_unit, value_unit] = simd.code_units::<T>();
+    let unit = simd.code_unit::<T>();
     for j in 0..rows {
         let (qi, qh) = task.row(j);
         let src_q = &task.q[(qi * task.q_heads + qh) * hd..][..hd];
         for (d, s) in sc.q[j * hd..(j + 1) * hd].iter_mut().zip(src_q) {
             *d = s * task.scale;
         }
-        sc.key_unit[j] = if key_unit == 1.0 {
+        sc.key_unit[j] = if unit == 1.0 {
             1.0
         } else {
-            lift_query(&mut sc.q[j * hd..(j + 1) * hd], key_unit)
+            lift_query(&mut sc.q[j * hd..(j + 1) * hd], unit)
         };
+        sc.value_shift[j] = 0;
         if !widen {
             simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
         }
@@ -557,7 +563,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     pf_k.advance(src, k_before);
                     pf_v.advance(src, v_before);
                     if widen {
-                        simd.widen::<T>(0, kt, &mut sc.wide[..m * hd]);
+                        simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                         score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                     } else {
                         score_rows(simd, q, s, limit, hd, t + ts, kt, m);
@@ -573,10 +579,14 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // scale, q · k.
         let scaled = T::DTYPE.is_scaled();
         for h in 0..heads {
+            let mut shift = 0;
             if scaled {
                 for (t, len) in runs(src, t0, n) {
                     src.scales(h, 0, t, len, &mut sc.scales[0][t - t0..]);
                     src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
+                }
+                if unit != 1.0 {
+                    shift = value_shift(&sc.scales[1][..n], unit);
                 }
             }
             for j in h * hr..(h + 1) * hr {
@@ -585,10 +595,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 if vis > 0 {
                     if scaled {
                         // The score times the scale first: the arithmetic's unit can be
-                        // large ([`Simd::code_units`]).
-                        let unit = sc.key_unit[j];
+                        // large ([`Simd::code_unit`]).
+                        let key_unit = sc.key_unit[j];
                         for (x, k) in s[..vis].iter_mut().zip(&sc.scales[0]) {
-                            *x = *x * k * unit;
+                            *x = *x * k * key_unit;
                         }
                     }
                     let m_new = sc.m[j].max(simd.max(&s[..vis]));
@@ -599,13 +609,27 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     };
                     let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
                     sc.l[j] = sc.l[j] * corr + sum;
-                    if corr != 1.0 {
-                        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], corr);
+                    // A larger shift than the row's so far: its accumulator follows.
+                    let rescale = if unit == 1.0 {
+                        corr
+                    } else {
+                        let grow = (shift - sc.value_shift[j]).max(0);
+                        sc.value_shift[j] += grow;
+                        corr * pow2(-grow)
+                    };
+                    if rescale != 1.0 {
+                        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], rescale);
                     }
                     sc.m[j] = m_new;
                     if scaled {
                         // The weights meet codes of V: fold each value's scale into its
-                        // weight (after the sum, which is over the weights themselves).
+                        // weight (after the sum, which is over the weights themselves),
+                        // then the arithmetic's unit, less the row's shift.
+                        let value_unit = if unit == 1.0 {
+                            1.0
+                        } else {
+                            unit * pow2(-sc.value_shift[j])
+                        };
                         for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
                             *w = *w * v * value_unit;
                         }
@@ -649,7 +673,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
                         pf_v.advance(src, before);
                         if widen {
-                            simd.widen::<T>(1, vt, &mut sc.wide[..m * hd]);
+                            simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
                             value_rows(simd, acc, s, limit, hd, t + ts, wide);
                         } else {
@@ -665,7 +689,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
-        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], 1.0 / sc.l[j]);
+        let norm = if unit == 1.0 {
+            1.0 / sc.l[j]
+        } else {
+            1.0 / sc.l[j] * pow2(sc.value_shift[j])
+        };
+        simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], norm);
         if !widen {
             simd.leave_kernel_order::<T>(&mut sc.acc[j * hd..(j + 1) * hd], hd);
         }
@@ -678,8 +707,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 /// A row of larger (or no finite nonzero) magnitude is left alone: `unit` itself.
 /// O(q.len()).
 ///
-/// For an arithmetic whose keys decode in a large unit ([`Simd::code_units`]: AVX2's
-/// FP8 keys, 2^-120 of their values): a product of a small query and a small decoded
+/// For an arithmetic whose codes decode in a large unit ([`Simd::code_unit`]: AVX2's
+/// FP8, 2^-120 of their values): a product of a small query and a small decoded
 /// key falls among the f32 subnormals, or to zero, where the lifted one keeps its
 /// precision. Exact: both factors are powers of two, and the lifted row stays below 2.
 #[inline]
@@ -697,6 +726,35 @@ fn lift_query(q: &mut [f32], unit: f32) -> f32 {
         *x *= factor;
     }
     f32::from_bits(((e_unit - lift) as u32) << 23)
+}
+
+/// The shift (an exponent, at least 0) that keeps a weight times a value's scale times
+/// `unit / 2^shift` finite, for the value scales `scales` of a chunk: a weight is at
+/// most 1 and a scale below `2^(e + 1)` for its exponent `e`, so `2^(e + 1) · unit /
+/// 2^shift` stays within 2^126. Non-finite scales are left out (their values are NaN
+/// whatever the unit). 0 for every scale below 2^(126 - 1 - log2 unit): for AVX2's FP8
+/// (unit 2^120), below 32, values of magnitude below 14336. O(scales.len()).
+///
+/// The attention loop keeps, per row, the largest shift of the chunks so far: its
+/// accumulator is the weighted sum of values over 2^shift, rescaled (exactly) when the
+/// shift grows, and multiplied back when normalised. A part accumulated before a
+/// growth of `g` that is below 2^(g - 126) of the sum falls among the subnormals
+/// there, next to values at least 2^(126 - g) times larger.
+#[inline]
+fn value_shift(scales: &[f32], unit: f32) -> i32 {
+    let max = scales
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f32, |m, x| m.max(x.abs()));
+    let exponent = |x: f32| ((x.to_bits() >> 23) & 0xFF) as i32 - 127;
+    (exponent(max) + 1 + exponent(unit) - 126).max(0)
+}
+
+/// `2^e` for `-126 <= e <= 127`. O(1).
+#[inline(always)]
+fn pow2(e: i32) -> f32 {
+    debug_assert!((-126..=127).contains(&e));
+    f32::from_bits(((127 + e) as u32) << 23)
 }
 
 /// Tokens `t..t + n` that a row seeing tokens `0..limit` sees, as a count.
@@ -880,13 +938,22 @@ mod tests {
     }
 
     fn check_type<T: Element, V: Simd>(simd: V) {
-        check_type_at::<T, V>(simd, [1.0; 3]);
+        check_type_at::<T, V>(simd, [1.0; 4]);
     }
 
-    /// [`check_type`] with the queries, keys and values multiplied by `mag` (the
-    /// tolerance by the values' factor).
-    fn check_type_at<T: Element, V: Simd>(simd: V, mag: [f32; 3]) {
+    /// [`check_type`] with the queries, keys and values multiplied by `mag[..3]`, and
+    /// the values of the second half of the context by `mag[3]` too (the tolerance by
+    /// the values' largest factor).
+    fn check_type_at<T: Element, V: Simd>(simd: V, mag: [f32; 4]) {
         let scaled = |x: Vec<f32>, m: f32| -> Vec<f32> { x.into_iter().map(|x| x * m).collect() };
+        // `[heads][ctx][hd]`: the tokens from `ctx / 2` on times `m`.
+        let ramp = |x: Vec<f32>, hd: usize, ctx: usize, m: f32| -> Vec<f32> {
+            let far = |i: usize| (i / hd) % ctx >= ctx / 2;
+            x.into_iter()
+                .enumerate()
+                .map(|(i, x)| if far(i) { x * m } else { x })
+                .collect()
+        };
         // (head dim, context, queries, group, run length, KV heads per task).
         let shapes = [
             (7, 9, 9, 1, 1, 1),
@@ -937,11 +1004,15 @@ mod tests {
         // widened) round the queries to 16-bit fixed point, 2^-16 of each row's
         // largest: up to 3.3e-5 off on these shapes (the f32 arithmetics: 2.5e-7); an
         // indexing or masking mistake is off by the order of the outputs (0.1).
-        let tolerance = if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 } * f64::from(mag[2]);
+        let tolerance =
+            if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 } * f64::from(mag[2] * mag[3].max(1.0));
         for &(hd, ctx, queries, group, run, heads) in shapes {
             let ((k, ks), (v, vs)) = (
                 stored::<T>(&scaled(values(heads * ctx * hd, 1), mag[1]), hd),
-                stored::<T>(&scaled(values(heads * ctx * hd, 2), mag[2]), hd),
+                stored::<T>(
+                    &ramp(scaled(values(heads * ctx * hd, 2), mag[2]), hd, ctx, mag[3]),
+                    hd,
+                ),
             );
             let src: Flat<T> = Flat {
                 k,
@@ -1054,15 +1125,18 @@ mod tests {
         // magnitude) hold the values: tiny queries against huge keys and the other way
         // round (the scores stay near 1), huge keys against queries near 1 (one token
         // takes all the weight), values near the largest and smallest normal
-        // magnitudes. An arithmetic that decodes codes in a unit far from 1 (AVX2's FP8
-        // keys, 2^-120) must neither lose the scores' precision nor overflow.
+        // magnitudes, and values that grow tenfold, and 10^10-fold, halfway through
+        // the context. An arithmetic that decodes codes in a unit far from 1 (AVX2's
+        // FP8, 2^-120) must neither lose the scores' precision nor overflow.
         if !cfg!(miri) {
             for mag in [
-                [1e-30, 1e30, 1.0],
-                [1e30, 1e-30, 1.0],
-                [1.0, 1e30, 1.0],
-                [1.0, 1.0, 1e36],
-                [1.0, 1.0, 1e-34],
+                [1e-30, 1e30, 1.0, 1.0],
+                [1e30, 1e-30, 1.0, 1.0],
+                [1.0, 1e30, 1.0, 1.0],
+                [1.0, 1.0, 1e36, 1.0],
+                [1.0, 1.0, 1e-34, 1.0],
+                [1.0, 1.0, 1e4, 10.0],
+                [1.0, 1.0, 1e20, 1e10],
             ] {
                 check_type_at::<f32, V>(simd, mag);
                 check_type_at::<crate::dtype::Int8, V>(simd, mag);
