@@ -732,8 +732,8 @@ fn lift_query(q: &mut [f32], unit: f32) -> f32 {
 /// `unit / 2^shift` finite, for the value scales `scales` of a chunk: a weight is at
 /// most 1 and a scale below `2^(e + 1)` for its exponent `e`, so `2^(e + 1) · unit /
 /// 2^shift` stays within 2^126. Non-finite scales are left out (their values are NaN
-/// whatever the unit). 0 for every scale below 2^(126 - 1 - log2 unit): for AVX2's FP8
-/// (unit 2^120), below 32, values of magnitude below 14336. O(scales.len()).
+/// whatever the unit). 0 for every scale below 2^(126 - log2 unit): for AVX2's FP8
+/// (unit 2^120), below 64, values of magnitude below 28672. O(scales.len()).
 ///
 /// The attention loop keeps, per row, the largest shift of the chunks so far: its
 /// accumulator is the weighted sum of values over 2^shift, rescaled (exactly) when the
@@ -1085,6 +1085,34 @@ mod tests {
                 row0 += head_rows;
             }
         }
+    }
+
+    /// The two ranges a large code unit needs: a query row below 1 lifted into [1, 2)
+    /// by at most the unit, with what is left of the unit returned; a shift from 0 up
+    /// to what keeps the largest scale finite, NaN scales left out.
+    #[test]
+    fn large_code_units_stay_in_range() {
+        let unit = pow2(120);
+        let mut row = [0.3f32, -0.1, 0.0];
+        assert_eq!(lift_query(&mut row, unit), pow2(118));
+        assert_eq!(row, [1.2, -0.4, 0.0]);
+        let mut row = [3.0f32, 0.001];
+        assert_eq!(lift_query(&mut row, unit), unit);
+        assert_eq!(row, [3.0, 0.001]);
+        let tiny = f32::from_bits(1);
+        let mut row = [tiny, f32::NAN];
+        assert_eq!(lift_query(&mut row, unit), 1.0);
+        assert_eq!(row[0], tiny * unit);
+
+        assert_eq!(value_shift(&[63.9, 1.0, 0.0], unit), 0);
+        assert_eq!(value_shift(&[64.0], unit), 1);
+        assert_eq!(value_shift(&[f32::NAN, 2.0, f32::INFINITY], unit), 0);
+        assert_eq!(value_shift(&[], unit), 0);
+        let largest = f32::MAX / 448.0;
+        let shift = value_shift(&[largest], unit);
+        // Within 2^127, and three steps short of the least shift that keeps it finite.
+        assert!(largest * (unit * pow2(-shift)) < pow2(127));
+        assert!((largest * (unit * pow2(3 - shift))).is_infinite());
     }
 
     #[test]
