@@ -266,10 +266,11 @@ fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
 }
 
 /// The 8 FP8 E4M3 codes in the low half of `codes` to f32, in units of [`FP8_UNIT`]:
-/// each code sign-extended to 32 bits and shifted so that its exponent and mantissa
-/// bits land at the bottom of an f32's (bits 20..26), the sign's copies cleared but
-/// for bit 31. An exponent field of 1 to 15 is then an f32 normal 2^-120 of the code's
-/// value, 0 an f32 subnormal (or zero) 2^-120 of it. Three instructions (the load
+/// each code sign-extended to 32 bits and shifted left by 20, so that its 4 exponent
+/// bits are the low bits of an f32's exponent field (23..26) and its 3 mantissa bits
+/// the top of the f32's mantissa (20..22), the sign's copies then cleared but for bit
+/// 31. An exponent field of 1 to 15 is then an f32 normal 2^-120 of the code's value,
+/// 0 an f32 subnormal (or zero) 2^-120 of it. Three instructions (the load
 /// folded into the first) and no conversion unit.
 ///
 /// The NaN codes `S.1111.111` decode to ±480 · 2^-120, a finite value no other code
