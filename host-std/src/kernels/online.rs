@@ -717,15 +717,21 @@ fn lift_query(q: &mut [f32], unit: f32) -> f32 {
     if !(max > 0.0 && max < 1.0) {
         return unit;
     }
-    // `max` is `1.m · 2^(E - 127)` for its exponent field `E` (0: subnormal, where the
-    // largest lift applies), so `2^(127 - E)` brings it to `[1, 2)`.
-    let (e_max, e_unit) = ((max.to_bits() >> 23) as i32, (unit.to_bits() >> 23) as i32);
-    let lift = (127 - e_max).min(e_unit - 127);
-    let factor = f32::from_bits(((127 + lift) as u32) << 23);
+    // `max` is `1.m · 2^e` for its exponent `e` (-127 for a subnormal, where the
+    // largest lift applies), so `2^-e` brings it to `[1, 2)`.
+    let lift = (-exponent(max)).min(exponent(unit));
+    let factor = pow2(lift);
     for x in q.iter_mut() {
         *x *= factor;
     }
-    f32::from_bits(((e_unit - lift) as u32) << 23)
+    pow2(exponent(unit) - lift)
+}
+
+/// The exponent `e` of a positive finite `x = 1.m · 2^e` (-127 for zero and the
+/// subnormals). O(1).
+#[inline(always)]
+fn exponent(x: f32) -> i32 {
+    ((x.to_bits() >> 23) & 0xFF) as i32 - 127
 }
 
 /// The shift (an exponent, at least 0) that keeps a weight times a value's scale times
@@ -746,7 +752,6 @@ fn value_shift(scales: &[f32], unit: f32) -> i32 {
         .iter()
         .filter(|x| x.is_finite())
         .fold(0.0f32, |m, x| m.max(x.abs()));
-    let exponent = |x: f32| ((x.to_bits() >> 23) & 0xFF) as i32 - 127;
     (exponent(max) + 1 + exponent(unit) - 126).max(0)
 }
 
