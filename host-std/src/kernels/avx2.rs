@@ -13,6 +13,7 @@ use core::arch::x86_64::*;
 
 use super::lanes::{self, bf16_avx2 as bf16, int8_avx2 as int8};
 use super::math::{self, Simd};
+use super::online::SCORE_STEP;
 use crate::dtype::{Element, Kind};
 
 /// The AVX2 + FMA implementation. Only [`Avx2::detect`] makes one, so holding a value
@@ -145,6 +146,10 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn schedule<T: Element>(self, hd: usize) -> super::online::Schedule {
         super::online::Schedule::of_lines::<T>(hd, 16, 32, true)
+    }
+    #[inline(always)]
+    fn pass_schedule(self) -> super::online::Schedule {
+        super::online::Schedule::PASSES
     }
     /// Vector widening ([`load16`]): FP8 was decoded a code at a time by
     /// [`Element::widen`] before (paired, Zen 3, two threads: chunked prefill of 512
@@ -327,9 +332,27 @@ unsafe fn scores4<T: Element>(
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
     let qp = q.as_ptr();
-    let first = if w8 == hd && matches!(T::KIND, Kind::F16 | Kind::Fp8E4m3) {
+    let first = if w8 != hd {
+        0
+    } else if n > SCORE_STEP {
+        // A step longer than a decode schedule's: the passes of a task of many rows
+        // (chunked prefill), bound by the arithmetic.
         // SAFETY: the lengths asserted above; AVX2 + FMA + F16C (caller).
-        unsafe { scores4_token_pairs(q, k, hd, n, s, stride) }
+        let triples = unsafe { scores4_token_groups::<T, 3>(q, k, hd, n, s, stride) };
+        triples
+            + unsafe {
+                scores4_token_groups::<T, 2>(
+                    q,
+                    &k[triples * hd..],
+                    hd,
+                    n - triples,
+                    &mut s[triples..],
+                    stride,
+                )
+            }
+    } else if matches!(T::KIND, Kind::F16 | Kind::Fp8E4m3) {
+        // SAFETY: as above.
+        unsafe { scores4_token_groups::<T, 2>(q, k, hd, n, s, stride) }
     } else {
         0
     };
@@ -376,23 +399,28 @@ unsafe fn scores4<T: Element>(
     }
 }
 
-/// [`scores4`] two tokens at a time, while two are left: each query vector loaded
-/// serves both tokens' keys (eight accumulators, four rows × two tokens), so a step of
-/// 16 dimensions loads 8 query vectors for 16 FMAs instead of for 8. `hd` is a multiple
-/// of 8. Returns the tokens done (`n` rounded down to even).
+/// [`scores4`] `G` tokens at a time, while `G` are left: each query vector loaded
+/// serves the `G` tokens' keys (`4 × G` accumulators), so 8 dimensions load `4 + G`
+/// vectors for `4 × G` FMAs, where one token at a time loads 5 (four query vectors
+/// and the key) for 4. Three tokens fill AVX2's 16 registers: 12 accumulators, 3 keys
+/// and the query vector. `hd` is a multiple of 8. Returns the tokens done (`n` rounded
+/// down to a multiple of `G`).
 ///
-/// Measured on Zen 3 (AVX2, paired against one token at a time; 32 query heads over 8
-/// KV heads, head dim 128): decode f16 0.93-0.94 out of cache (two threads, 512, 2048
-/// and 8192 tokens) and 0.94 in cache (one thread, 256 tokens), FP8 0.97-0.98 and
-/// 0.98; chunked prefill (512 new tokens after 1536) f16 0.88, f32 0.94. f32 keeps
-/// one token at a time: its decode out of cache, bound by memory, took 1.01-1.02.
+/// Measured on Zen 3 (AVX2; 32 query heads over 8 KV heads, head dim 128), paired
+/// against one token at a time:
+/// - pairs: decode f16 0.93-0.94 out of cache (two threads, 512, 2048 and 8192
+///   tokens) and 0.94 in cache (one thread, 256 tokens), FP8 0.97-0.98 and 0.98;
+///   chunked prefill (512 new tokens after 1536) f16 0.88, f32 0.94. f32 decode keeps
+///   one token at a time: out of cache, bound by memory, it took 1.01-1.02 with pairs;
+/// - triples (then a pair), in chunked prefill's steps of 16 tokens, against one
+///   token at a time in steps of 4: f32 0.80 (one thread).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `q.len() >= 4 * hd`, `k.len() >= n * hd`,
 /// `s.len() >= 3 * stride + n` (when `n > 0`), `hd % 8 == 0`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores4_token_pairs<T: Element>(
+unsafe fn scores4_token_groups<T: Element, const G: usize>(
     q: &[f32],
     k: &[T],
     hd: usize,
@@ -400,44 +428,32 @@ unsafe fn scores4_token_pairs<T: Element>(
     s: &mut [f32],
     stride: usize,
 ) -> usize {
-    let w16 = hd / 16 * 16;
     let qp = q.as_ptr();
-    // The four rows' dimensions `d..d + 8` against both keys' (`x`, `y`), into their
-    // accumulators (`a`, `b`); `d + 8 <= hd`.
-    let rows = |d: usize, x: __m256, y: __m256, a: &mut [__m256; 4], b: &mut [__m256; 4]| {
-        for r in 0..4 {
-            // SAFETY: `qp[r * hd + d..+8]` lies in `q` (`q.len() >= 4 * hd`, `d + 8 <= hd`).
-            let qv = unsafe { _mm256_loadu_ps(qp.add(r * hd + d)) };
-            a[r] = _mm256_fmadd_ps(qv, x, a[r]);
-            b[r] = _mm256_fmadd_ps(qv, y, b[r]);
-        }
-    };
     let mut t = 0;
-    while t + 2 <= n {
-        let mut a = [_mm256_setzero_ps(); 4];
-        let mut b = [_mm256_setzero_ps(); 4];
-        // SAFETY: tokens t and t + 1's `[d..+16]` (then `[d..+8]`) with `d + 16 <= hd`
-        // (`d + 8 <= hd`) and `t + 1 < n` (caller's lengths).
+    while t + G <= n {
+        let mut a = [[_mm256_setzero_ps(); 4]; G];
+        // SAFETY: tokens `t..t + G`'s `[d..+8]` and the rows' `q[r * hd + d..+8]` with
+        // `d + 8 <= hd` and `t + G <= n` (caller's lengths).
         unsafe {
-            let ka = k.as_ptr().add(t * hd);
-            let kb = ka.add(hd);
+            let keys: [*const T; G] = core::array::from_fn(|g| k.as_ptr().add((t + g) * hd));
             let mut d = 0;
-            while d < w16 {
-                let ((x0, x1), (y0, y1)) = (load16(ka.add(d)), load16(kb.add(d)));
-                rows(d, x0, y0, &mut a, &mut b);
-                rows(d + 8, x1, y1, &mut a, &mut b);
-                d += 16;
-            }
-            if d < hd {
-                rows(d, load8(ka.add(d)), load8(kb.add(d)), &mut a, &mut b);
+            while d < hd {
+                let x: [__m256; G] = core::array::from_fn(|g| load8(keys[g].add(d)));
+                for r in 0..4 {
+                    let qv = _mm256_loadu_ps(qp.add(r * hd + d));
+                    for (ag, xg) in a.iter_mut().zip(x) {
+                        ag[r] = _mm256_fmadd_ps(qv, xg, ag[r]);
+                    }
+                }
+                d += 8;
             }
         }
-        let (sa, sb) = (hsum4(a[0], a[1], a[2], a[3]), hsum4(b[0], b[1], b[2], b[3]));
-        for r in 0..4 {
-            s[r * stride + t] = sa[r];
-            s[r * stride + t + 1] = sb[r];
+        for (g, ag) in a.iter().enumerate() {
+            for (r, sum) in hsum4(ag[0], ag[1], ag[2], ag[3]).into_iter().enumerate() {
+                s[r * stride + t + g] = sum;
+            }
         }
-        t += 2;
+        t += G;
     }
     t
 }

@@ -138,6 +138,13 @@ pub(crate) trait Simd: Copy {
         let _ = hd;
         super::online::Schedule::LONGEST
     }
+    /// The schedule of a task of several passes over each stored vector (more than four
+    /// rows per KV head: wide groups, chunked prefill), bound by the arithmetic. By
+    /// default [`super::online::Schedule::LONGEST`]. O(1).
+    #[inline(always)]
+    fn pass_schedule(self) -> super::online::Schedule {
+        super::online::Schedule::LONGEST
+    }
 }
 
 /// `q[from..] · k[from..]` in scalar f32 arithmetic: the dimensions past a vector

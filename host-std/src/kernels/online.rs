@@ -260,6 +260,10 @@ pub(crate) const SCORE_STEP: usize = 4;
 /// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
 /// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
 pub(crate) const VALUE_STEP: usize = 8;
+/// Most tokens per step of either loop in a task of several passes over each stored
+/// vector ([`Simd::pass_schedule`]), which its arithmetic bounds: in the AVX2 scores,
+/// a step longer than [`SCORE_STEP`] marks such a task.
+pub(crate) const PASS_STEP: usize = 16;
 
 /// How the attention loop paces a task's prefetches of the next chunk ([`Simd::schedule`]):
 /// each step of the scores and of the value accumulation prefetches as many lines as it
@@ -281,6 +285,15 @@ impl Schedule {
     pub(crate) const LONGEST: Self = Self {
         score_step: SCORE_STEP,
         value_step: VALUE_STEP,
+        split: false,
+    };
+
+    /// Steps of [`PASS_STEP`] tokens, prefetches after the arithmetic: the least
+    /// bookkeeping per token, for the tasks of several passes that the arithmetic
+    /// bounds.
+    pub(crate) const PASSES: Self = Self {
+        score_step: PASS_STEP,
+        value_step: PASS_STEP,
         split: false,
     };
 
@@ -314,11 +327,8 @@ impl Schedule {
 }
 
 /// Tokens of the widened K or V step.
-const WIDE_STEP: usize = if SCORE_STEP > VALUE_STEP {
-    SCORE_STEP
-} else {
-    VALUE_STEP
-};
+const WIDE_STEP: usize = PASS_STEP;
+const _: () = assert!(SCORE_STEP <= PASS_STEP && VALUE_STEP <= PASS_STEP);
 
 /// The runs of tokens `t0..t0 + n` that are contiguous in `src`, as `(first token,
 /// tokens)`. O(1) per run.
@@ -487,10 +497,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let sched = if hr <= 4 {
         simd.schedule::<T>(hd)
     } else {
-        Schedule::LONGEST
+        simd.pass_schedule()
     };
-    debug_assert!((1..=SCORE_STEP).contains(&sched.score_step));
-    debug_assert!((1..=VALUE_STEP).contains(&sched.value_step));
+    debug_assert!((1..=PASS_STEP).contains(&sched.score_step));
+    debug_assert!((1..=PASS_STEP).contains(&sched.value_step));
     let (score_step, value_step) = (sched.score_step, sched.value_step);
 
     // Load the scaled queries, reset the softmax state.
