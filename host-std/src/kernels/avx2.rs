@@ -569,6 +569,12 @@ unsafe fn accumulate2<T: Element>(
 /// (two [`accumulate2`] calls widen it twice): for the 8-bit types, whose widening
 /// costs most.
 ///
+/// Tried for chunked prefill's passes (steps of 16 tokens; f32, f16 and widened 8-bit
+/// all routed here), and dropped: 24 dimensions at a time, 12 accumulators, so a
+/// token's 3 vectors and 4 weights serve 12 FMAs where 16 dimensions load 6 for 8.
+/// It needs all 16 registers, and took 1.15 (f32), 1.19 (int8) and 1.25 (f16) of the
+/// time (paired, Zen 3, one thread, 512 new tokens after 1536).
+///
 /// # Safety
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
