@@ -8,6 +8,7 @@ use core::arch::x86_64::*;
 use super::bytes;
 use crate::dtype::Element;
 use crate::kernels::avx2::hsum4;
+use crate::kernels::online::SCORE_STEP;
 
 /// Dimensions per group of the split order.
 pub(in crate::kernels) const GROUP: usize = 16;
@@ -43,7 +44,15 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
 ) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (qp, kp) = (q.as_ptr(), bytes(k));
-    for t in 0..n {
+    let first = if n > SCORE_STEP {
+        // A step longer than a decode schedule's: the passes of a task of many rows
+        // (chunked prefill), bound by the arithmetic.
+        // SAFETY: the lengths asserted above; AVX2 + FMA (caller).
+        unsafe { scores4_token_pairs(q, k, hd, n, s, stride) }
+    } else {
+        0
+    };
+    for t in first..n {
         // SAFETY: loads `q[r * hd + d..+16]` and the 32 bytes of key `t` at dimension
         // `d`, with `d + 16 <= hd`, `t < n` (asserted lengths above).
         let sums = unsafe {
@@ -69,6 +78,64 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
             s[r * stride + t] = sum;
         }
     }
+}
+
+/// [`scores4`] two tokens at a time, while two are left: each query vector loaded
+/// (the even and the odd dimensions of a group) serves both tokens' keys, so a group
+/// of 16 dimensions loads 2 keys and 8 query vectors for 16 FMAs, where one token at a
+/// time loads 1 and 8 for 8. A token's even and odd products go into one accumulator
+/// per row (8 in all, beside 4 key vectors and 2 query vectors). Returns the tokens
+/// done (`n` rounded down to even).
+///
+/// Measured on Zen 3 (paired against one token at a time, chunked prefill of 512 new
+/// tokens after 1536, 32 query heads over 8 KV heads, head dim 128): 0.89 and 0.92 of
+/// the time on one thread (median of 5 and 4 rounds, 0.85-1.03 each), 0.95 on two.
+/// Decode keeps one token at a time (two measured 0.95-1.00 there).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `applies::<T>(hd, GROUP)` holds; `q.len() >= 4 * hd`,
+/// `k.len() >= n * hd`, `s.len() >= 3 * stride + n` (when `n > 0`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn scores4_token_pairs<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) -> usize {
+    let (qp, kp) = (q.as_ptr(), bytes(k));
+    let mut t = 0;
+    while t + 2 <= n {
+        let mut a = [[_mm256_setzero_ps(); 4]; 2];
+        // SAFETY: loads `q[r * hd + d..+16]` and the 32 bytes of keys `t` and `t + 1`
+        // at dimension `d`, with `d + 16 <= hd`, `t + 1 < n` (caller's lengths).
+        unsafe {
+            let mut d = 0;
+            while d < hd {
+                let keys = [
+                    split16(kp.add(2 * (t * hd + d))),
+                    split16(kp.add(2 * ((t + 1) * hd + d))),
+                ];
+                for r in 0..4 {
+                    let qr = qp.add(r * hd + d);
+                    let (qe, qo) = (_mm256_loadu_ps(qr), _mm256_loadu_ps(qr.add(8)));
+                    for (ag, (ke, ko)) in a.iter_mut().zip(keys) {
+                        ag[r] = _mm256_fmadd_ps(qo, ko, _mm256_fmadd_ps(qe, ke, ag[r]));
+                    }
+                }
+                d += GROUP;
+            }
+        }
+        for (g, ag) in a.iter().enumerate() {
+            for (r, sum) in hsum4(ag[0], ag[1], ag[2], ag[3]).into_iter().enumerate() {
+                s[r * stride + t + g] = sum;
+            }
+        }
+        t += 2;
+    }
+    t
 }
 
 /// [`crate::kernels::math::Simd::scores1`] for bf16 storage: `q` is in split order.
