@@ -110,7 +110,7 @@ impl RowTask<'_> {
     }
 }
 
-/// Per-worker scratch space (about 49 KiB), made once per worker per call, on its
+/// Per-worker scratch space (about 57 KiB), made once per worker per call, on its
 /// stack: the kernels allocate nothing.
 pub(crate) struct Scratch {
     q: [f32; (MAX_ROWS + SPARE_ROWS) * super::MAX_HEAD_DIM],
@@ -1100,6 +1100,14 @@ mod tests {
                 row0 += head_rows;
             }
         }
+    }
+
+    /// The scratch lives on each worker's stack (an embedder's threads may have small
+    /// ones): the steps of [`PASS_STEP`] tokens grew its widening buffer to 16 KiB.
+    #[test]
+    fn scratch_stays_within_64_kib() {
+        let size = core::mem::size_of::<Scratch>();
+        assert!(size <= 64 << 10, "{size} bytes");
     }
 
     /// The two ranges a large code unit needs: a query row below 1 lifted into [1, 2)
