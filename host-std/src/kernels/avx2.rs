@@ -13,7 +13,7 @@ use core::arch::x86_64::*;
 
 use super::lanes::{self, bf16_avx2 as bf16, int8_avx2 as int8};
 use super::math::{self, Simd};
-use super::online::SCORE_STEP;
+use super::online::is_pass_step;
 use crate::dtype::{Element, Kind};
 
 /// The AVX2 + FMA implementation. Only [`Avx2::detect`] makes one, so holding a value
@@ -305,6 +305,23 @@ pub(super) fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
     out
 }
 
+/// Stores the scores of `G` tokens of four rows (`a[g][r]`: token `t + g`, row `r`,
+/// eight partial sums each) into `s[r * stride + t + g]`. O(G).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn store_token_scores<const G: usize>(
+    a: &[[__m256; 4]; G],
+    s: &mut [f32],
+    stride: usize,
+    t: usize,
+) {
+    for (g, ag) in a.iter().enumerate() {
+        for (r, sum) in hsum4(ag[0], ag[1], ag[2], ag[3]).into_iter().enumerate() {
+            s[r * stride + t + g] = sum;
+        }
+    }
+}
+
 /// Horizontal sum of one vector.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -334,9 +351,7 @@ unsafe fn scores4<T: Element>(
     let qp = q.as_ptr();
     let first = if w8 != hd {
         0
-    } else if n > SCORE_STEP {
-        // A step longer than a decode schedule's: the passes of a task of many rows
-        // (chunked prefill), bound by the arithmetic.
+    } else if is_pass_step(n) {
         // SAFETY: the lengths asserted above; AVX2 + FMA + F16C (caller).
         let triples = unsafe { scores4_token_groups::<T, 3>(q, k, hd, n, s, stride) };
         triples
@@ -448,11 +463,7 @@ unsafe fn scores4_token_groups<T: Element, const G: usize>(
                 d += 8;
             }
         }
-        for (g, ag) in a.iter().enumerate() {
-            for (r, sum) in hsum4(ag[0], ag[1], ag[2], ag[3]).into_iter().enumerate() {
-                s[r * stride + t + g] = sum;
-            }
-        }
+        store_token_scores(&a, s, stride, t);
         t += G;
     }
     t

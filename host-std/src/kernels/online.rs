@@ -261,9 +261,19 @@ pub(crate) const SCORE_STEP: usize = 4;
 /// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
 pub(crate) const VALUE_STEP: usize = 8;
 /// Most tokens per step of either loop in a task of several passes over each stored
-/// vector ([`Simd::pass_schedule`]), which its arithmetic bounds: in the AVX2 scores,
-/// a step longer than [`SCORE_STEP`] marks such a task.
+/// vector ([`Simd::pass_schedule`]), which its arithmetic bounds: a step longer than
+/// [`SCORE_STEP`] marks such a task ([`is_pass_step`]).
 pub(crate) const PASS_STEP: usize = 16;
+
+/// Whether a scores call of `n` tokens is a step of a pass schedule (chunked prefill,
+/// wide groups: bound by the arithmetic) rather than of a decode schedule, whose steps
+/// are at most [`SCORE_STEP`] tokens ([`Schedule::of_lines`], [`Schedule::LONGEST`]).
+/// A shorter pass step (a run's or the diagonal's last) reads as decode, which is
+/// correct, only slower. O(1).
+#[inline(always)]
+pub(crate) fn is_pass_step(n: usize) -> bool {
+    n > SCORE_STEP
+}
 
 /// How the attention loop paces a task's prefetches of the next chunk ([`Simd::schedule`]):
 /// each step of the scores and of the value accumulation prefetches as many lines as it

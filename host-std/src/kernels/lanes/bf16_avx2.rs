@@ -7,8 +7,8 @@ use core::arch::x86_64::*;
 
 use super::bytes;
 use crate::dtype::Element;
-use crate::kernels::avx2::hsum4;
-use crate::kernels::online::SCORE_STEP;
+use crate::kernels::avx2::{hsum4, store_token_scores};
+use crate::kernels::online::is_pass_step;
 
 /// Dimensions per group of the split order.
 pub(in crate::kernels) const GROUP: usize = 16;
@@ -44,9 +44,7 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
 ) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (qp, kp) = (q.as_ptr(), bytes(k));
-    let first = if n > SCORE_STEP {
-        // A step longer than a decode schedule's: the passes of a task of many rows
-        // (chunked prefill), bound by the arithmetic.
+    let first = if is_pass_step(n) {
         // SAFETY: the lengths asserted above; AVX2 + FMA (caller).
         unsafe { scores4_token_pairs(q, k, hd, n, s, stride) }
     } else {
@@ -128,11 +126,7 @@ unsafe fn scores4_token_pairs<T: Element>(
                 d += GROUP;
             }
         }
-        for (g, ag) in a.iter().enumerate() {
-            for (r, sum) in hsum4(ag[0], ag[1], ag[2], ag[3]).into_iter().enumerate() {
-                s[r * stride + t + g] = sum;
-            }
-        }
+        store_token_scores(&a, s, stride, t);
         t += 2;
     }
     t
