@@ -3,7 +3,7 @@
 
 use super::online::{self, KvSource, RowTask, Scratch, MAX_ROWS};
 use super::parallel::DisjointOut;
-use super::pool::{for_each_task, Executor};
+use super::pool::{for_each_task_ahead, Executor};
 use super::{AttentionParams, BlockTable, SeqQuery, MAX_HEAD_DIM};
 use crate::arena::KvLayout;
 use crate::dtype::{bytes_of, Element};
@@ -297,12 +297,65 @@ pub(super) fn check_len(buffer: Buffer, expected: usize, actual: usize) -> Resul
 }
 
 /// Where a worker is in the list of sequences: tasks are drawn in increasing order, so
-/// the cursor only moves forward (O(seqs + tasks) per worker in all).
-struct Cursor {
-    scratch: Scratch,
+/// it only moves forward (O(seqs + tasks) per worker in all).
+#[derive(Clone, Copy, Default)]
+struct Position {
     seq: usize,
     task_base: usize,
     q_base: usize,
+}
+
+impl Position {
+    /// Moves forward to the sequence holding `task` (not before the last task located)
+    /// and returns the task and its sequence. O(sequences passed).
+    fn locate<'s, 'q>(
+        &mut self,
+        task: usize,
+        shape: &Shape<'_>,
+        seqs: &'s [SeqQuery],
+        q: &'q [f32],
+    ) -> (RowTask<'q>, &'s SeqQuery) {
+        // Advance to the sequence holding `task`; its KV heads per task.
+        let heads = loop {
+            let s = &seqs[self.seq];
+            let (heads, n) = split(s, shape);
+            if task < self.task_base + n {
+                break heads;
+            }
+            self.task_base += n;
+            self.q_base += s.queries as usize;
+            self.seq += 1;
+        };
+        let seq = &seqs[self.seq];
+        let local = task - self.task_base;
+        let head_groups = shape.kv_heads / heads;
+        let (kv_head, tile) = ((local % head_groups) * heads, local / head_groups);
+        let all_rows = seq.queries as usize * shape.group;
+        let row0 = tile * MAX_ROWS;
+        let row_len = shape.q_heads * shape.head_dim;
+        let task = RowTask {
+            q: &q[self.q_base * row_len..(self.q_base + seq.queries as usize) * row_len],
+            context_len: seq.context_len as usize,
+            queries: seq.queries as usize,
+            group: shape.group,
+            q_heads: shape.q_heads,
+            kv_head,
+            heads,
+            row0,
+            head_rows: MAX_ROWS.min(all_rows - row0),
+            head_dim: shape.head_dim,
+            scale: shape.scale,
+        };
+        (task, seq)
+    }
+}
+
+/// A worker's state: its scratch, where it is, and the task whose first K/V it has
+/// prefetched (its next one).
+struct Cursor {
+    scratch: Scratch,
+    at: Position,
+    primed: Option<usize>,
 }
 
 /// Tiles of query rows of a sequence.
@@ -350,47 +403,29 @@ pub(super) fn run<'s, T, S, F>(
     let out = DisjointOut::new(out);
     let init = || Cursor {
         scratch: Scratch::new(),
-        seq: 0,
-        task_base: 0,
-        q_base: 0,
+        at: Position::default(),
+        primed: None,
     };
-    for_each_task(shape.pool, total, init, |c, task| {
-        // Advance to the sequence holding `task`; its KV heads per task.
-        let heads = loop {
-            let s = &seqs[c.seq];
-            let (heads, n) = split(s, shape);
-            if task < c.task_base + n {
-                break heads;
-            }
-            c.task_base += n;
-            c.q_base += s.queries as usize;
-            c.seq += 1;
-        };
-        let seq = &seqs[c.seq];
-        let local = task - c.task_base;
-        let head_groups = shape.kv_heads / heads;
-        let (kv_head, tile) = ((local % head_groups) * heads, local / head_groups);
-        let all_rows = seq.queries as usize * shape.group;
-        let row0 = tile * MAX_ROWS;
-        let head_rows = MAX_ROWS.min(all_rows - row0);
-        let t = RowTask {
-            q: &q[c.q_base * row_len..(c.q_base + seq.queries as usize) * row_len],
-            context_len: seq.context_len as usize,
-            queries: seq.queries as usize,
-            group: shape.group,
-            q_heads: shape.q_heads,
-            kv_head,
-            heads,
-            row0,
-            head_rows,
-            head_dim: shape.head_dim,
-            scale: shape.scale,
-        };
-        online::attend(&t, &source(seq, kv_head, heads), &mut c.scratch);
+    // Each task prefetches, while it computes its last chunk, the first chunk of its
+    // thread's next task, which would otherwise start on K/V not yet fetched.
+    for_each_task_ahead(shape.pool, total, init, |c, task, next| {
+        let (t, seq) = c.at.locate(task, shape, seqs, q);
+        let src = source(seq, t.kv_head, t.heads);
+        let ahead = next.map(|next| {
+            let mut at = c.at;
+            let (t, seq) = at.locate(next, shape, seqs, q);
+            (t, source(seq, t.kv_head, t.heads))
+        });
+        let ahead = ahead
+            .as_ref()
+            .map(|(task, src)| online::Ahead { task, src });
+        let primed = c.primed == Some(task);
+        c.primed = next;
+        online::attend(&t, &src, ahead, primed, &mut c.scratch);
         let hd = shape.head_dim;
         for j in 0..t.rows() {
             let (qi, qh) = t.row(j);
-            let offset = (c.q_base + qi) * row_len + qh * hd;
+            let offset = (c.at.q_base + qi) * row_len + qh * hd;
             // SAFETY: (query token, query head) pairs are partitioned among tasks: each
             // row of each sequence belongs to exactly one (kv heads, tile) task.
             unsafe { out.write(offset, &c.scratch.acc[j * hd..(j + 1) * hd]) };

@@ -110,6 +110,25 @@ impl RowTask<'_> {
     }
 }
 
+/// The task a worker runs after the current one, and its K/V: the current task
+/// prefetches its first chunk while it computes its own last one ([`attend`]).
+pub(crate) struct Ahead<'a, S> {
+    /// The next task.
+    pub task: &'a RowTask<'a>,
+    /// Its K/V.
+    pub src: &'a S,
+}
+
+impl RowTask<'_> {
+    /// Tokens the task reads: those its last row sees (a head's rows are ordered by
+    /// query token, so later rows see at least as many tokens, and every head has the
+    /// same rows). O(1).
+    #[inline(always)]
+    fn tokens(&self) -> usize {
+        self.context_len - self.queries + self.row(self.rows() - 1).0 + 1
+    }
+}
+
 /// Per-worker scratch space (about 57 KiB), made once per worker per call, on its
 /// stack: the kernels allocate nothing.
 pub(crate) struct Scratch {
@@ -154,6 +173,9 @@ impl Scratch {
 
 /// Runs `task` over `src`, leaving the normalised output rows in `scratch.acc`
 /// (`[task.rows()][task.head_dim]`). Uses the AVX2 + FMA arithmetic when the CPU has it.
+/// With `ahead`, its last chunk also prefetches the first chunk of that next task;
+/// `primed` says that the previous task did so for this one, which then does not
+/// prefetch its own first chunk in one burst.
 /// O(rows × limit × head_dim). The caller has validated the task (rows within
 /// `MAX_ROWS`, head dim within `MAX_HEAD_DIM`, query rows inside `q`, `src` covering
 /// `context_len` tokens).
@@ -161,6 +183,8 @@ impl Scratch {
 pub(crate) fn attend<T: Element, S: KvSource<T>>(
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     scratch: &mut Scratch,
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -168,29 +192,29 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
         if T::KIND == Kind::Int8 {
             if let Some(simd) = Avx512Dot::<Vnni>::detect() {
                 // SAFETY: `detect` found AVX-512F, BW, VNNI, AVX2, FMA and F16C.
-                unsafe { attend_avx512_vnni(simd, task, src, scratch) };
+                unsafe { attend_avx512_vnni(simd, task, src, ahead, primed, scratch) };
                 return;
             }
         }
         if T::KIND == Kind::Fp8E4m3 {
             if let Some(simd) = Avx512Dot::<Bf16Dot>::detect() {
                 // SAFETY: `detect` found AVX-512F, BW, BF16, AVX2, FMA and F16C.
-                unsafe { attend_avx512_bf16(simd, task, src, scratch) };
+                unsafe { attend_avx512_bf16(simd, task, src, ahead, primed, scratch) };
                 return;
             }
         }
         if let Some(simd) = super::avx512::Avx512::detect() {
             // SAFETY: `Avx512::detect` found AVX-512F, AVX2, FMA and F16C on this CPU.
-            unsafe { attend_avx512(simd, task, src, scratch) };
+            unsafe { attend_avx512(simd, task, src, ahead, primed, scratch) };
             return;
         }
         if let Some(simd) = super::avx2::Avx2::detect() {
             // SAFETY: `Avx2::detect` found AVX2, FMA and F16C on this CPU.
-            unsafe { attend_avx2(simd, task, src, scratch) };
+            unsafe { attend_avx2(simd, task, src, ahead, primed, scratch) };
             return;
         }
     }
-    attend_body(math::Portable, task, src, scratch);
+    attend_body(math::Portable, task, src, ahead, primed, scratch);
 }
 
 /// [`attend_body`] compiled with AVX2 + FMA enabled, so that the whole body (not just
@@ -204,9 +228,11 @@ unsafe fn attend_avx2<T: Element, S: KvSource<T>>(
     simd: super::avx2::Avx2,
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     scratch: &mut Scratch,
 ) {
-    attend_body(simd, task, src, scratch);
+    attend_body(simd, task, src, ahead, primed, scratch);
 }
 
 /// [`attend_body`] compiled with AVX-512F enabled.
@@ -219,9 +245,11 @@ unsafe fn attend_avx512<T: Element, S: KvSource<T>>(
     simd: super::avx512::Avx512,
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     scratch: &mut Scratch,
 ) {
-    attend_body(simd, task, src, scratch);
+    attend_body(simd, task, src, ahead, primed, scratch);
 }
 
 /// [`attend_body`] compiled with AVX-512F, BW and VNNI enabled (int8 storage).
@@ -234,9 +262,11 @@ unsafe fn attend_avx512_vnni<T: Element, S: KvSource<T>>(
     simd: Avx512Dot<Vnni>,
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     scratch: &mut Scratch,
 ) {
-    attend_body(simd, task, src, scratch);
+    attend_body(simd, task, src, ahead, primed, scratch);
 }
 
 /// [`attend_body`] compiled with AVX-512F, BW and BF16 enabled (FP8 storage).
@@ -249,9 +279,11 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
     simd: Avx512Dot<Bf16Dot>,
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     scratch: &mut Scratch,
 ) {
-    attend_body(simd, task, src, scratch);
+    attend_body(simd, task, src, ahead, primed, scratch);
 }
 
 /// Most tokens per step of the scores loop (between two prefetch bursts), and the
@@ -464,6 +496,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     simd: V,
     task: &RowTask<'_>,
     src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
     sc: &mut Scratch,
 ) {
     let hd = task.head_dim;
@@ -474,19 +508,20 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     debug_assert!(heads * hr == rows && (heads == 1 || hr <= 8));
     let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
-    // A head's rows are ordered by query token, so later rows see at least as many
-    // tokens; every head has the same rows, so the last row sees the most.
-    let end = first_pos + task.row(rows - 1).0 + 1;
+    let end = task.tokens();
 
     // The first chunk's K and V tiles: each chunk prefetches the next one's while it
-    // computes, but nothing has fetched the first. Started in one burst here, they
-    // arrive while the queries are loaded (decode out of cache, paired: 0.99x at
-    // 2048 tokens, 0.97-0.98x at 512; over K/V already in cache the prefetches are
-    // wasted instructions: 1.02-1.03x on 1 x 256 tokens).
-    for kv in 0..2 {
-        let mut first = Prefetch::new::<T>(kv, 0, end.min(MAX_CHUNK), hd, heads);
-        let lines = first.lines();
-        first.advance(src, lines);
+    // computes, but unless the previous task did (`primed`), nothing has fetched the
+    // first. Started in one burst here, they arrive while the queries are loaded
+    // (decode out of cache, paired: 0.99x at 2048 tokens, 0.97-0.98x at 512; over K/V
+    // already in cache the prefetches are wasted instructions: 1.02-1.03x on 1 x 256
+    // tokens).
+    if !primed {
+        for kv in 0..2 {
+            let mut first = Prefetch::new::<T>(kv, 0, end.min(MAX_CHUNK), hd, heads);
+            let lines = first.lines();
+            first.advance(src, lines);
+        }
     }
 
     // A task of more rows per KV head than one pass of the arithmetic takes (decode of
@@ -548,10 +583,15 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         let next_n = (end - next).min(chunk_max);
         // The next chunk's tiles are prefetched a few lines at a time while this chunk
         // computes (K during the scores, V during the accumulation): a burst of
-        // prefetches would stall on the line-fill buffers instead of overlapping.
+        // prefetches would stall on the line-fill buffers instead of overlapping. The
+        // last chunk prefetches the next task's first, if there is one.
+        let (pf_src, pf_t0, pf_n, pf_heads) = match &ahead {
+            Some(a) if next_n == 0 => (a.src, 0, a.task.tokens().min(chunk_max), a.task.heads),
+            _ => (src, next, next_n, heads),
+        };
         let (mut pf_k, mut pf_v) = (
-            Prefetch::new::<T>(0, next, next_n, hd, heads),
-            Prefetch::new::<T>(1, next, next_n, hd, heads),
+            Prefetch::new::<T>(0, pf_t0, pf_n, hd, pf_heads),
+            Prefetch::new::<T>(1, pf_t0, pf_n, hd, pf_heads),
         );
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
@@ -580,16 +620,16 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     let m = (len - ts).min(score_step);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                    pf_k.advance(src, k_before);
-                    pf_v.advance(src, v_before);
+                    pf_k.advance(pf_src, k_before);
+                    pf_v.advance(pf_src, v_before);
                     if widen {
                         simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                         score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
                     } else {
                         score_rows(simd, q, s, limit, hd, t + ts, kt, m);
                     }
-                    pf_k.advance(src, per_step - k_before);
-                    pf_v.advance(src, per_step_v - v_before);
+                    pf_k.advance(pf_src, per_step - k_before);
+                    pf_v.advance(pf_src, per_step_v - v_before);
                 }
             }
         }
@@ -675,9 +715,9 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 }
                 let limit = &sc.limit[h * hr..(h + 1) * hr];
                 let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
-                pf_v.advance(src, before);
+                pf_v.advance(pf_src, before);
                 value_rows(simd, acc, s, limit, hd, t0, Values::Tokens(&tokens[..n]));
-                pf_v.advance(src, per_step - before);
+                pf_v.advance(pf_src, per_step - before);
             }
         } else {
             let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
@@ -691,7 +731,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let vt = &v[ts * hd..(ts + m) * hd];
                         let acc = &mut sc.acc[h * hr * hd..];
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                        pf_v.advance(src, before);
+                        pf_v.advance(pf_src, before);
                         if widen {
                             simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
@@ -699,7 +739,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         } else {
                             value_rows(simd, acc, s, limit, hd, t + ts, Values::Tile(vt, m));
                         }
-                        pf_v.advance(src, per_step - before);
+                        pf_v.advance(pf_src, per_step - before);
                     }
                 }
             }
@@ -1059,10 +1099,8 @@ mod tests {
             let q = scaled(values(queries * q_heads * hd, 3), mag[0]);
             let all_rows = queries * group;
             let mut sc = Scratch::new();
-            let mut row0 = 0;
-            while row0 < all_rows {
-                let head_rows = (MAX_ROWS / heads).min(all_rows - row0);
-                let task = RowTask {
+            let tile = |row0: usize| {
+                (row0 < all_rows).then(|| RowTask {
                     q: &q,
                     context_len: ctx,
                     queries,
@@ -1071,15 +1109,22 @@ mod tests {
                     kv_head: 0,
                     heads,
                     row0,
-                    head_rows,
+                    head_rows: (MAX_ROWS / heads).min(all_rows - row0),
                     head_dim: hd,
                     scale: 0.4,
-                };
+                })
+            };
+            let mut row0 = 0;
+            // Each tile prefetches the next one's first chunk (the workers' order).
+            while let Some(task) = tile(row0) {
+                let head_rows = task.head_rows;
                 assert!(
                     heads == 1 || head_rows == all_rows,
                     "a shape of several heads is one task"
                 );
-                attend_body(simd, &task, &src, &mut sc);
+                let next = tile(row0 + head_rows);
+                let ahead = next.as_ref().map(|task| Ahead { task, src: &src });
+                attend_body(simd, &task, &src, ahead, row0 > 0, &mut sc);
                 for j in 0..task.rows() {
                     let (qi, qh) = task.row(j);
                     let h = qh / group;

@@ -322,17 +322,52 @@ where
     I: Fn() -> W + Sync,
     F: Fn(&mut W, usize) + Sync,
 {
-    // Each participant overshoots the counter by one draw at most, so it cannot wrap
-    // for any task count a call could finish (`tasks <= usize::MAX - MAX_THREADS`).
+    draw_tasks(pool, tasks, init, |w, task, _| work(w, task), false);
+}
+
+/// As [`for_each_task`], and `work(state, task, next)` also learns `next`, the task its
+/// thread runs after `task` when the thread has claimed it already, so that `task` can
+/// start fetching `next`'s data. A thread claims its next task ahead only while at
+/// least as many tasks are unclaimed as the executor has threads
+/// ([`Executor::threads`]; never for one that does not say): every thread still finds
+/// work, and the claims ahead leave the threads at most one task apart at the end.
+/// O(tasks) calls of `work`.
+pub(crate) fn for_each_task_ahead<W, I, F>(
+    pool: Option<&dyn Executor>,
+    tasks: usize,
+    init: I,
+    work: F,
+) where
+    I: Fn() -> W + Sync,
+    F: Fn(&mut W, usize, Option<usize>) + Sync,
+{
+    draw_tasks(pool, tasks, init, work, true);
+}
+
+/// The one loop behind [`for_each_task`] and [`for_each_task_ahead`] (`ahead`: whether
+/// threads claim their next task ahead).
+fn draw_tasks<W, I, F>(pool: Option<&dyn Executor>, tasks: usize, init: I, work: F, ahead: bool)
+where
+    I: Fn() -> W + Sync,
+    F: Fn(&mut W, usize, Option<usize>) + Sync,
+{
+    let threads = pool.map_or(1, |p| p.threads());
+    // Each participant overshoots the counter by two draws at most (a claim ahead that
+    // finds nothing, then the draw that ends its loop), so it cannot wrap for any task
+    // count a call could finish (`tasks <= usize::MAX - 2 * MAX_THREADS`).
     let next = AtomicUsize::new(0);
     let job = || {
         let mut state = init();
-        loop {
-            let task = next.fetch_add(1, Ordering::Relaxed);
-            if task >= tasks {
-                break;
-            }
-            work(&mut state, task);
+        let mut task = next.fetch_add(1, Ordering::Relaxed);
+        while task < tasks {
+            let unclaimed = tasks.saturating_sub(next.load(Ordering::Relaxed));
+            let following = if ahead && unclaimed >= threads {
+                Some(next.fetch_add(1, Ordering::Relaxed)).filter(|&t| t < tasks)
+            } else {
+                None
+            };
+            work(&mut state, task, following);
+            task = following.unwrap_or_else(|| next.fetch_add(1, Ordering::Relaxed));
         }
     };
     if let Some(pool) = pool {
@@ -380,6 +415,36 @@ mod tests {
                 let tasks = [0, 1, 2, 3, 7, 8, 9, 64, 100][call % 9];
                 let runs = run_counting(&pool, tasks);
                 assert!(runs.iter().all(|&n| n == 1), "{threads} {tasks} {runs:?}");
+            }
+        }
+        // Claiming tasks ahead: each runs once, and a thread's announced next task is the
+        // one it runs next.
+        for &threads in pools {
+            let pool = WorkerPool::new(threads);
+            for call in 0..calls {
+                let tasks = [0, 1, 2, 3, 7, 8, 9, 64, 100][call % 9];
+                let runs: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                let (ok, claimed) = (AtomicBool::new(true), AtomicUsize::new(0));
+                for_each_task_ahead(
+                    Some(&pool),
+                    tasks,
+                    || None::<usize>,
+                    |promised, t, next| {
+                        if promised.is_some_and(|p| p != t) || next.is_some_and(|n| n <= t) {
+                            ok.store(false, Ordering::Relaxed);
+                        }
+                        claimed.fetch_add(usize::from(next.is_some()), Ordering::Relaxed);
+                        *promised = next;
+                        runs[t].fetch_add(1, Ordering::Relaxed);
+                    },
+                );
+                assert!(ok.into_inner(), "{threads} {tasks}");
+                let runs: Vec<usize> = runs.into_iter().map(AtomicUsize::into_inner).collect();
+                assert!(runs.iter().all(|&n| n == 1), "{threads} {tasks} {runs:?}");
+                if threads == 1 && tasks > 1 {
+                    // One thread claims every task but the first ahead.
+                    assert_eq!(claimed.into_inner(), tasks - 1);
+                }
             }
         }
         // Without a pool, on the calling thread.
