@@ -9,7 +9,8 @@
 //! query heads over 8 KV heads, head dim 128, blocks of 16 tokens in shuffled physical
 //! order, on one thread per core. Beside each call, interleaved with it, a read probe
 //! streams the same arena's bytes on the same threads: the kernel's figure is its share
-//! of that probe's bandwidth. The probe itself is checked against `memcpy` (the C
+//! of that probe's bandwidth (`of probe`: the median over the rounds of the probe's time
+//! over the kernel's in the same round; `(best)`: best time over best time). The probe itself is checked against `memcpy` (the C
 //! library's, on the same threads and bytes): it prints both, so a probe that does not
 //! reach the machine's read speed shows.
 //!
@@ -192,6 +193,7 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
             paged.push(tg);
         }
     }
+    let (of_probe, of_paged) = (paired_share(&probe, &kernel), paired_share(&paged, &kernel));
     let ((k, k_best), (p, p_best), (g, _)) = (stats(kernel), stats(probe), stats(paged));
     let bytes = call.bytes().len() as f64;
     let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
@@ -202,15 +204,29 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
         k.as_secs_f64() * 1e3,
         gbs(k),
         gbs(p),
-        100.0 * p.as_secs_f64() / k.as_secs_f64(),
+        100.0 * of_probe,
         100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
         gbs(g),
-        100.0 * g.as_secs_f64() / k.as_secs_f64(),
+        100.0 * of_paged,
         100.0 * pool.threads() as f64 * cached.bytes().len() as f64
             / cached_best.as_secs_f64()
             / 1e9
             / gbs(p),
     );
+}
+
+/// The median over the rounds of `probe[i] / kernel[i]`: the kernel's share of a probe
+/// timed in the same round, right after it. On a shared host whose load drifts over
+/// the run, a slow spell slows both of a round, where the ratio of the two medians
+/// could pair a kernel round and a probe round far apart.
+fn paired_share(probe: &[Duration], kernel: &[Duration]) -> f64 {
+    let mut r: Vec<f64> = probe
+        .iter()
+        .zip(kernel)
+        .map(|(p, k)| p.as_secs_f64() / k.as_secs_f64())
+        .collect();
+    r.sort_by(f64::total_cmp);
+    r[r.len() / 2]
 }
 
 /// The same decode on one thread over K/V that stay in the cache (one sequence of 256
