@@ -13,7 +13,6 @@ use core::arch::x86_64::*;
 
 use super::lanes::{self, bf16_avx2 as bf16, int8_avx2 as int8};
 use super::math::{self, Simd};
-use super::online::is_pass_step;
 use crate::dtype::{Element, Kind};
 
 /// The AVX2 + FMA implementation. Only [`Avx2::detect`] makes one, so holding a value
@@ -50,13 +49,14 @@ impl Simd for Avx2 {
         n: usize,
         s: &mut [f32],
         s_stride: usize,
+        passes: bool,
     ) {
         if int8::applies::<T>(hd) {
             unsafe { int8::scores4(q, k, hd, n, s, s_stride) }
         } else if lanes::applies::<T>(hd, bf16::GROUP) {
-            unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }
+            unsafe { bf16::scores4(q, k, hd, n, s, s_stride, passes) }
         } else {
-            unsafe { scores4(q, k, hd, n, s, s_stride) }
+            unsafe { scores4(q, k, hd, n, s, s_stride, passes) }
         }
     }
     #[inline(always)]
@@ -332,7 +332,9 @@ fn hsum(a: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// See [`Simd::scores4`].
+/// See [`Simd::scores4`]: in a step of `passes`, three tokens at a time, then a pair;
+/// in decode, pairs for f16 and FP8 and single tokens for f32
+/// ([`scores4_token_groups`]).
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
@@ -345,13 +347,14 @@ unsafe fn scores4<T: Element>(
     n: usize,
     s: &mut [f32],
     stride: usize,
+    passes: bool,
 ) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
     let qp = q.as_ptr();
     let first = if w8 != hd {
         0
-    } else if is_pass_step(n) {
+    } else if passes {
         // SAFETY: the lengths asserted above; AVX2 + FMA + F16C (caller).
         let triples = unsafe { scores4_token_groups::<T, 3>(q, k, hd, n, s, stride) };
         triples

@@ -41,6 +41,7 @@ impl Simd for Avx512 {
         n: usize,
         s: &mut [f32],
         s_stride: usize,
+        _passes: bool,
     ) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }

@@ -179,11 +179,12 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         n: usize,
         s: &mut [f32],
         s_stride: usize,
+        passes: bool,
     ) {
         if K::applies::<T>(hd) {
             unsafe { K::scores4(q, k, hd, n, s, s_stride) }
         } else {
-            self.avx512.scores4(q, k, hd, n, s, s_stride)
+            self.avx512.scores4(q, k, hd, n, s, s_stride, passes)
         }
     }
     #[inline(always)]

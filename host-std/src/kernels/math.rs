@@ -11,7 +11,12 @@ use crate::dtype::Element;
 /// in their storage type `T` and widened as they are loaded.
 pub(crate) trait Simd: Copy {
     /// `s[r * s_stride + t] = q_r · k_t` for the four rows `q_r = q[r * hd..(r + 1) * hd]`
-    /// and tokens `t < n` (`k_t = k[t * hd..(t + 1) * hd]`).
+    /// and tokens `t < n` (`k_t = k[t * hd..(t + 1) * hd]`). `passes`: the call is a step
+    /// of a task that makes several passes over each stored vector (more than four rows
+    /// per KV head: chunked prefill, wide groups), which its arithmetic bounds, so an
+    /// implementation may take several tokens per query vector loaded (its steps are
+    /// [`Simd::pass_schedule`]'s); otherwise a decode step, bound by memory.
+    #[allow(clippy::too_many_arguments)]
     fn scores4<T: Element>(
         self,
         q: &[f32],
@@ -20,6 +25,7 @@ pub(crate) trait Simd: Copy {
         n: usize,
         s: &mut [f32],
         s_stride: usize,
+        passes: bool,
     );
     /// `s[t] = q · k_t` for tokens `t < n`.
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]);
@@ -209,6 +215,7 @@ impl Simd for Portable {
         n: usize,
         s: &mut [f32],
         s_stride: usize,
+        _passes: bool,
     ) {
         let mut kt = [0.0f32; MAX_HEAD_DIM];
         for (t, kr) in k.chunks_exact(hd).take(n).enumerate() {

@@ -293,19 +293,8 @@ pub(crate) const SCORE_STEP: usize = 4;
 /// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
 pub(crate) const VALUE_STEP: usize = 8;
 /// Most tokens per step of either loop in a task of several passes over each stored
-/// vector ([`Simd::pass_schedule`]), which its arithmetic bounds: a step longer than
-/// [`SCORE_STEP`] marks such a task ([`is_pass_step`]).
+/// vector ([`Simd::pass_schedule`]), which its arithmetic bounds.
 pub(crate) const PASS_STEP: usize = 16;
-
-/// Whether a scores call of `n` tokens is a step of a pass schedule (chunked prefill,
-/// wide groups: bound by the arithmetic) rather than of a decode schedule, whose steps
-/// are at most [`SCORE_STEP`] tokens ([`Schedule::of_lines`], [`Schedule::LONGEST`]).
-/// A shorter pass step (a run's or the diagonal's last) reads as decode, which is
-/// correct, only slower. O(1).
-#[inline(always)]
-pub(crate) fn is_pass_step(n: usize) -> bool {
-    n > SCORE_STEP
-}
 
 /// How the attention loop paces a task's prefetches of the next chunk ([`Simd::schedule`]):
 /// each step of the scores and of the value accumulation prefetches as many lines as it
@@ -539,10 +528,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // pass over each head's K/V (decode with up to four query heads per KV head), which
     // memory bounds; the longest steps for more passes (wider groups, chunked prefill),
     // bound by the arithmetic, which a step's fixed cost slows.
-    let sched = if hr <= 4 {
-        simd.schedule::<T>(hd)
-    } else {
+    let passes = hr > 4;
+    let sched = if passes {
         simd.pass_schedule()
+    } else {
+        simd.schedule::<T>(hd)
     };
     debug_assert!((1..=PASS_STEP).contains(&sched.score_step));
     debug_assert!((1..=PASS_STEP).contains(&sched.value_step));
@@ -624,9 +614,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     pf_v.advance(pf_src, v_before);
                     if widen {
                         simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
-                        score_rows(simd, q, s, limit, hd, t + ts, &sc.wide[..m * hd], m);
+                        let wide = &sc.wide[..m * hd];
+                        score_rows(simd, q, s, limit, hd, t + ts, wide, m, passes);
                     } else {
-                        score_rows(simd, q, s, limit, hd, t + ts, kt, m);
+                        score_rows(simd, q, s, limit, hd, t + ts, kt, m, passes);
                     }
                     pf_k.advance(pf_src, per_step - k_before);
                     pf_v.advance(pf_src, per_step_v - v_before);
@@ -851,6 +842,7 @@ fn score_rows<U: Element, V: Simd>(
     t: usize,
     k: &[U],
     m: usize,
+    passes: bool,
 ) {
     let rows = limit.len();
     let mut j = 0;
@@ -861,7 +853,7 @@ fn score_rows<U: Element, V: Simd>(
         if cnt > 0 && group == 1 {
             simd.scores1(&q[j * hd..(j + 1) * hd], k, hd, cnt, st);
         } else if cnt > 0 {
-            simd.scores4(&q[j * hd..(j + 4) * hd], k, hd, cnt, st, MAX_CHUNK);
+            simd.scores4(&q[j * hd..(j + 4) * hd], k, hd, cnt, st, MAX_CHUNK, passes);
         }
         j += group;
     }

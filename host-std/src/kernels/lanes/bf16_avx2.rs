@@ -8,7 +8,6 @@ use core::arch::x86_64::*;
 use super::bytes;
 use crate::dtype::Element;
 use crate::kernels::avx2::{hsum4, store_token_scores};
-use crate::kernels::online::is_pass_step;
 
 /// Dimensions per group of the split order.
 pub(in crate::kernels) const GROUP: usize = 16;
@@ -41,10 +40,11 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     n: usize,
     s: &mut [f32],
     stride: usize,
+    passes: bool,
 ) {
     assert!(q.len() >= 4 * hd && k.len() >= n * hd && (n == 0 || s.len() >= 3 * stride + n));
     let (qp, kp) = (q.as_ptr(), bytes(k));
-    let first = if is_pass_step(n) {
+    let first = if passes {
         // SAFETY: the lengths asserted above; AVX2 + FMA (caller).
         unsafe { scores4_token_pairs(q, k, hd, n, s, stride) }
     } else {
