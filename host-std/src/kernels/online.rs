@@ -108,6 +108,14 @@ impl RowTask<'_> {
             (self.kv_head + h) * self.group + r % self.group,
         )
     }
+
+    /// Tokens the task reads: those its last row sees (a head's rows are ordered by
+    /// query token, so later rows see at least as many tokens, and every head has the
+    /// same rows). O(1).
+    #[inline(always)]
+    fn tokens(&self) -> usize {
+        self.context_len - self.queries + self.row(self.rows() - 1).0 + 1
+    }
 }
 
 /// The task a worker runs after the current one, and its K/V: the current task
@@ -117,16 +125,6 @@ pub(crate) struct Ahead<'a, S> {
     pub task: &'a RowTask<'a>,
     /// Its K/V.
     pub src: &'a S,
-}
-
-impl RowTask<'_> {
-    /// Tokens the task reads: those its last row sees (a head's rows are ordered by
-    /// query token, so later rows see at least as many tokens, and every head has the
-    /// same rows). O(1).
-    #[inline(always)]
-    fn tokens(&self) -> usize {
-        self.context_len - self.queries + self.row(self.rows() - 1).0 + 1
-    }
 }
 
 /// Per-worker scratch space (about 57 KiB), made once per worker per call, on its

@@ -360,8 +360,8 @@ where
         let mut state = init();
         let mut task = next.fetch_add(1, Ordering::Relaxed);
         while task < tasks {
-            let unclaimed = tasks.saturating_sub(next.load(Ordering::Relaxed));
-            let following = if ahead && unclaimed >= threads {
+            let claim = ahead && tasks.saturating_sub(next.load(Ordering::Relaxed)) >= threads;
+            let following = if claim {
                 Some(next.fetch_add(1, Ordering::Relaxed)).filter(|&t| t < tasks)
             } else {
                 None

@@ -27,7 +27,8 @@ unsafe fn split16(p: *const u8) -> (__m256, __m256) {
 }
 
 /// [`crate::kernels::math::Simd::scores4`] for bf16 storage: `q` (four rows) is in
-/// split order.
+/// split order. In a step of `passes`, two tokens at a time ([`scores4_token_pairs`]);
+/// in decode, one.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `applies::<T>(hd, GROUP)` holds.
