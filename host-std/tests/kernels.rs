@@ -939,3 +939,26 @@ fn copy_blocks_copies_every_layer() {
     assert_eq!(&after[n..3 * n], &before[n..3 * n]);
     assert_eq!(&after[4 * n..], &before[4 * n..]);
 }
+
+/// The arithmetic the kernels report stays within the cap `KVPAGE_CPU_PATH` sets
+/// (`avx512f` takes no dot-product extension, `avx2` no AVX-512, `portable` neither),
+/// and is printed: CI reruns the kernel tests under each cap that changes it.
+#[test]
+fn instruction_path_stays_within_the_cap() {
+    let path = kvpage::kernels::instruction_path();
+    let allowed: &[&str] = match std::env::var(kvpage::kernels::CPU_PATH_ENV).as_deref() {
+        Ok("avx512f") => &["avx512f", "avx2+fma", "portable"],
+        Ok("avx2") => &["avx2+fma", "portable"],
+        Ok("portable") => &["portable"],
+        _ => &[
+            "avx512f+vnni+bf16",
+            "avx512f+vnni",
+            "avx512f+bf16",
+            "avx512f",
+            "avx2+fma",
+            "portable",
+        ],
+    };
+    assert!(allowed.contains(&path), "{path} is not one of {allowed:?}");
+    println!("instruction path: {path}");
+}
