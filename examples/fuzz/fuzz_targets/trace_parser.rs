@@ -7,8 +7,15 @@
 //! go through `parse_timestamp`: `None` or a finite, non-negative-for-numbers value.
 #![no_main]
 
-use kvpage_examples::trace::{parse_timestamp, parse_trace, TraceError};
 use libfuzzer_sys::fuzz_target;
+
+// The parser's own source file, compiled into this target: it needs only `std`, and
+// depending on `kvpage-examples` built its whole graph (kvpage, clap, serde) for it.
+#[allow(dead_code)]
+#[path = "../../src/trace.rs"]
+mod trace;
+
+use trace::{parse_timestamp, parse_trace, TraceError};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
