@@ -902,6 +902,7 @@ proptest! {
 /// Found by the property test: a sequence commits a block that a fork of it committed
 /// already, after the previous block's representative left the cache.
 #[test]
+#[cfg_attr(miri, ignore = "the property test above runs the same paths under Miri")]
 fn commit_of_a_block_a_fork_committed() {
     run(&[
         Op::CreatePrompt { ns: 0, base: 0, len: 6, tail: 114, level: 9 },
@@ -926,6 +927,7 @@ fn commit_of_a_block_a_fork_committed() {
 /// Found by the property test: ids appended to an empty copy whose positions start past 0
 /// must not enter the prefix cache (a prompt hit would read keys at other positions).
 #[test]
+#[cfg_attr(miri, ignore = "the property test above runs the same paths under Miri")]
 fn appends_after_a_position_gap_are_never_shared() {
     run(&[
         Op::CreatePrompt { ns: 0, base: 0, len: 1, tail: 29, level: 9 },
