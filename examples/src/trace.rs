@@ -9,6 +9,9 @@
 //! Errors name the line: a line that is not three fields, a timestamp or a count that does
 //! not parse is a [`TraceError`]. A well-formed request that cannot be replayed (no prompt
 //! or no output token) is not an error: it is listed in [`Trace::skipped`] and left out.
+//!
+//! The module needs only `std` and nothing else of this crate: the `trace_parser` fuzz
+//! target (examples/fuzz) compiles this file on its own.
 
 use std::fmt;
 use std::path::Path;

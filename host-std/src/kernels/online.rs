@@ -513,11 +513,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // A task of more rows per KV head than one pass of the arithmetic takes (decode of
     // groups of five or more query heads per KV head, chunked prefill) reads each
-    // stored K and V vector once per four rows. Where the arithmetic asks for it
-    // ([`Simd::widens_for_passes`]: 8-bit storage without AVX-512), such a task widens
-    // the storage once per step into `sc.wide` and the passes read f32. (Such a task
-    // has one KV head.)
-    let widen = hr > 4 && simd.widens_for_passes::<T>();
+    // stored K and V vector once per four rows: it makes several `passes`. Where the
+    // arithmetic asks for it ([`Simd::widens_for_passes`]: 8-bit storage without
+    // AVX-512), such a task widens the storage once per step into `sc.wide` and the
+    // passes read f32. (Such a task has one KV head.)
+    let passes = hr > 4;
+    let widen = passes && simd.widens_for_passes::<T>();
     // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
     // dot-product extensions) takes a chunk's values of one head in one call, token by
     // token from all of the chunk's runs ([`Simd::gathers_values`]).
@@ -526,7 +527,6 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // pass over each head's K/V (decode with up to four query heads per KV head), which
     // memory bounds; the longest steps for more passes (wider groups, chunked prefill),
     // bound by the arithmetic, which a step's fixed cost slows.
-    let passes = hr > 4;
     let sched = if passes {
         simd.pass_schedule()
     } else {
@@ -821,7 +821,8 @@ fn visible(limit: usize, t: usize, n: usize) -> usize {
 /// `m` keys `k` of context tokens `t..t + m`, into `s[j * MAX_CHUNK..]` (`s` starts at
 /// the step's offset in the chunk): four rows at a time (each key vector loaded once for
 /// four rows). Scores past a row's limit are computed for its group's widest row and
-/// zeroed after the exponentials. O(rows × m × hd).
+/// zeroed after the exponentials. `passes`: the task makes several passes over each
+/// stored vector (see [`Simd::scores4`]). O(rows × m × hd).
 ///
 /// A last group of two or three rows is one four-row pass too: it also writes the
 /// scores of the one or two rows after `limit`'s, for the same tokens. In a task of
