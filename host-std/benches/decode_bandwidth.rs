@@ -14,11 +14,11 @@
 //! library's, on the same threads and bytes): it prints both, so a probe that does not
 //! reach the machine's read speed shows.
 //!
-//! Two probes read the same bytes: `probe` streams them (the arena in address order, a
-//! contiguous half per thread), `paged` reads them in the decode's own order (task by
-//! task, each block's K tiles of a task's heads, then its V tiles, with prefetches a
-//! fixed distance ahead): what the layout's access pattern gets from memory with no
-//! arithmetic in the way. `of paged` is the kernel's share of that.
+//! Two probes read the same bytes, both in the widest vector loads the CPU has and with
+//! software prefetches a fixed distance ahead: `probe` streams them (the arena in
+//! address order, a contiguous half per thread), `paged` reads them in the decode's own
+//! order (task by task, each block's K tiles of a task's heads, then its V tiles): what
+//! the layout's access pattern gets from memory with no arithmetic in the way. `of paged` is the kernel's share of that.
 //!
 //! The last column, `arithmetic`, is the most any schedule of memory could give: the
 //! threads times the kernel's best rate over K/V held in cache (timed between the row's
@@ -58,7 +58,11 @@ fn add_line(acc: &mut [u64; 8], line: &[u8]) {
 
 /// Sums `bytes` as `u64` words, one contiguous chunk per thread of `pool`, eight
 /// independent accumulators per thread (so the loop is bound by loads, not by one add
-/// chain).
+/// chain), in the widest vector loads the CPU has, prefetching [`PROBE_AHEAD`] lines
+/// ahead ([`read_ranges`]). On the Xeon (Emerald Rapids, 2 threads) where the plain
+/// `u64` loop read at 12.5 GB/s, 0.77 of `memcpy`'s read rate, 64-byte loads read at
+/// 15.7 GB/s and 64-byte loads with the prefetches at 23.3 GB/s, as fast as the paged
+/// probe over the same bytes and 1.37 times `memcpy`'s read rate.
 fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
     let per = bytes.len().div_ceil(pool.threads()).next_multiple_of(64);
     let total = AtomicU64::new(0);
@@ -66,15 +70,15 @@ fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
         pool.threads(),
         || (),
         |_, t| {
-            let chunk = bytes.chunks(per).nth(t).unwrap_or(&[]);
-            let mut acc = [0u64; 8];
-            let mut lines = chunk.chunks_exact(64);
-            for line in &mut lines {
-                add_line(&mut acc, line);
-            }
-            let tail = lines.remainder().iter().map(|&b| u64::from(b)).sum::<u64>();
-            let s = acc.iter().fold(tail, |x, &y| x.wrapping_add(y));
-            total.fetch_add(s, Ordering::Relaxed);
+            let start = (t * per).min(bytes.len());
+            let len = per.min(bytes.len() - start);
+            let lines = len / 64 * 64;
+            let tail = bytes[start + lines..start + len]
+                .iter()
+                .map(|&b| u64::from(b))
+                .sum::<u64>();
+            let s = read_ranges(bytes, &[(start, lines)], PROBE_AHEAD);
+            total.fetch_add(s.wrapping_add(tail), Ordering::Relaxed);
         },
     );
     total.into_inner()
@@ -101,15 +105,50 @@ fn paged_probe(bytes: &[u8], tasks: &[Vec<(usize, usize)>], pool: &WorkerPool) -
         tasks.len(),
         || (),
         |_, t| {
-            total.fetch_add(read_ranges(bytes, &tasks[t]), Ordering::Relaxed);
+            total.fetch_add(
+                read_ranges(bytes, &tasks[t], PROBE_AHEAD),
+                Ordering::Relaxed,
+            );
         },
     );
     total.into_inner()
 }
 
 /// Sums the `u64` words of `ranges` of `bytes` (each a whole number of 64-byte lines),
-/// in order, prefetching [`PROBE_AHEAD`] lines ahead.
-fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
+/// in order, prefetching `ahead` lines ahead (none when 0), in the widest vector loads
+/// the CPU has: the loop is compiled for AVX-512F or AVX2 where the CPU has them. Plain
+/// `u64` code compiled for the baseline x86-64 target takes 16-byte loads; see
+/// [`read_probe`] for what that cost.
+fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        /// # Safety
+        /// The CPU has AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
+            sum_ranges(bytes, ranges, ahead)
+        }
+        /// # Safety
+        /// The CPU has AVX2.
+        #[target_feature(enable = "avx2")]
+        unsafe fn half(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
+            sum_ranges(bytes, ranges, ahead)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return unsafe { wide(bytes, ranges, ahead) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { half(bytes, ranges, ahead) };
+        }
+    }
+    sum_ranges(bytes, ranges, ahead)
+}
+
+/// The loop of [`read_ranges`], inlined into each of its target-feature variants.
+#[inline(always)]
+fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
     // The prefetch cursor: a range and the offset in it.
     let (mut range, mut offset) = (0, 0);
     let mut prefetch = |lines: usize| {
@@ -129,11 +168,13 @@ fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
             }
         }
     };
-    prefetch(PROBE_AHEAD);
+    prefetch(ahead);
     let mut acc = [0u64; 8];
     for &(start, len) in ranges {
         for line in bytes[start..start + len].chunks_exact(64) {
-            prefetch(1);
+            if ahead > 0 {
+                prefetch(1);
+            }
             add_line(&mut acc, line);
         }
     }
