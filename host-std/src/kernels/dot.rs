@@ -66,12 +66,13 @@ pub(crate) struct Bf16Dot;
 /// loops of [`pairs`] over its arithmetic `$pairs`. Everything is inlined into the
 /// caller, whose target features (those `detect` checks) the instructions need.
 macro_rules! dot_kernels {
-    ($marker:ty, $module:ident, $pairs:ty, $($feature:tt),+) => {
+    ($marker:ty, $module:ident, $pairs:ty, [$($feature:tt),+], $worth:expr) => {
         impl DotKernels for $marker {
             fn detect() -> bool {
                 super::path_ceiling() >= 3
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     $(&& std::arch::is_x86_feature_detected!($feature))+
+                    && $worth
             }
             #[inline(always)]
             fn applies<T: Element>(hd: usize) -> bool {
@@ -113,8 +114,20 @@ macro_rules! dot_kernels {
     };
 }
 
-dot_kernels!(Vnni, int8_vnni, int8_vnni::Int8Pairs, "avx512vnni");
-dot_kernels!(Bf16Dot, fp8_bf16, fp8_bf16::Fp8Pairs, "avx512bf16");
+dot_kernels!(Vnni, int8_vnni, int8_vnni::Int8Pairs, ["avx512vnni"], true);
+// Not on Intel cores: they run `vdpbf16ps` at half the rate of `vfmadd231ps` (on
+// Emerald Rapids, 12 independent chains: 2.1 cycles an instruction against 0.5), so
+// its 32 multiply-adds cost what 8 FMAs do. FP8 through f16 in f32 FMAs
+// ([`super::avx512`]'s `fp8_half16`) took 0.67 of its time in cache and 0.68 out of
+// it (decode of 32 query heads over 8 KV heads, head dim 128; 1 × 256 tokens on one
+// thread, 32 × 2048 on two; medians of the ratios of alternating runs).
+dot_kernels!(
+    Bf16Dot,
+    fp8_bf16,
+    fp8_bf16::Fp8Pairs,
+    ["avx512bf16"],
+    !super::intel_core()
+);
 
 /// `K::accumulate` over `n` tokens stored one after another in `v`, up to a chunk of
 /// them a call. O(R × n × hd).

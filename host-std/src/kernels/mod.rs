@@ -53,6 +53,23 @@ pub use write::{write_kv, write_kv_as};
 /// and testing the narrower paths on a machine that has the wider ones.
 pub const CPU_PATH_ENV: &str = "KVPAGE_CPU_PATH";
 
+/// Whether the CPU is an Intel core (CPUID vendor `GenuineIntel`), where FP8 storage
+/// takes other routes than on AMD's: f32 FMAs over codes decoded through f16, not bf16
+/// dot products ([`dot`]'s `Bf16Dot`) nor the in-lane decoding
+/// ([`lanes::applies_bytes`]); both measured slower there. Read once; O(1) after the
+/// first call.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn intel_core() -> bool {
+    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INTEL.get_or_init(|| {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU (`__cpuid` is an unsafe
+        // function in Rust 1.89, the minimum supported, and safe in later releases).
+        #[allow(unused_unsafe)]
+        let id = unsafe { core::arch::x86_64::__cpuid(0) };
+        [id.ebx, id.edx, id.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
+    })
+}
+
 /// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 3 any, 2
 /// AVX-512F, 1 AVX2, 0 portable. O(1) after the first call.
 #[cfg(target_arch = "x86_64")]
@@ -68,7 +85,8 @@ pub(crate) fn path_ceiling() -> u8 {
 
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
 /// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, with `+vnni` when int8 storage takes
-/// 16-bit integer dot products and `+bf16` when FP8 storage takes bf16 dot products;
+/// 16-bit integer dot products and `+bf16` when FP8 storage takes bf16 dot products
+/// (never on Intel cores, which run them at half rate);
 /// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
