@@ -19,7 +19,11 @@ use crate::dtype::{Element, Kind};
 /// proves the CPU has the instructions.
 #[derive(Clone, Copy)]
 pub(crate) struct Avx2 {
-    _proof: (),
+    /// FP8 decodes through f16 in units of 2^8 ([`fp8_half8`]) rather than by moving
+    /// its bits into an f32's in units of [`FP8_UNIT`] ([`fp8_8`]): on Intel cores
+    /// ([`super::intel_core`]), where the latter's subnormal codes, f32 subnormals,
+    /// send every FMA that reads one through a microcode assist.
+    fp8_half: bool,
 }
 
 impl Avx2 {
@@ -33,8 +37,30 @@ impl Avx2 {
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c");
-        ok.then_some(Self { _proof: () })
+        ok.then(|| Self {
+            fp8_half: super::intel_core(),
+        })
     }
+
+    /// The route `H` of this module's kernels for storage `T`: FP8 through f16 where
+    /// `fp8_half` says so; every other type takes `false` (`H` changes only FP8's
+    /// decoding). O(1).
+    #[inline(always)]
+    fn half<T: Element>(self) -> bool {
+        T::KIND == Kind::Fp8E4m3 && self.fp8_half
+    }
+}
+
+/// `$f::<$t, H>($args)`, with `H` the route [`Avx2::half`] gives: one instance per route
+/// for FP8, the `false` one alone for the other types.
+macro_rules! by_route {
+    ($simd:expr, $f:ident::<$t:ty>($($arg:expr),* $(,)?)) => {
+        if $simd.half::<$t>() {
+            unsafe { $f::<$t, true>($($arg),*) }
+        } else {
+            unsafe { $f::<$t, false>($($arg),*) }
+        }
+    };
 }
 
 // SAFETY (every method): an `Avx2` value exists only when `detect` found AVX2, FMA and
@@ -56,7 +82,7 @@ impl Simd for Avx2 {
         } else if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores4(q, k, hd, n, s, s_stride, passes) }
         } else {
-            unsafe { scores4(q, k, hd, n, s, s_stride, passes) }
+            by_route!(self, scores4::<T>(q, k, hd, n, s, s_stride, passes))
         }
     }
     #[inline(always)]
@@ -66,7 +92,7 @@ impl Simd for Avx2 {
         } else if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores1(q, k, hd, n, s) }
         } else {
-            unsafe { scores1(q, k, hd, n, s) }
+            by_route!(self, scores1::<T>(q, k, hd, n, s))
         }
     }
     #[inline(always)]
@@ -82,7 +108,7 @@ impl Simd for Avx2 {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
-            unsafe { accumulate2(acc, p0, p1, v, hd, n) }
+            by_route!(self, accumulate2::<T>(acc, p0, p1, v, hd, n))
         }
     }
     #[inline(always)]
@@ -99,7 +125,7 @@ impl Simd for Avx2 {
         } else if T::DTYPE.is_scaled() {
             // Measured (Zen 3, paired, against two pairs): fp8 0.81 in and out of cache,
             // int8 0.96 and 0.98; f32 and f16 0.99-1.00 in cache but 1.04 out of it.
-            unsafe { accumulate4(acc, p, v, hd, n) }
+            by_route!(self, accumulate4::<T>(acc, p, v, hd, n))
         } else {
             math::accumulate4_by_pairs(self, acc, p, v, hd, n);
         }
@@ -109,7 +135,7 @@ impl Simd for Avx2 {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 1>(acc, [p], v, hd, n) }
         } else {
-            unsafe { accumulate1(acc, p, v, hd, n) }
+            by_route!(self, accumulate1::<T>(acc, p, v, hd, n))
         }
     }
     #[inline(always)]
@@ -158,7 +184,7 @@ impl Simd for Avx2 {
     /// loop was as fast).
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
-        unsafe { widen(src, dst) }
+        by_route!(self, widen::<T>(src, dst))
     }
     /// [`FP8_UNIT`] for FP8, whatever the head dim (the tails decode in it too).
     ///
@@ -173,10 +199,18 @@ impl Simd for Avx2 {
     ///   runs), 0.91 and 0.94 out of cache (two); callgrind 6.73 → 6.81 M instructions
     ///   (the shifts of the weights' unit), with no F16C conversion left. Against the
     ///   f16 route for both: 0.82 to 0.85 in cache, 0.83 and 0.85 out of it.
+    ///
+    /// On Intel cores the f16 route, in units of 2^8 ([`fp8_half8`]), for the
+    /// subnormal codes, which [`fp8_8`] makes f32 subnormals and every FMA that reads
+    /// one a microcode assist. Measured on Emerald Rapids (AVX2 path, decode of 32
+    /// query heads over 8 KV heads, head dim 128, medians of the ratios of alternating
+    /// runs), the f16 route's time over [`fp8_8`]'s: 0.29 in cache (1 × 256, one
+    /// thread) and 0.28 out of it (32 × 2048, two threads) with one code in 301
+    /// subnormal; 0.94 and 1.03 over random codes.
     #[inline(always)]
     fn code_unit<T: Element>(self) -> f32 {
         if T::KIND == Kind::Fp8E4m3 {
-            FP8_UNIT
+            fp8_unit(self.fp8_half)
         } else {
             1.0
         }
@@ -196,13 +230,13 @@ impl Simd for Avx2 {
 }
 
 /// Loads 8 stored elements from `p` as `f32` (converting f16 with F16C, bf16 by shift;
-/// FP8 in units of [`FP8_UNIT`]).
+/// FP8 in units of [`fp8_unit`]`(H)`: through f16 with `H`, else by [`fp8_8`]).
 ///
 /// # Safety
 /// `p` points to 8 readable elements of type `T`; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8<T: Element>(p: *const T) -> __m256 {
+unsafe fn load8<T: Element, const H: bool>(p: *const T) -> __m256 {
     // SAFETY: `T::KIND` names `T`, so the pointer casts read `T`'s bytes as what they
     // are; 8 elements are readable (caller).
     unsafe {
@@ -213,6 +247,7 @@ unsafe fn load8<T: Element>(p: *const T) -> __m256 {
                 _mm_loadu_si128(p.cast()),
             ))),
             Kind::Int8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
+            Kind::Fp8E4m3 if H => fp8_half8(_mm_loadl_epi64(p.cast())),
             Kind::Fp8E4m3 => fp8_8(_mm_loadl_epi64(p.cast())),
         }
     }
@@ -225,13 +260,14 @@ unsafe fn load8<T: Element>(p: *const T) -> __m256 {
 /// `p` points to 16 readable elements of type `T`; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load16<T: Element>(p: *const T) -> (__m256, __m256) {
+unsafe fn load16<T: Element, const H: bool>(p: *const T) -> (__m256, __m256) {
     // SAFETY: 16 elements are readable (caller).
-    unsafe { (load8(p), load8(p.add(8))) }
+    unsafe { (load8::<T, H>(p), load8::<T, H>(p.add(8))) }
 }
 
-/// The unit in which this arithmetic decodes FP8 codes, 2^120: every decoding here
-/// ([`load8`], [`load16`], [`decode1`], [`widen`]) gives a code's value divided by it
+/// The unit in which this arithmetic decodes FP8 codes off Intel cores, 2^120: every
+/// decoding of route `H = false` ([`load8`], [`load16`], [`decode1`], [`widen`]) gives
+/// a code's value divided by it
 /// ([`fp8_8`] puts a code's bits straight into an f32's, with no conversion), and the
 /// attention loop applies it to the scores and weights ([`Simd::code_unit`]): each
 /// score times its key's scale, then times the unit over the power of two its query
@@ -248,12 +284,23 @@ unsafe fn load16<T: Element>(p: *const T) -> (__m256, __m256) {
 /// rescaling, two multiplications per 16 codes on the FMA ports, beside 8 FMAs).
 pub(super) const FP8_UNIT: f32 = f32::from_bits((127 + 120) << 23);
 
-/// One stored element as this arithmetic decodes it: its value, FP8 in units of
+/// The unit of FP8's decoding on route `H`: 2^8 through f16 ([`fp8_half8`]), else
 /// [`FP8_UNIT`]. O(1).
 #[inline(always)]
-fn decode1<T: Element>(x: T) -> f32 {
+const fn fp8_unit(half: bool) -> f32 {
+    if half {
+        256.0
+    } else {
+        FP8_UNIT
+    }
+}
+
+/// One stored element as this arithmetic decodes it on route `H`: its value, FP8 in
+/// units of [`fp8_unit`]`(H)`. O(1).
+#[inline(always)]
+fn decode1<T: Element, const H: bool>(x: T) -> f32 {
     if T::KIND == Kind::Fp8E4m3 {
-        x.to_f32() * (1.0 / FP8_UNIT)
+        x.to_f32() * (1.0 / fp8_unit(H))
     } else {
         x.to_f32()
     }
@@ -262,11 +309,11 @@ fn decode1<T: Element>(x: T) -> f32 {
 /// `Σ q[d] · k[d]` over `d >= from`, the stored elements as [`decode1`] gives them.
 /// O(q.len() - from).
 #[inline(always)]
-fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
+fn tail_dot<T: Element, const H: bool>(q: &[f32], k: &[T], from: usize) -> f32 {
     q[from..]
         .iter()
         .zip(&k[from..])
-        .map(|(a, &b)| a * decode1(b))
+        .map(|(a, &b)| a * decode1::<T, H>(b))
         .sum()
 }
 
@@ -291,6 +338,23 @@ fn fp8_8(codes: __m128i) -> __m256 {
         bits,
         _mm256_set1_epi32(0x87F0_0000u32 as i32),
     ))
+}
+
+/// The 8 FP8 E4M3 codes in the low half of `codes` to f32 in units of 2^8
+/// ([`fp8_unit`]`(true)`), through f16: each code sign-extended to 16 bits and shifted
+/// left by 7 has its exponent and mantissa bits where an f16's go; with the sign's
+/// copies cleared but for bit 15 it is an f16 of 2^-8 of the code's value (subnormal
+/// codes as f16 subnormals), which `vcvtph2ps` widens exactly to an f32 normal. Four
+/// instructions (the load folded into the first). The NaN codes give ±480 over the
+/// unit, as in [`fp8_8`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn fp8_half8(codes: __m128i) -> __m256 {
+    let bits = _mm_and_si128(
+        _mm_slli_epi16::<7>(_mm_cvtepi8_epi16(codes)),
+        _mm_set1_epi16(0xBF80u16 as i16),
+    );
+    _mm256_cvtph_ps(bits)
 }
 
 /// Horizontal sums of four vectors: `[Σ a, Σ b, Σ c, Σ d]`.
@@ -340,7 +404,7 @@ fn hsum(a: __m256) -> f32 {
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores4<T: Element>(
+unsafe fn scores4<T: Element, const H: bool>(
     q: &[f32],
     k: &[T],
     hd: usize,
@@ -356,10 +420,10 @@ unsafe fn scores4<T: Element>(
         0
     } else if passes {
         // SAFETY: the lengths asserted above; AVX2 + FMA + F16C (caller).
-        let triples = unsafe { scores4_token_groups::<T, 3>(q, k, hd, n, s, stride) };
+        let triples = unsafe { scores4_token_groups::<T, H, 3>(q, k, hd, n, s, stride) };
         triples
             + unsafe {
-                scores4_token_groups::<T, 2>(
+                scores4_token_groups::<T, H, 2>(
                     q,
                     &k[triples * hd..],
                     hd,
@@ -370,7 +434,7 @@ unsafe fn scores4<T: Element>(
             }
     } else if matches!(T::KIND, Kind::F16 | Kind::Fp8E4m3) {
         // SAFETY: as above.
-        unsafe { scores4_token_groups::<T, 2>(q, k, hd, n, s, stride) }
+        unsafe { scores4_token_groups::<T, H, 2>(q, k, hd, n, s, stride) }
     } else {
         0
     };
@@ -382,7 +446,7 @@ unsafe fn scores4<T: Element>(
             let mut a = [_mm256_setzero_ps(); 8];
             let mut d = 0;
             while d < w16 {
-                let (k0, k1) = load16(kt.add(d));
+                let (k0, k1) = load16::<T, H>(kt.add(d));
                 for r in 0..4 {
                     let qr = qp.add(r * hd + d);
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), k0, a[2 * r]);
@@ -391,7 +455,7 @@ unsafe fn scores4<T: Element>(
                 d += 16;
             }
             if d < w8 {
-                let k0 = load8(kt.add(d));
+                let k0 = load8::<T, H>(kt.add(d));
                 for r in 0..4 {
                     a[2 * r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * hd + d)), k0, a[2 * r]);
                 }
@@ -411,7 +475,7 @@ unsafe fn scores4<T: Element>(
         } else {
             for (r, sum) in sums.into_iter().enumerate() {
                 let (qr, kt) = (&q[r * hd..(r + 1) * hd], &k[t * hd..(t + 1) * hd]);
-                s[r * stride + t] = sum + tail_dot(qr, kt, w8);
+                s[r * stride + t] = sum + tail_dot::<T, H>(qr, kt, w8);
             }
         }
     }
@@ -438,7 +502,7 @@ unsafe fn scores4<T: Element>(
 /// `s.len() >= 3 * stride + n` (when `n > 0`), `hd % 8 == 0`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores4_token_groups<T: Element, const G: usize>(
+unsafe fn scores4_token_groups<T: Element, const H: bool, const G: usize>(
     q: &[f32],
     k: &[T],
     hd: usize,
@@ -456,7 +520,7 @@ unsafe fn scores4_token_groups<T: Element, const G: usize>(
             let keys: [*const T; G] = core::array::from_fn(|g| k.as_ptr().add((t + g) * hd));
             let mut d = 0;
             while d < hd {
-                let x: [__m256; G] = core::array::from_fn(|g| load8(keys[g].add(d)));
+                let x: [__m256; G] = core::array::from_fn(|g| load8::<T, H>(keys[g].add(d)));
                 for r in 0..4 {
                     let qv = _mm256_loadu_ps(qp.add(r * hd + d));
                     for (ag, xg) in a.iter_mut().zip(x) {
@@ -478,7 +542,13 @@ unsafe fn scores4_token_groups<T: Element, const G: usize>(
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
+unsafe fn scores1<T: Element, const H: bool>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+) {
     assert!(q.len() >= hd && k.len() >= n * hd && s.len() >= n);
     let w32 = hd / 32 * 32;
     let w8 = hd / 8 * 8;
@@ -491,14 +561,14 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
             while d < w32 {
                 for (i, pair) in a.chunks_exact_mut(2).enumerate() {
                     let o = d + 16 * i;
-                    let (k0, k1) = load16(kt.add(o));
+                    let (k0, k1) = load16::<T, H>(kt.add(o));
                     pair[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o)), k0, pair[0]);
                     pair[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o + 8)), k1, pair[1]);
                 }
                 d += 32;
             }
             while d < w8 {
-                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8(kt.add(d)), a[0]);
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8::<T, H>(kt.add(d)), a[0]);
                 d += 8;
             }
             hsum(_mm256_add_ps(
@@ -509,7 +579,7 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
         s[t] = if w8 == hd {
             sum
         } else {
-            sum + tail_dot(q, &k[t * hd..(t + 1) * hd], w8)
+            sum + tail_dot::<T, H>(q, &k[t * hd..(t + 1) * hd], w8)
         };
     }
 }
@@ -520,7 +590,7 @@ unsafe fn scores1<T: Element>(q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate2<T: Element>(
+unsafe fn accumulate2<T: Element, const H: bool>(
     acc: &mut [f32],
     p0: &[f32],
     p1: &[f32],
@@ -546,7 +616,7 @@ unsafe fn accumulate2<T: Element>(
             for t in 0..n {
                 let (b0, b1) = (_mm256_set1_ps(p0[t]), _mm256_set1_ps(p1[t]));
                 let vt = vp.add(t * hd + d);
-                let ((v0, v1), (v2, v3)) = (load16(vt), load16(vt.add(16)));
+                let ((v0, v1), (v2, v3)) = (load16::<T, H>(vt), load16::<T, H>(vt.add(16)));
                 for (i, x) in [v0, v1, v2, v3].into_iter().enumerate() {
                     x0[i] = _mm256_fmadd_ps(b0, x, x0[i]);
                     x1[i] = _mm256_fmadd_ps(b1, x, x1[i]);
@@ -561,7 +631,7 @@ unsafe fn accumulate2<T: Element>(
         while d < w8 {
             let (mut x0, mut x1) = (_mm256_loadu_ps(a0p.add(d)), _mm256_loadu_ps(a1p.add(d)));
             for t in 0..n {
-                let x = load8(vp.add(t * hd + d));
+                let x = load8::<T, H>(vp.add(t * hd + d));
                 x0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[t]), x, x0);
                 x1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[t]), x, x1);
             }
@@ -572,8 +642,8 @@ unsafe fn accumulate2<T: Element>(
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p0[t] * decode1(v[t * hd + d]);
-            acc[hd + d] += p1[t] * decode1(v[t * hd + d]);
+            acc[d] += p0[t] * decode1::<T, H>(v[t * hd + d]);
+            acc[hd + d] += p1[t] * decode1::<T, H>(v[t * hd + d]);
         }
     }
 }
@@ -593,7 +663,13 @@ unsafe fn accumulate2<T: Element>(
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: usize, n: usize) {
+unsafe fn accumulate4<T: Element, const H: bool>(
+    acc: &mut [f32],
+    p: [&[f32]; 4],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
     assert!(acc.len() >= 4 * hd && v.len() >= n * hd);
     let p = [&p[0][..n], &p[1][..n], &p[2][..n], &p[3][..n]];
     let (w16, w8) = (hd / 16 * 16, hd / 8 * 8);
@@ -610,7 +686,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
                 }
             }
             for t in 0..n {
-                let (v0, v1) = load16(vp.add(t * hd + d));
+                let (v0, v1) = load16::<T, H>(vp.add(t * hd + d));
                 for (xr, pr) in x.iter_mut().zip(p) {
                     let b = _mm256_set1_ps(pr[t]);
                     xr[0] = _mm256_fmadd_ps(b, v0, xr[0]);
@@ -630,7 +706,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
                 *xr = _mm256_loadu_ps(ap.add(r * hd + d));
             }
             for t in 0..n {
-                let v0 = load8(vp.add(t * hd + d));
+                let v0 = load8::<T, H>(vp.add(t * hd + d));
                 for (xr, pr) in x.iter_mut().zip(p) {
                     *xr = _mm256_fmadd_ps(_mm256_set1_ps(pr[t]), v0, *xr);
                 }
@@ -644,7 +720,7 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
     for d in w8..hd {
         for (r, pr) in p.iter().enumerate() {
             for (t, &pt) in pr.iter().enumerate() {
-                acc[r * hd + d] += pt * decode1(v[t * hd + d]);
+                acc[r * hd + d] += pt * decode1::<T, H>(v[t * hd + d]);
             }
         }
     }
@@ -656,7 +732,13 @@ unsafe fn accumulate4<T: Element>(acc: &mut [f32], p: [&[f32]; 4], v: &[T], hd: 
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
+unsafe fn accumulate1<T: Element, const H: bool>(
+    acc: &mut [f32],
+    p: &[f32],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
     assert!(acc.len() >= hd && p.len() >= n && v.len() >= n * hd);
     let (w64, w8) = (hd / 64 * 64, hd / 8 * 8);
     let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
@@ -673,7 +755,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
                 let b = _mm256_set1_ps(pt);
                 let vt = vp.add(t * hd + d);
                 for (i, pair) in x.chunks_exact_mut(2).enumerate() {
-                    let (v0, v1) = load16(vt.add(16 * i));
+                    let (v0, v1) = load16::<T, H>(vt.add(16 * i));
                     pair[0] = _mm256_fmadd_ps(b, v0, pair[0]);
                     pair[1] = _mm256_fmadd_ps(b, v1, pair[1]);
                 }
@@ -686,7 +768,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
         while d < w8 {
             let mut x = _mm256_loadu_ps(ap.add(d));
             for (t, &pt) in p[..n].iter().enumerate() {
-                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), load8(vp.add(t * hd + d)), x);
+                x = _mm256_fmadd_ps(_mm256_set1_ps(pt), load8::<T, H>(vp.add(t * hd + d)), x);
             }
             _mm256_storeu_ps(ap.add(d), x);
             d += 8;
@@ -694,7 +776,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
     }
     for d in w8..hd {
         for t in 0..n {
-            acc[d] += p[t] * decode1(v[t * hd + d]);
+            acc[d] += p[t] * decode1::<T, H>(v[t * hd + d]);
         }
     }
 }
@@ -706,7 +788,7 @@ unsafe fn accumulate1<T: Element>(acc: &mut [f32], p: &[f32], v: &[T], hd: usize
 /// The CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen<T: Element>(src: &[T], dst: &mut [f32]) {
+unsafe fn widen<T: Element, const H: bool>(src: &[T], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let w16 = n / 16 * 16;
     for (s16, d16) in src[..w16]
@@ -715,13 +797,13 @@ unsafe fn widen<T: Element>(src: &[T], dst: &mut [f32]) {
     {
         // SAFETY: 16 elements are read and 16 floats written.
         unsafe {
-            let (a, b) = load16(s16.as_ptr());
+            let (a, b) = load16::<T, H>(s16.as_ptr());
             _mm256_storeu_ps(d16.as_mut_ptr(), a);
             _mm256_storeu_ps(d16.as_mut_ptr().add(8), b);
         }
     }
     for (d, &x) in dst[w16..n].iter_mut().zip(&src[w16..n]) {
-        *d = decode1(x);
+        *d = decode1::<T, H>(x);
     }
 }
 
@@ -824,8 +906,87 @@ unsafe fn scale(x: &mut [f32], c: f32) {
 mod tests {
     use super::*;
 
-    /// Every FP8 code through the vector decoding and the scalar one, against the
-    /// format's own decoding: the value over [`FP8_UNIT`], bit for bit (zeros keep
+    /// Both FP8 routes' scores and accumulations (4 rows; 7 tokens: groups of 3, 2
+    /// and 1) against f64 sums of the codes' values over the route's unit, at a head dim
+    /// with whole vectors and one with a scalar tail; one code in 11 subnormal.
+    #[test]
+    fn both_fp8_routes_score_and_accumulate_in_their_units() {
+        use crate::dtype::Fp8E4m3;
+        if Avx2::detect().is_none() {
+            eprintln!("skipped: AVX2 + FMA + F16C absent (or capped by the environment)");
+            return;
+        }
+        let mut seed = 0x2545_f491_u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for hd in [64usize, 75] {
+            let n = 7;
+            let q: Vec<f32> = (0..4 * hd)
+                .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+                .collect();
+            let codes: Vec<Fp8E4m3> = (0..n * hd)
+                .map(|i| {
+                    let c = (next() >> 24) as u8;
+                    // No NaN codes; every 11th a subnormal one.
+                    Fp8E4m3(if i % 11 == 0 {
+                        c & 0x87
+                    } else if c & 0x7F == 0x7F {
+                        0
+                    } else {
+                        c
+                    })
+                })
+                .collect();
+            let p: Vec<Vec<f32>> = (0..4)
+                .map(|_| (0..n).map(|_| next() as f32 / u32::MAX as f32).collect())
+                .collect();
+            for half in [false, true] {
+                let unit = f64::from(fp8_unit(half));
+                let value = |t: usize, d: usize| f64::from(codes[t * hd + d].to_f32()) / unit;
+                let mut s = vec![0.0f32; 4 * n];
+                let mut acc = vec![0.0f32; 4 * hd];
+                let rows = [&p[0][..], &p[1][..], &p[2][..], &p[3][..]];
+                // SAFETY: `detect` found AVX2, FMA and F16C; the lengths are those the
+                // kernels assert.
+                unsafe {
+                    if half {
+                        scores4::<Fp8E4m3, true>(&q, &codes, hd, n, &mut s, n, false);
+                        accumulate4::<Fp8E4m3, true>(&mut acc, rows, &codes, hd, n);
+                    } else {
+                        scores4::<Fp8E4m3, false>(&q, &codes, hd, n, &mut s, n, false);
+                        accumulate4::<Fp8E4m3, false>(&mut acc, rows, &codes, hd, n);
+                    }
+                }
+                for r in 0..4 {
+                    for t in 0..n {
+                        let want: f64 = (0..hd)
+                            .map(|d| f64::from(q[r * hd + d]) * value(t, d))
+                            .sum();
+                        let got = f64::from(s[r * n + t]);
+                        assert!(
+                            (got - want).abs() <= 1e-5 * want.abs().max(1.0 / unit),
+                            "hd {hd}, half {half}, row {r}, token {t}: {got} vs {want}"
+                        );
+                    }
+                    for d in 0..hd {
+                        let want: f64 = (0..n).map(|t| f64::from(p[r][t]) * value(t, d)).sum();
+                        let got = f64::from(acc[r * hd + d]);
+                        assert!(
+                            (got - want).abs() <= 1e-5 * want.abs().max(1.0 / unit),
+                            "hd {hd}, half {half}, row {r}, dim {d}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every FP8 code through both vector decodings and the scalar ones, against the
+    /// format's own decoding: the value over the route's unit, bit for bit (zeros keep
     /// their sign); the NaN codes give ±480 over the unit (vector) or NaN (scalar).
     #[test]
     fn fp8_decodes_every_code_in_its_unit() {
@@ -835,23 +996,30 @@ mod tests {
         }
         for first in (0..=255u8).step_by(8) {
             let codes: [u8; 8] = core::array::from_fn(|i| first + i as u8);
-            let mut got = [0.0f32; 8];
+            let (mut bits, mut half) = ([0.0f32; 8], [0.0f32; 8]);
             // SAFETY: `detect` found AVX2; 8 bytes are read, 8 floats written.
             unsafe {
-                let x = fp8_8(_mm_loadl_epi64(codes.as_ptr().cast()));
-                _mm256_storeu_ps(got.as_mut_ptr(), x);
+                let x = _mm_loadl_epi64(codes.as_ptr().cast());
+                _mm256_storeu_ps(bits.as_mut_ptr(), fp8_8(x));
+                _mm256_storeu_ps(half.as_mut_ptr(), fp8_half8(x));
             }
-            for (&code, got) in codes.iter().zip(got) {
+            for (i, &code) in codes.iter().enumerate() {
                 let want = crate::quant::fp8::decode(code);
-                let one = decode1(crate::dtype::Fp8E4m3(code));
-                if want.is_nan() {
-                    let nan = if code & 0x80 != 0 { -480.0 } else { 480.0 };
-                    assert_eq!(got, nan / FP8_UNIT, "code {code:#04x}");
-                    assert!(one.is_nan(), "code {code:#04x}");
-                } else {
-                    let want = (want / FP8_UNIT).to_bits();
-                    assert_eq!(got.to_bits(), want, "code {code:#04x}");
-                    assert_eq!(one.to_bits(), want, "code {code:#04x}, one by one");
+                let c = crate::dtype::Fp8E4m3(code);
+                let routes = [
+                    (bits[i], decode1::<_, false>(c), fp8_unit(false)),
+                    (half[i], decode1::<_, true>(c), fp8_unit(true)),
+                ];
+                for (got, one, unit) in routes {
+                    if want.is_nan() {
+                        let nan = if code & 0x80 != 0 { -480.0 } else { 480.0 };
+                        assert_eq!(got, nan / unit, "code {code:#04x}, unit {unit}");
+                        assert!(one.is_nan(), "code {code:#04x}");
+                    } else {
+                        let want = (want / unit).to_bits();
+                        assert_eq!(got.to_bits(), want, "code {code:#04x}, unit {unit}");
+                        assert_eq!(one.to_bits(), want, "code {code:#04x}, one by one");
+                    }
                 }
             }
         }
