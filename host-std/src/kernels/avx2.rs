@@ -8,6 +8,10 @@
 //! for 8-bit storage 4 rows × 16 lanes, so each one widened feeds four. Int8 keys'
 //! scores go to 16-bit integer products ([`super::lanes::int8_avx2`]), on queries put
 //! in fixed point once per task.
+//!
+//! The kernels' const parameter `H` is FP8's decoding route ([`Avx2::half`]): through
+//! f16 in units of 2^8 on Intel cores ([`fp8_half8`]), by moving a code's bits into an
+//! f32's in units of 2^120 elsewhere ([`fp8_8`]); it changes nothing for other types.
 
 use core::arch::x86_64::*;
 
