@@ -6,7 +6,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kvpage::kernels::{paged_attention, AttentionParams, BlockTable, Executor, SeqQuery};
+use kvpage::kernels::{paged_attention, write_kv, AttentionParams, BlockTable, Executor, SeqQuery};
 use kvpage::{Arena, Element, Geometry, KvLayout};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -180,6 +180,49 @@ impl<T: Element> PagedCall<T> {
             &mut self.out,
             params,
         )
+    }
+
+    /// Rewrites every token's K and V through [`write_kv`] from standard normal values
+    /// with outliers as `kv_quant_error` has them: K channels 7, 33, 64 and 101 15 times
+    /// larger, and one token in a hundred with V 10 times larger. In 8-bit storage the
+    /// outliers set each row's scale and leave the other channels small codes; in FP8
+    /// about one K code in 1600 and one V code in 14000 is then subnormal (under 2^-6), which the random codes of
+    /// [`shuffled_arena`] almost never are. O(arena).
+    pub fn with_outliers(mut self, rng: &mut StdRng) -> Self {
+        let g = *self.layout.geometry();
+        let (heads, hd) = (g.kv_heads() as usize, g.head_dim() as usize);
+        let slots: Vec<u32> = (0..self.layout.num_blocks() * g.block_size()).collect();
+        let mut normal = || {
+            let (u, v): (f64, f64) = (rng.random(), rng.random());
+            ((-2.0 * (1.0 - u).ln()).sqrt() * (core::f64::consts::TAU * v).cos()) as f32
+        };
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for _ in 0..slots.len() {
+            let loud = normal().abs() > 2.576; // one token in a hundred
+            for _ in 0..heads {
+                for d in 0..hd {
+                    k.push(
+                        normal()
+                            * if [7, 33, 64, 101].contains(&d) {
+                                15.0
+                            } else {
+                                1.0
+                            },
+                    );
+                    v.push(normal() * if loud { 10.0 } else { 1.0 });
+                }
+            }
+        }
+        write_kv(
+            &self.layout,
+            self.arena.as_mut_slice::<T>(),
+            0,
+            &slots,
+            &k,
+            &v,
+        )
+        .expect("write");
+        self
     }
 
     /// The arena's bytes: the K/V a decode reads.
