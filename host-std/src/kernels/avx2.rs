@@ -190,7 +190,8 @@ impl Simd for Avx2 {
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         by_route!(self, widen::<T>(src, dst))
     }
-    /// [`FP8_UNIT`] for FP8, whatever the head dim (the tails decode in it too).
+    /// [`FP8_UNIT`] for FP8 off Intel cores, 2^8 on them ([`fp8_unit`]), whatever the
+    /// head dim (the tails decode in it too).
     ///
     /// Measured (Zen 3, decode of 32 query heads over 8 KV heads, head dim 128):
     /// - the f16 route in units of 2^8, against decoding to the values (which rescaled
