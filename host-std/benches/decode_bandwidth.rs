@@ -18,7 +18,8 @@
 //! software prefetches a fixed distance ahead: `probe` streams them (the arena in
 //! address order, a contiguous half per thread), `paged` reads them in the decode's own
 //! order (task by task, each block's K tiles of a task's heads, then its V tiles): what
-//! the layout's access pattern gets from memory with no arithmetic in the way. `of paged` is the kernel's share of that.
+//! the layout's access pattern gets from memory with no arithmetic in the way. `of
+//! paged` is the kernel's share of that.
 //!
 //! The last column, `arithmetic`, is the most any schedule of memory could give: the
 //! threads times the kernel's best rate over K/V held in cache (timed between the row's
@@ -77,17 +78,17 @@ fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
                 .iter()
                 .map(|&b| u64::from(b))
                 .sum::<u64>();
-            let s = read_ranges(bytes, &[(start, lines)], PROBE_AHEAD);
+            let s = read_ranges(bytes, &[(start, lines)]);
             total.fetch_add(s.wrapping_add(tail), Ordering::Relaxed);
         },
     );
     total.into_inner()
 }
 
-/// Lines that [`paged_probe`] prefetches ahead of its reads (16 KiB). In a stand-alone
-/// test on the development VM (2 threads reading shuffled 16 KiB pieces of 256 MiB),
-/// distances of 128 to 512 lines read at 86% of a sequential read, and prefetching the
-/// next piece while reading one at 72%.
+/// Lines that the probes ([`read_ranges`]) prefetch ahead of their reads (16 KiB). In a
+/// stand-alone test on the development VM (2 threads reading shuffled 16 KiB pieces of
+/// 256 MiB), distances of 128 to 512 lines read at 86% of a sequential read, and
+/// prefetching the next piece while reading one at 72%.
 const PROBE_AHEAD: usize = 256;
 
 /// Heads per task of [`paged_probe`]: those of the kernel's decode tasks in this
@@ -105,50 +106,47 @@ fn paged_probe(bytes: &[u8], tasks: &[Vec<(usize, usize)>], pool: &WorkerPool) -
         tasks.len(),
         || (),
         |_, t| {
-            total.fetch_add(
-                read_ranges(bytes, &tasks[t], PROBE_AHEAD),
-                Ordering::Relaxed,
-            );
+            total.fetch_add(read_ranges(bytes, &tasks[t]), Ordering::Relaxed);
         },
     );
     total.into_inner()
 }
 
 /// Sums the `u64` words of `ranges` of `bytes` (each a whole number of 64-byte lines),
-/// in order, prefetching `ahead` lines ahead (none when 0), in the widest vector loads
+/// in order, prefetching [`PROBE_AHEAD`] lines ahead, in the widest vector loads
 /// the CPU has: the loop is compiled for AVX-512F or AVX2 where the CPU has them. Plain
 /// `u64` code compiled for the baseline x86-64 target takes 16-byte loads; see
 /// [`read_probe`] for what that cost.
-fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
+fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     {
         /// # Safety
         /// The CPU has AVX-512F.
         #[target_feature(enable = "avx512f")]
-        unsafe fn wide(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
-            sum_ranges(bytes, ranges, ahead)
+        unsafe fn wide(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
+            sum_ranges(bytes, ranges)
         }
         /// # Safety
         /// The CPU has AVX2.
         #[target_feature(enable = "avx2")]
-        unsafe fn half(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
-            sum_ranges(bytes, ranges, ahead)
+        unsafe fn half(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
+            sum_ranges(bytes, ranges)
         }
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F.
-            return unsafe { wide(bytes, ranges, ahead) };
+            return unsafe { wide(bytes, ranges) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
-            return unsafe { half(bytes, ranges, ahead) };
+            return unsafe { half(bytes, ranges) };
         }
     }
-    sum_ranges(bytes, ranges, ahead)
+    sum_ranges(bytes, ranges)
 }
 
 /// The loop of [`read_ranges`], inlined into each of its target-feature variants.
 #[inline(always)]
-fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
+fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
     // The prefetch cursor: a range and the offset in it.
     let (mut range, mut offset) = (0, 0);
     let mut prefetch = |lines: usize| {
@@ -168,13 +166,11 @@ fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)], ahead: usize) -> u64 {
             }
         }
     };
-    prefetch(ahead);
+    prefetch(PROBE_AHEAD);
     let mut acc = [0u64; 8];
     for &(start, len) in ranges {
         for line in bytes[start..start + len].chunks_exact(64) {
-            if ahead > 0 {
-                prefetch(1);
-            }
+            prefetch(1);
             add_line(&mut acc, line);
         }
     }

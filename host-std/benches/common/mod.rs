@@ -186,8 +186,8 @@ impl<T: Element> PagedCall<T> {
     /// with outliers as `kv_quant_error` has them: K channels 7, 33, 64 and 101 15 times
     /// larger, and one token in a hundred with V 10 times larger. In 8-bit storage the
     /// outliers set each row's scale and leave the other channels small codes; in FP8
-    /// about one K code in 1600 and one V code in 14000 is then subnormal (under 2^-6), which the random codes of
-    /// [`shuffled_arena`] almost never are. O(arena).
+    /// about one K code in 1600 and one V code in 14000 is then subnormal (under 2^-6),
+    /// which the random codes of [`shuffled_arena`] almost never are. O(arena).
     pub fn with_outliers(mut self, rng: &mut StdRng) -> Self {
         let g = *self.layout.geometry();
         let (heads, hd) = (g.kv_heads() as usize, g.head_dim() as usize);
