@@ -123,22 +123,22 @@ fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
         /// # Safety
         /// The CPU has AVX-512F.
         #[target_feature(enable = "avx512f")]
-        unsafe fn wide(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
+        unsafe fn avx512(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
             sum_ranges(bytes, ranges)
         }
         /// # Safety
         /// The CPU has AVX2.
         #[target_feature(enable = "avx2")]
-        unsafe fn half(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
+        unsafe fn avx2(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
             sum_ranges(bytes, ranges)
         }
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F.
-            return unsafe { wide(bytes, ranges) };
+            return unsafe { avx512(bytes, ranges) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
-            return unsafe { half(bytes, ranges) };
+            return unsafe { avx2(bytes, ranges) };
         }
     }
     sum_ranges(bytes, ranges)

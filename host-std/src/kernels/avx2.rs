@@ -46,6 +46,13 @@ impl Avx2 {
         })
     }
 
+    /// Whether FP8 decodes through f16 on this CPU (Intel cores), decided once by
+    /// [`Avx2::detect`]; [`super::avx512::Avx512`] takes the same route from it. O(1).
+    #[inline(always)]
+    pub(super) fn fp8_through_f16(self) -> bool {
+        self.fp8_half
+    }
+
     /// The route `H` of this module's kernels for storage `T`: FP8 through f16 where
     /// `fp8_half` says so; every other type takes `false` (`H` changes only FP8's
     /// decoding). O(1).

@@ -28,6 +28,14 @@ impl Avx512 {
         (super::path_ceiling() >= 2 && std::arch::is_x86_feature_detected!("avx512f"))
             .then_some(Self { avx2 })
     }
+
+    /// Whether storage `T` with head dim `hd` takes the in-lane 8-bit route
+    /// ([`lanes::applies_bytes`]), FP8's route as the held [`Avx2`] decided it (no
+    /// CPUID read per call). O(1).
+    #[inline(always)]
+    fn bytes<T: Element>(self, hd: usize) -> bool {
+        lanes::applies_bytes::<T>(hd, self.avx2.fp8_through_f16())
+    }
 }
 
 // SAFETY (every method): an `Avx512` value exists only when `detect` found AVX-512F.
@@ -45,7 +53,7 @@ impl Simd for Avx512 {
     ) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores4(q, k, hd, n, s, s_stride) }
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             unsafe { bytes::scores4(q, k, hd, n, s, s_stride) }
         } else {
             unsafe { scores4(q, k, hd, n, s, s_stride) }
@@ -55,7 +63,7 @@ impl Simd for Avx512 {
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::scores1(q, k, hd, n, s) }
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             unsafe { bytes::scores1(q, k, hd, n, s) }
         } else {
             unsafe { scores1(q, k, hd, n, s) }
@@ -73,7 +81,7 @@ impl Simd for Avx512 {
     ) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             unsafe { bytes::accumulate::<T, 2>(acc, [p0, p1], v, hd, n) }
         } else {
             unsafe { accumulate2(acc, p0, p1, v, hd, n) }
@@ -90,7 +98,7 @@ impl Simd for Avx512 {
     ) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 4>(acc, p, v, hd, n) }
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             unsafe { bytes::accumulate::<T, 4>(acc, p, v, hd, n) }
         } else {
             unsafe { accumulate4(acc, p, v, hd, n) }
@@ -100,7 +108,7 @@ impl Simd for Avx512 {
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             unsafe { bf16::accumulate::<T, 1>(acc, [p], v, hd, n) }
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             unsafe { bytes::accumulate::<T, 1>(acc, [p], v, hd, n) }
         } else {
             unsafe { accumulate1(acc, p, v, hd, n) }
@@ -110,7 +118,7 @@ impl Simd for Avx512 {
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             lanes::to_split_order::<{ bf16::GROUP }, 2>(rows);
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             lanes::to_split_order::<{ bytes::GROUP }, { bytes::PARTS }>(rows);
         }
     }
@@ -118,7 +126,7 @@ impl Simd for Avx512 {
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if lanes::applies::<T>(hd, bf16::GROUP) {
             lanes::from_split_order::<{ bf16::GROUP }, 2>(rows);
-        } else if lanes::applies_bytes::<T>(hd) {
+        } else if self.bytes::<T>(hd) {
             lanes::from_split_order::<{ bytes::GROUP }, { bytes::PARTS }>(rows);
         }
     }

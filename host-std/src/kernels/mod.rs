@@ -56,8 +56,8 @@ pub const CPU_PATH_ENV: &str = "KVPAGE_CPU_PATH";
 /// Whether the CPU is an Intel core (CPUID vendor `GenuineIntel`), where FP8 storage
 /// takes other routes than on AMD's: f32 FMAs over codes decoded through f16, not bf16
 /// dot products ([`dot`]'s `Bf16Dot`) nor the in-lane decoding
-/// ([`lanes::applies_bytes`]); both measured slower there. Read once; O(1) after the
-/// first call.
+/// ([`lanes::applies_bytes`], through the route [`avx2::Avx2`] holds); both measured
+/// slower there. Read once; O(1) after the first call.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn intel_core() -> bool {
     static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -36,18 +36,19 @@ pub(super) fn applies<T: Element>(hd: usize, group: usize) -> bool {
 }
 
 /// Whether 8-bit storage `T` with head dimension `hd` takes [`byte_avx512`]: int8, and
-/// FP8 except on Intel cores, where FP8 takes the general route's decoding through f16
-/// ([`super::avx512`]'s `fp8_half16`). There the in-lane decoding's shifts all queue on
+/// FP8 unless it decodes through f16 (`fp8_through_f16`, which the caller holds: on
+/// Intel cores, [`super::avx2::Avx2::fp8_through_f16`]), where FP8 takes the general
+/// route's decoding ([`super::avx512`]'s `fp8_half16`). There the in-lane decoding's shifts all queue on
 /// the one port that runs 512-bit shifts, and its multiplication takes a microcode
 /// assist for every subnormal code. Measured on Emerald Rapids (decode of 32 query heads
 /// over 8 KV heads, head dim 128, AVX-512F without the dot-product extensions; medians
 /// of the ratios of alternating runs), the general route's time over the in-lane
 /// route's: 0.84 in cache (1 × 256 tokens, one thread) and 0.95 out of it (32 × 2048,
 /// two threads) over random codes; 0.51 and 0.60 when one code in 301 is subnormal.
-/// O(1) after the first call.
+/// O(1).
 #[inline(always)]
-pub(super) fn applies_bytes<T: Element>(hd: usize) -> bool {
-    (T::KIND == Kind::Int8 || (T::KIND == Kind::Fp8E4m3 && !super::intel_core()))
+pub(super) fn applies_bytes<T: Element>(hd: usize, fp8_through_f16: bool) -> bool {
+    (T::KIND == Kind::Int8 || (T::KIND == Kind::Fp8E4m3 && !fp8_through_f16))
         && hd.is_multiple_of(byte_avx512::GROUP)
         && hd > 0
 }
