@@ -56,9 +56,18 @@ pub(crate) trait Simd: Copy {
     }
     /// `acc[d] += Σ_{t<n} p[t] * v_t[d]`.
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize);
-    /// Puts rows of `hd` floats (the scaled queries) into the form this arithmetic
-    /// reads for storage `T`: an order of dimensions, or (int8 storage on AVX-512 VNNI)
-    /// fixed-point codes with their scale. The accumulators come out in this arithmetic's
+    /// Whether the arithmetic takes a task over storage `T` with head dim `hd` and
+    /// `head_rows` query rows per KV head. True by default; AMX's tiles take bf16 rows
+    /// only four at a time ([`super::amx`]). O(1).
+    #[inline(always)]
+    fn takes_rows<T: Element>(self, hd: usize, head_rows: usize) -> bool {
+        let _ = (hd, head_rows);
+        true
+    }
+    /// Puts rows of `hd` floats (the scaled queries: all of a task's rows, a head's rows
+    /// consecutive) into the form this arithmetic reads for storage `T`: an order of
+    /// dimensions, fixed-point codes with their scale (int8 storage on AVX-512 VNNI), or
+    /// tiles of four rows (bf16 in AMX). The accumulators come out in this arithmetic's
     /// order of dimensions, until [`Simd::leave_kernel_order`]. Identity by default.
     /// O(rows.len()).
     #[inline(always)]

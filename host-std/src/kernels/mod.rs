@@ -18,6 +18,8 @@
 //!
 //! [`KernelError`]: crate::KernelError
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -46,10 +48,10 @@ pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
 pub use write::{write_kv, write_kv_as};
 
 /// Name of the environment variable that caps the instruction set the kernels take:
+/// `avx512dot` (AVX-512 with its dot-product extensions, without AMX tiles),
 /// `avx512f` (AVX-512F without its dot-product extensions: 8-bit storage in f32
-/// arithmetic), `avx2` (never
-/// AVX-512) or `portable` (no x86 vector extensions); unset, or any other value, lets
-/// them take the widest the CPU has. Read once, at the first kernel call. For measuring
+/// arithmetic), `avx2` (never AVX-512) or `portable` (no x86 vector extensions); unset,
+/// or any other value, lets them take the widest the CPU has. Read once, at the first kernel call. For measuring
 /// and testing the narrower paths on a machine that has the wider ones.
 pub const CPU_PATH_ENV: &str = "KVPAGE_CPU_PATH";
 
@@ -70,23 +72,26 @@ pub(crate) fn intel_core() -> bool {
     })
 }
 
-/// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 3 any, 2
-/// AVX-512F, 1 AVX2, 0 portable. O(1) after the first call.
+/// The widest instruction set the environment allows (see [`CPU_PATH_ENV`]): 4 any, 3
+/// AVX-512 with its dot-product extensions, 2 AVX-512F, 1 AVX2, 0 portable. O(1) after
+/// the first call.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn path_ceiling() -> u8 {
     static CEILING: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
     *CEILING.get_or_init(|| match std::env::var(CPU_PATH_ENV).as_deref() {
+        Ok("avx512dot") => 3,
         Ok("avx512f") => 2,
         Ok("avx2") => 1,
         Ok("portable") => 0,
-        _ => 3,
+        _ => 4,
     })
 }
 
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
 /// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, with `+vnni` when int8 storage takes
-/// 16-bit integer dot products and `+bf16` when FP8 storage takes bf16 dot products
-/// (never on Intel cores, which run them at half rate);
+/// 16-bit integer dot products, `+bf16` when FP8 storage takes bf16 dot products
+/// (never on Intel cores, which run them at half rate) and `+amx` when bf16 storage
+/// takes AMX tiles (decode and prefill of groups of 4 or 8 query heads per KV head);
 /// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -94,11 +99,16 @@ pub fn instruction_path() -> &'static str {
         match (
             dot::Avx512Dot::<dot::Vnni>::detect().is_some(),
             dot::Avx512Dot::<dot::Bf16Dot>::detect().is_some(),
+            amx::AmxBf16::detect().is_some(),
         ) {
-            (true, true) => return "avx512f+vnni+bf16",
-            (true, false) => return "avx512f+vnni",
-            (false, true) => return "avx512f+bf16",
-            (false, false) => {}
+            (true, true, true) => return "avx512f+vnni+bf16+amx",
+            (true, true, false) => return "avx512f+vnni+bf16",
+            (true, false, true) => return "avx512f+vnni+amx",
+            (true, false, false) => return "avx512f+vnni",
+            (false, true, true) => return "avx512f+bf16+amx",
+            (false, true, false) => return "avx512f+bf16",
+            (false, false, true) => return "avx512f+amx",
+            (false, false, false) => {}
         }
         if avx512::Avx512::detect().is_some() {
             return "avx512f";

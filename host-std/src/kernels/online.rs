@@ -23,6 +23,8 @@
 //! chosen at run time per task ([`attend`]).
 
 #[cfg(target_arch = "x86_64")]
+use super::amx::AmxBf16;
+#[cfg(target_arch = "x86_64")]
 use super::dot::{Avx512Dot, Bf16Dot, Vnni};
 use super::math::{self, Simd};
 use crate::dtype::{bytes_of, Element, Kind};
@@ -201,6 +203,15 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
                 return;
             }
         }
+        if T::KIND == Kind::Bf16 {
+            if let Some(simd) = AmxBf16::detect() {
+                if simd.takes_rows::<T>(task.head_dim, task.head_rows) {
+                    // SAFETY: `detect` found AVX-512F, BW and the AMX tiles.
+                    unsafe { attend_amx(simd, task, src, ahead, primed, scratch) };
+                    return;
+                }
+            }
+        }
         if let Some(simd) = super::avx512::Avx512::detect() {
             // SAFETY: `Avx512::detect` found AVX-512F, AVX2, FMA and F16C on this CPU.
             unsafe { attend_avx512(simd, task, src, ahead, primed, scratch) };
@@ -282,6 +293,26 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
     scratch: &mut Scratch,
 ) {
     attend_body(simd, task, src, ahead, primed, scratch);
+}
+
+/// [`attend_body`] over AMX tiles (bf16 storage), compiled with AVX-512F and BW
+/// enabled: the tile configuration loaded before, the tiles released after.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW, AVX2, FMA and F16C (as the value proves).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn attend_amx<T: Element, S: KvSource<T>>(
+    simd: AmxBf16,
+    task: &RowTask<'_>,
+    src: &S,
+    ahead: Option<Ahead<'_, S>>,
+    primed: bool,
+    scratch: &mut Scratch,
+) {
+    simd.begin();
+    attend_body(simd, task, src, ahead, primed, scratch);
+    simd.end();
 }
 
 /// Most tokens per step of the scores loop (between two prefetch bursts), and the
@@ -550,13 +581,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
             lift_query(&mut sc.q[j * hd..(j + 1) * hd], unit)
         };
         sc.value_shift[j] = 0;
-        if !widen {
-            simd.enter_kernel_order::<T>(&mut sc.q[j * hd..(j + 1) * hd], hd);
-        }
         sc.limit[j] = first_pos + qi + 1;
         sc.m[j] = f32::NEG_INFINITY;
         sc.l[j] = 0.0;
         sc.acc[j * hd..(j + 1) * hd].fill(0.0);
+    }
+    if !widen {
+        simd.enter_kernel_order::<T>(&mut sc.q[..rows * hd], hd);
     }
     debug_assert_eq!(end, sc.limit[rows - 1]);
 
@@ -1062,6 +1093,7 @@ mod tests {
         // indexing or masking mistake is off by the order of the outputs (0.1).
         let tolerance =
             if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 } * f64::from(mag[2] * mag[3].max(1.0));
+        let mut taken = 0;
         for &(hd, ctx, queries, group, run, heads) in shapes {
             let ((k, ks), (v, vs)) = (
                 stored::<T>(&scaled(values(heads * ctx * hd, 1), mag[1]), hd),
@@ -1113,6 +1145,12 @@ mod tests {
                     heads == 1 || head_rows == all_rows,
                     "a shape of several heads is one task"
                 );
+                if !simd.takes_rows::<T>(hd, head_rows) {
+                    // Another arithmetic's task (checked in that one's test).
+                    row0 += head_rows;
+                    continue;
+                }
+                taken += 1;
                 let next = tile(row0 + head_rows);
                 let ahead = next.as_ref().map(|task| Ahead { task, src: &src });
                 attend_body(simd, &task, &src, ahead, row0 > 0, &mut sc);
@@ -1146,6 +1184,7 @@ mod tests {
                 row0 += head_rows;
             }
         }
+        assert!(taken > 0, "no task was checked");
     }
 
     /// The scratch lives on each worker's stack (an embedder's threads may have small
@@ -1253,6 +1292,24 @@ mod tests {
         match crate::kernels::avx2::Avx2::detect() {
             Some(simd) => check(simd),
             None => eprintln!("skipped: AVX2 + FMA + F16C absent (or capped by the environment)"),
+        }
+    }
+
+    /// AMX tiles for bf16 (the other types go to AVX-512 unchanged), on the shapes of
+    /// four or eight rows per KV head that the tiles take.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_matches_f64() {
+        match AmxBf16::detect() {
+            Some(simd) => {
+                simd.begin();
+                check(simd);
+                simd.end();
+            }
+            None => eprintln!(
+                "skipped: AMX-BF16 absent or not granted by the OS (or capped by the \
+                 environment)"
+            ),
         }
     }
 

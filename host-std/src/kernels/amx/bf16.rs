@@ -1,0 +1,347 @@
+//! bf16 storage in AMX tiles (`tdpbf16ps`): the scores and the value accumulation of
+//! four query rows, 16 tokens a call, the keys and values loaded as tiles straight
+//! from the stored layout.
+//!
+//! The products are of bf16 numbers, so the f32 operands (scaled queries, softmax
+//! weights) go in as two bf16 parts, `x ≈ hi + lo` with `hi` the nearest bf16 to `x`
+//! and `lo` the nearest to `x - hi`: a relative error of at most 2^-16 per operand
+//! (the tile products flush subnormal operands to zero, so below about 2^-118, where
+//! `lo` is one, `hi` alone: 2^-8). The two parts are separate columns (scores) or rows
+//! (accumulation) of one tile product and are added after it. On the attention
+//! tests' shapes the outputs stay within 1e-5 of the f64 reference (the f32 arithmetic
+//! within 1e-6; this one up to 1.1e-6 off).
+//!
+//! - **Scores**: `C[token][col] = Σ_d K[token][d] · B[d][col]`, A the keys as stored
+//!   (16 tokens × 32 dimensions, a tile per 32 dimensions), B the four rows' query
+//!   parts in the form [`to_query_tiles`] writes, 8 columns.
+//! - **Accumulation**: `C[row][j] = Σ_t W[row][t] · V[t][j]`, B the values as stored
+//!   (16 tokens × 32 dimensions, 16 pairs of dimensions), A the weights with each
+//!   token's weight in one half of its pair and zero in the other: rows whose weight
+//!   is in the low half sum the even dimensions, rows with it in the high half the
+//!   odd ones, so the sums come out in [`super::super::lanes`]'s split order (16 even
+//!   dimensions, then 16 odd, per group of 32).
+
+use core::arch::x86_64::*;
+
+use super::tiles::{self, tmm};
+use crate::dtype::Element;
+use crate::kernels::MAX_HEAD_DIM;
+
+/// Dimensions per tile of keys or values (64 bytes of bf16).
+pub(in crate::kernels) const GROUP: usize = 32;
+/// Tokens per tile.
+pub(in crate::kernels) const TOKENS: usize = 16;
+/// Query rows per call.
+pub(in crate::kernels) const ROWS: usize = 4;
+/// 32-bit words of one group's query tile: 16 dimension pairs × 8 columns.
+const QUERY_TILE_WORDS: usize = (GROUP / 2) * 2 * ROWS;
+
+/// Rewrites each group of four query rows (`rows`: a multiple of `4 * hd` floats, `hd`
+/// a multiple of [`GROUP`]) as their B tiles for [`scores4`]: per group of 32
+/// dimensions, 16 rows of pairs (dimensions `2i`, `2i + 1`) × 8 columns (the four
+/// rows' high parts, then their low parts), 512 bytes, one after another; the four
+/// rows' `4 * hd` floats hold exactly the `hd / 32` tiles. Rows past the last whole
+/// group of four are left alone. O(rows.len()).
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(in crate::kernels) unsafe fn to_query_tiles(rows: &mut [f32], hd: usize) {
+    debug_assert!(hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    for four in rows.chunks_exact_mut(ROWS * hd) {
+        let mut src = [0.0f32; ROWS * MAX_HEAD_DIM];
+        src[..ROWS * hd].copy_from_slice(four);
+        for g in 0..hd / GROUP {
+            // `cols[part * 4 + r][i]`: the pair `i` of row `r`'s part.
+            let mut cols = [[0u32; 16]; 2 * ROWS];
+            for r in 0..ROWS {
+                let x = &src[r * hd + g * GROUP..][..GROUP];
+                // SAFETY: `x` holds 32 floats; AVX-512F (caller).
+                let (a, b) = unsafe {
+                    (
+                        _mm512_loadu_ps(x.as_ptr()),
+                        _mm512_loadu_ps(x.as_ptr().add(16)),
+                    )
+                };
+                // SAFETY: AVX-512F (caller).
+                let (hi_a, hi_b) = unsafe { (nearest_bf16(a), nearest_bf16(b)) };
+                // SAFETY: as above.
+                let (lo_a, lo_b) = unsafe {
+                    (
+                        nearest_bf16(_mm512_sub_ps(a, _mm512_castsi512_ps(hi_a))),
+                        nearest_bf16(_mm512_sub_ps(b, _mm512_castsi512_ps(hi_b))),
+                    )
+                };
+                for (part, (pa, pb)) in [(hi_a, hi_b), (lo_a, lo_b)].into_iter().enumerate() {
+                    // Each lane's bf16 (its top 16 bits) narrowed to 16: the pairs'
+                    // words, even dimension low.
+                    let words = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(pa))),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(pb)),
+                    );
+                    // SAFETY: 16 words into a row of `cols`.
+                    unsafe {
+                        _mm512_storeu_si512(cols[part * ROWS + r].as_mut_ptr().cast(), words)
+                    };
+                }
+            }
+            let tile = &mut four[g * QUERY_TILE_WORDS..(g + 1) * QUERY_TILE_WORDS];
+            for (at, x) in tile.iter_mut().enumerate() {
+                *x = f32::from_bits(cols[at % 8][at / 8]);
+            }
+        }
+    }
+}
+
+/// 16 rows of 64 bytes, aligned to a cache line: a tile's worth of memory.
+#[repr(C, align(64))]
+struct TileRows([[u32; 16]; TOKENS]);
+
+/// 16 stored vectors of up to `MAX_HEAD_DIM` bf16.
+type Padded = [[u16; MAX_HEAD_DIM]; TOKENS];
+
+/// The `n < 16` stored vectors at `p` (`hd` bf16 each) copied into `out`, followed by
+/// zero vectors, 16 in all, so that a tile of 16 rows reads only memory of the call's
+/// own: the rows' start and their stride (`2 * MAX_HEAD_DIM` bytes). O(16 × hd).
+///
+/// # Safety
+/// `p` points to `n * hd` readable bf16; `hd <= MAX_HEAD_DIM`.
+#[inline(never)]
+unsafe fn padded(p: *const u8, n: usize, hd: usize, out: &mut Padded) -> (*const u8, usize) {
+    for (t, row) in out.iter_mut().enumerate() {
+        if t < n {
+            // SAFETY: vector `t < n` is readable (caller); `row` holds `hd` elements.
+            unsafe {
+                core::ptr::copy_nonoverlapping(p.add(2 * t * hd), row.as_mut_ptr().cast(), 2 * hd)
+            };
+        } else {
+            row[..hd].fill(0);
+        }
+    }
+    (out.as_ptr().cast(), 2 * MAX_HEAD_DIM)
+}
+
+/// The sums of the parts of tokens `2i` and `2i + 1` of the scores tile `c` (eight
+/// columns: rows 0-3's high parts, then their low parts): a vector of blocks [token
+/// `2i`, token `2i`, token `2i + 1`, token `2i + 1`], each a row per lane.
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+unsafe fn pair_sums(c: &TileRows, i: usize) -> __m512 {
+    // SAFETY: rows `2i` and `2i + 1` of `c` hold 16 floats each (`i < 8`, the caller's).
+    let (a, b) = unsafe {
+        (
+            _mm256_loadu_pd(c.0[2 * i].as_ptr().cast()),
+            _mm256_loadu_pd(c.0[2 * i + 1].as_ptr().cast()),
+        )
+    };
+    let z = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(a), b));
+    // Blocks [t hi, t lo, t+1 hi, t+1 lo] + [t lo, t hi, t+1 lo, t+1 hi].
+    _mm512_add_ps(z, _mm512_shuffle_f32x4::<0b10_11_00_01>(z, z))
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as f32 bits: finite weights, or NaN
+/// (which stays NaN: a quiet NaN's top payload bit is set). O(1).
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+unsafe fn nearest_bf16(x: __m512) -> __m512i {
+    let b = _mm512_castps_si512(x);
+    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm512_and_si512(up, _mm512_set1_epi32(-65536))
+}
+
+/// Scores of four query rows against `n` keys: `s[r * stride + t] = q_r · k_t`.
+///
+/// # Safety
+/// [`tiles::configure`] ran on this thread (which implies AVX-512F and BW); `q` is four
+/// rows in the form [`to_query_tiles`] writes; `k` holds `n` keys of `hd` bf16 (`T` is
+/// bf16), `1 <= n <= 16`; `hd` is a non-zero multiple of 32 within `MAX_HEAD_DIM`;
+/// `s` holds `3 * stride + n` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn scores4<T: Element>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    debug_assert!(q.len() >= ROWS * hd && k.len() >= n * hd && s.len() >= 3 * stride + n);
+    let mut pad: Padded;
+    let (keys, key_stride): (*const u8, usize) = if n == TOKENS {
+        (k.as_ptr().cast(), 2 * hd)
+    } else {
+        pad = [[0; MAX_HEAD_DIM]; TOKENS];
+        // SAFETY: `k` holds `n` keys (caller).
+        unsafe { padded(k.as_ptr().cast(), n, hd, &mut pad) }
+    };
+    let groups = hd / GROUP;
+    let mut c = core::mem::MaybeUninit::<TileRows>::uninit();
+    // SAFETY: configured (caller). Key tile `g`: 16 rows of 64 bytes at `keys + 64 g`,
+    // inside the keys (or the padded copy); query tile `g`: 16 rows of 32 bytes, inside
+    // the four rows' `4 * hd` floats (`hd / 32` tiles of 512 bytes); `c` is 16 rows of
+    // 32 bytes at a stride of 64. Even groups' operands go to the first registers of
+    // each kind, odd groups' to the second.
+    unsafe {
+        let qb: *const u8 = q.as_ptr().cast();
+        tiles::zero::<{ tmm::SCORES }>();
+        for g in 0..groups {
+            let (k, q) = (keys.add(64 * g), qb.add(4 * QUERY_TILE_WORDS * g));
+            if g.is_multiple_of(2) {
+                tiles::load::<{ tmm::STORED[0] }>(k, key_stride);
+                tiles::load::<{ tmm::QUERIES[0] }>(q, 32);
+                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[0] }, { tmm::QUERIES[0] }>();
+            } else {
+                tiles::load::<{ tmm::STORED[1] }>(k, key_stride);
+                tiles::load::<{ tmm::QUERIES[1] }>(q, 32);
+                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[1] }, { tmm::QUERIES[1] }>();
+            }
+        }
+        tiles::store::<{ tmm::SCORES }>(c.as_mut_ptr().cast(), 64);
+    }
+    // SAFETY: the tile store wrote the first 32 bytes of each of `c`'s rows, the only
+    // ones read below (integers and floats have no invalid bit patterns).
+    let c = unsafe { c.assume_init_ref() };
+    // `c[t]`: token `t`'s eight columns (rows 0-3 high parts, then low parts). Two
+    // tokens a vector: the parts summed, tokens gathered four to a vector (a row per
+    // lane of each 128-bit block), then each row's 16 tokens picked out.
+    let mut sums = [_mm512_setzero_ps(); 4];
+    for (j, sum) in sums.iter_mut().enumerate() {
+        // Tokens 4j .. 4j + 4, a block each.
+        // SAFETY: AVX-512F (caller); `2j + 1 < 8`.
+        *sum = unsafe {
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(pair_sums(c, 2 * j), pair_sums(c, 2 * j + 1))
+        };
+    }
+    let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
+    for r in 0..ROWS {
+        let r32 = r as i32;
+        // Lane `r` of each block of two vectors: eight tokens.
+        let pick = _mm512_setr_epi32(
+            r32,
+            4 + r32,
+            8 + r32,
+            12 + r32,
+            16 + r32,
+            20 + r32,
+            24 + r32,
+            28 + r32,
+            r32,
+            4 + r32,
+            8 + r32,
+            12 + r32,
+            16 + r32,
+            20 + r32,
+            24 + r32,
+            28 + r32,
+        );
+        let low = _mm512_permutex2var_ps(sums[0], pick, sums[1]);
+        let high = _mm512_permutex2var_ps(sums[2], pick, sums[3]);
+        let row = _mm512_shuffle_f32x4::<0b01_00_01_00>(low, high);
+        // SAFETY: `s` holds `r * stride + n` floats (caller); lanes past `n` are masked.
+        unsafe { _mm512_mask_storeu_ps(s.as_mut_ptr().add(r * stride), mask, row) };
+    }
+}
+
+/// `acc_r[d] += Σ_{t<n} p[r][t] · v_t[d]` for the four rows `acc_r = acc[r * hd..]`,
+/// in split order.
+///
+/// # Safety
+/// [`tiles::configure`] ran on this thread (which implies AVX-512F and BW); `v` holds
+/// `n` values of `hd` bf16 (`T` is bf16), `1 <= n <= 16`; each `p[r]` holds `n`
+/// weights; `hd` is a non-zero multiple of 32 within `MAX_HEAD_DIM`; `acc` holds four
+/// rows.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
+    acc: &mut [f32],
+    p: [&[f32]; ROWS],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    debug_assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    debug_assert!(acc.len() >= ROWS * hd && v.len() >= n * hd && p.iter().all(|p| p.len() >= n));
+    // The weights tile: row `8 · odd + 4 · part + r`, token `t`'s pair holding the
+    // part of `p[r][t]` in its low half (even dimensions) or high half (odd ones).
+    let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
+    let mut w = TileRows([[0; 16]; TOKENS]);
+    for (r, pr) in p.iter().enumerate() {
+        // SAFETY: `n` weights readable (caller), the rest masked; AVX-512F (caller).
+        let (hi, lo) = unsafe {
+            let x = _mm512_maskz_loadu_ps(mask, pr.as_ptr());
+            let hi = nearest_bf16(x);
+            (hi, nearest_bf16(_mm512_sub_ps(x, _mm512_castsi512_ps(hi))))
+        };
+        for (row, part) in [(r, hi), (ROWS + r, lo)] {
+            // SAFETY: 64 bytes into a row of `w`.
+            unsafe {
+                _mm512_storeu_si512(w.0[row].as_mut_ptr().cast(), _mm512_srli_epi32::<16>(part));
+                _mm512_storeu_si512(w.0[2 * ROWS + row].as_mut_ptr().cast(), part);
+            }
+        }
+    }
+    let mut pad: Padded;
+    let (values, stride): (*const u8, usize) = if n == TOKENS {
+        (v.as_ptr().cast(), 2 * hd)
+    } else {
+        pad = [[0; MAX_HEAD_DIM]; TOKENS];
+        // SAFETY: `v` holds `n` values (caller).
+        unsafe { padded(v.as_ptr().cast(), n, hd, &mut pad) }
+    };
+    let mut c = [const { core::mem::MaybeUninit::<TileRows>::uninit() }; 2];
+    let sums: [*mut f32; 2] = [c[0].as_mut_ptr().cast(), c[1].as_mut_ptr().cast()];
+    // The product of group `g` into `sums[g % 2]`, through the registers of its parity.
+    // SAFETY (of each call): configured (caller); value tile `g` is 16 rows of 64 bytes
+    // at `values + 64 g`, inside the values (or the padded copy); each `c` is 16 rows
+    // of 64 bytes.
+    let product = |g: usize| unsafe {
+        let v = values.add(64 * g);
+        if g.is_multiple_of(2) {
+            tiles::zero::<{ tmm::SUMS[0] }>();
+            tiles::load::<{ tmm::STORED[0] }>(v, stride);
+            tiles::dot_bf16::<{ tmm::SUMS[0] }, { tmm::WEIGHTS }, { tmm::STORED[0] }>();
+            tiles::store::<{ tmm::SUMS[0] }>(sums[0].cast(), 64);
+        } else {
+            tiles::zero::<{ tmm::SUMS[1] }>();
+            tiles::load::<{ tmm::STORED[1] }>(v, stride);
+            tiles::dot_bf16::<{ tmm::SUMS[1] }, { tmm::WEIGHTS }, { tmm::STORED[1] }>();
+            tiles::store::<{ tmm::SUMS[1] }>(sums[1].cast(), 64);
+        }
+    };
+    // SAFETY: configured (caller); `w` is 16 rows of 64 bytes.
+    unsafe { tiles::load::<{ tmm::WEIGHTS }>(w.0.as_ptr().cast(), 64) };
+    let groups = hd / GROUP;
+    product(0);
+    for g in 0..groups {
+        // The next group's product goes ahead while this group's sums are added in.
+        if g + 1 < groups {
+            product(g + 1);
+        }
+        let sums = sums[g % 2];
+        // SAFETY: every row of `sums` was written by group `g`'s tile store, and `acc`
+        // holds four rows of `hd` (caller), of which group `g`'s 32 floats are read and
+        // written; AVX-512F (caller).
+        unsafe {
+            for r in 0..ROWS {
+                for odd in 0..2 {
+                    let (high, low) = (8 * odd + r, 8 * odd + ROWS + r);
+                    let sum = _mm512_add_ps(
+                        _mm512_loadu_ps(sums.add(16 * high)),
+                        _mm512_loadu_ps(sums.add(16 * low)),
+                    );
+                    let a = acc.as_mut_ptr().add(r * hd + g * GROUP + 16 * odd);
+                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), sum));
+                }
+            }
+        }
+    }
+}
