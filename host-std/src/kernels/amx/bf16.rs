@@ -273,7 +273,8 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
     // The weights tile: row `8 · odd + 4 · part + r`, token `t`'s pair holding the
     // part of `p[r][t]` in its low half (even dimensions) or high half (odd ones).
     let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
-    let mut w = TileRows([[0; 16]; TOKENS]);
+    let mut w = core::mem::MaybeUninit::<TileRows>::uninit();
+    let rows: *mut u32 = w.as_mut_ptr().cast();
     for (r, pr) in p.iter().enumerate() {
         // SAFETY: `n` weights readable (caller), the rest masked; AVX-512F (caller).
         let (hi, lo) = unsafe {
@@ -282,10 +283,11 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
             (hi, nearest_bf16(_mm512_sub_ps(x, _mm512_castsi512_ps(hi))))
         };
         for (row, part) in [(r, hi), (ROWS + r, lo)] {
-            // SAFETY: 64 bytes into a row of `w`.
+            // SAFETY: 64 bytes into rows `row` and `8 + row` of `w` (every row of the
+            // 16 is written, once, by this loop).
             unsafe {
-                _mm512_storeu_si512(w.0[row].as_mut_ptr().cast(), _mm512_srli_epi32::<16>(part));
-                _mm512_storeu_si512(w.0[2 * ROWS + row].as_mut_ptr().cast(), part);
+                _mm512_storeu_si512(rows.add(16 * row).cast(), _mm512_srli_epi32::<16>(part));
+                _mm512_storeu_si512(rows.add(16 * (2 * ROWS + row)).cast(), part);
             }
         }
     }
@@ -317,8 +319,8 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
             tiles::store::<{ tmm::SUMS[1] }>(sums[1].cast(), 64);
         }
     };
-    // SAFETY: configured (caller); `w` is 16 rows of 64 bytes.
-    unsafe { tiles::load::<{ tmm::WEIGHTS }>(w.0.as_ptr().cast(), 64) };
+    // SAFETY: configured (caller); `w` is 16 rows of 64 bytes, all written above.
+    unsafe { tiles::load::<{ tmm::WEIGHTS }>(rows.cast_const().cast(), 64) };
     let groups = hd / GROUP;
     product(0);
     for g in 0..groups {
