@@ -395,11 +395,64 @@ fn fma_peak() -> f64 {
     0.0
 }
 
+/// The AMX bf16 tile product's rate on one thread, in FLOP/s (`tdpbf16ps`: 16 × 16
+/// outputs, each 32 products and sums), where the kernels take AMX (the path names it,
+/// and so the process already holds the tile permission): six independent accumulators
+/// over the same operands. `None` elsewhere.
+fn amx_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if instruction_path().contains("amx") {
+        use std::arch::asm;
+        /// The `ldtilecfg` operand: palette 1, eight tiles of 16 rows × 64 bytes.
+        #[repr(C, align(64))]
+        struct Config([u8; 64]);
+        #[repr(C, align(64))]
+        struct Rows([u16; 512]);
+        let mut config = Config([0; 64]);
+        config.0[0] = 1;
+        for t in 0..8 {
+            config.0[16 + 2 * t] = 64;
+            config.0[48 + t] = 16;
+        }
+        let ones = Rows([0x3F80; 512]);
+        let rounds = black_box(2_000_000u64);
+        let t = Instant::now();
+        // SAFETY: the kernels' path takes AMX, so the CPU has AMX-TILE and AMX-BF16 and
+        // the OS granted this process the tile state; the configuration is valid, and
+        // the tile loads read 1 KiB of `ones`.
+        unsafe {
+            asm!(
+                "ldtilecfg [{config}]",
+                "tileloadd tmm6, [{ones} + {stride}*1]",
+                "tileloadd tmm7, [{ones} + {stride}*1]",
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2",
+                "tilezero tmm3", "tilezero tmm4", "tilezero tmm5",
+                "2:",
+                "tdpbf16ps tmm0, tmm6, tmm7", "tdpbf16ps tmm1, tmm6, tmm7",
+                "tdpbf16ps tmm2, tmm6, tmm7", "tdpbf16ps tmm3, tmm6, tmm7",
+                "tdpbf16ps tmm4, tmm6, tmm7", "tdpbf16ps tmm5, tmm6, tmm7",
+                "dec {rounds}",
+                "jnz 2b",
+                "tilerelease",
+                config = in(reg) &config,
+                ones = in(reg) ones.0.as_ptr(),
+                stride = in(reg) 64usize,
+                rounds = inout(reg) rounds => _,
+                options(nostack),
+            );
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        return Some(6.0 * rounds as f64 * (16.0 * 16.0 * 32.0 * 2.0) / seconds);
+    }
+    None
+}
+
 /// Chunked prefill: one sequence of 2048 tokens whose last 512 are new queries (causal),
 /// per dtype, on the pool's threads; its FLOP rate (`4 hd` per query head and visible
 /// token: the scores and the weighted values) against `threads × fma_peak()` measured
-/// just before.
-fn prefill<T: Element>(pool: &WorkerPool, peak: f64, rng: &mut StdRng) {
+/// just before, and for bf16 where the kernels take AMX tiles, against `threads ×
+/// amx_peak()` too.
+fn prefill<T: Element>(pool: &WorkerPool, peak: f64, amx: Option<f64>, rng: &mut StdRng) {
     let (context, queries) = (2048u32, 512u32);
     let mut call =
         PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, context, queries, rng);
@@ -413,12 +466,19 @@ fn prefill<T: Element>(pool: &WorkerPool, peak: f64, rng: &mut StdRng) {
         .sum();
     let flops = (visible * u64::from(Q_HEADS) * 4 * u64::from(HEAD_DIM)) as f64;
     let rate = flops / m.as_secs_f64();
+    let threads = pool.threads() as f64;
+    let tiles = match amx {
+        Some(amx) if T::DTYPE == kvpage::DType::Bf16 => {
+            format!(" ({:.1}% of the AMX peak)", 100.0 * rate / (amx * threads))
+        }
+        _ => String::new(),
+    };
     println!(
-        "  {:<7} {:>8.2} ms per call, {:>6.1} GFLOP/s = {:>5.1}% of {} threads x the FMA peak",
+        "  {:<7} {:>8.2} ms per call, {:>6.1} GFLOP/s = {:>5.1}% of {} threads x the FMA peak{tiles}",
         format!("{:?}", T::DTYPE),
         m.as_secs_f64() * 1e3,
         rate / 1e9,
-        100.0 * rate / (peak * pool.threads() as f64),
+        100.0 * rate / (peak * threads),
         pool.threads()
     );
 }
@@ -465,16 +525,18 @@ fn main() {
     // FP8 codes, which cost a microcode assist wherever an f32 subnormal is computed on).
     for_outliers::<Int8>(&mut rng);
     for_outliers::<Fp8E4m3>(&mut rng);
-    let peak = fma_peak();
+    let (peak, amx) = (fma_peak(), amx_peak());
     println!(
-        "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread:",
-        peak / 1e9
+        "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread{}:",
+        peak / 1e9,
+        amx.map(|a| format!(", AMX bf16 peak {:.0}", a / 1e9))
+            .unwrap_or_default()
     );
-    prefill::<f32>(&pool, peak, &mut rng);
-    prefill::<f16>(&pool, peak, &mut rng);
-    prefill::<bf16>(&pool, peak, &mut rng);
-    prefill::<Int8>(&pool, peak, &mut rng);
-    prefill::<Fp8E4m3>(&pool, peak, &mut rng);
+    prefill::<f32>(&pool, peak, amx, &mut rng);
+    prefill::<f16>(&pool, peak, amx, &mut rng);
+    prefill::<bf16>(&pool, peak, amx, &mut rng);
+    prefill::<Int8>(&pool, peak, amx, &mut rng);
+    prefill::<Fp8E4m3>(&pool, peak, amx, &mut rng);
     probe_check(&pool, &mut rng);
     println!(
         "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}",
