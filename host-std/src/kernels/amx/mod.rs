@@ -175,11 +175,15 @@ impl Simd for AmxBf16 {
     fn widens_for_passes<T: Element>(self) -> bool {
         self.avx512.widens_for_passes::<T>()
     }
-    /// bf16: steps of a whole tile of tokens.
+    /// bf16: steps of a whole tile of tokens, each step's prefetches split around its
+    /// arithmetic (a step of 16 tokens would otherwise issue them in bursts of 64
+    /// lines). Measured on Emerald Rapids, decode of 32 × 2048 tokens out of cache, two
+    /// threads, 15 rounds of three alternating runs, time over the same build capped at
+    /// `avx512dot`: 1.12 with the bursts whole, 1.02 split (quartiles 0.91 and 1.08).
     #[inline(always)]
     fn schedule<T: Element>(self, hd: usize) -> Schedule {
         if tiled::<T>(hd) {
-            Schedule::PASSES
+            Schedule { split: true, ..Schedule::PASSES }
         } else {
             self.avx512.schedule::<T>(hd)
         }
