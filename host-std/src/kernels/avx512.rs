@@ -38,6 +38,31 @@ impl Avx512 {
     }
 }
 
+/// The element-wise methods of [`Simd`] (`max`, `exp_shifted_sum`, `scale`, `widen`)
+/// for an arithmetic that holds an [`Avx512`] in its field `avx512` and keeps that
+/// one's: the dot-product extensions ([`super::dot`]) and AMX ([`super::amx`]).
+macro_rules! elementwise_of_avx512 {
+    () => {
+        #[inline(always)]
+        fn max(self, x: &[f32]) -> f32 {
+            self.avx512.max(x)
+        }
+        #[inline(always)]
+        fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
+            self.avx512.exp_shifted_sum(x, shift)
+        }
+        #[inline(always)]
+        fn scale(self, x: &mut [f32], c: f32) {
+            self.avx512.scale(x, c)
+        }
+        #[inline(always)]
+        fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+            self.avx512.widen(src, dst)
+        }
+    };
+}
+pub(super) use elementwise_of_avx512;
+
 // SAFETY (every method): an `Avx512` value exists only when `detect` found AVX-512F.
 impl Simd for Avx512 {
     #[inline(always)]

@@ -288,22 +288,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
             accumulate_tokens_one_by_one(self, acc, p, v, hd)
         }
     }
-    #[inline(always)]
-    fn max(self, x: &[f32]) -> f32 {
-        self.avx512.max(x)
-    }
-    #[inline(always)]
-    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
-        self.avx512.exp_shifted_sum(x, shift)
-    }
-    #[inline(always)]
-    fn scale(self, x: &mut [f32], c: f32) {
-        self.avx512.scale(x, c)
-    }
-    #[inline(always)]
-    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
-        self.avx512.widen(src, dst)
-    }
+    super::avx512::elementwise_of_avx512!();
     /// Never: passes over the storage beat widening it (paired, decode of 64 query
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,
     /// fp8 0.63; chunked prefill f16 0.95, int8 0.62).

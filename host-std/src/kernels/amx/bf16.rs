@@ -222,27 +222,10 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
         };
     }
     let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
+    // Lane `r` of each block of two vectors: eight tokens (the two halves the same).
+    let lanes = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
     for r in 0..ROWS {
-        let r32 = r as i32;
-        // Lane `r` of each block of two vectors: eight tokens.
-        let pick = _mm512_setr_epi32(
-            r32,
-            4 + r32,
-            8 + r32,
-            12 + r32,
-            16 + r32,
-            20 + r32,
-            24 + r32,
-            28 + r32,
-            r32,
-            4 + r32,
-            8 + r32,
-            12 + r32,
-            16 + r32,
-            20 + r32,
-            24 + r32,
-            28 + r32,
-        );
+        let pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(r as i32));
         let low = _mm512_permutex2var_ps(sums[0], pick, sums[1]);
         let high = _mm512_permutex2var_ps(sums[2], pick, sums[3]);
         let row = _mm512_shuffle_f32x4::<0b01_00_01_00>(low, high);

@@ -13,7 +13,7 @@
 mod bf16;
 mod tiles;
 
-use super::avx512::Avx512;
+use super::avx512::{elementwise_of_avx512, Avx512};
 use super::lanes;
 use super::math::Simd;
 use super::online::Schedule;
@@ -151,22 +151,7 @@ impl Simd for AmxBf16 {
     fn gathers_values<T: Element>(self, hd: usize) -> bool {
         self.avx512.gathers_values::<T>(hd)
     }
-    #[inline(always)]
-    fn max(self, x: &[f32]) -> f32 {
-        self.avx512.max(x)
-    }
-    #[inline(always)]
-    fn exp_shifted_sum(self, x: &mut [f32], shift: f32) -> f32 {
-        self.avx512.exp_shifted_sum(x, shift)
-    }
-    #[inline(always)]
-    fn scale(self, x: &mut [f32], c: f32) {
-        self.avx512.scale(x, c)
-    }
-    #[inline(always)]
-    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
-        self.avx512.widen(src, dst)
-    }
+    elementwise_of_avx512!();
     #[inline(always)]
     fn code_unit<T: Element>(self) -> f32 {
         self.avx512.code_unit::<T>()
@@ -183,7 +168,10 @@ impl Simd for AmxBf16 {
     #[inline(always)]
     fn schedule<T: Element>(self, hd: usize) -> Schedule {
         if tiled::<T>(hd) {
-            Schedule { split: true, ..Schedule::PASSES }
+            Schedule {
+                split: true,
+                ..Schedule::PASSES
+            }
         } else {
             self.avx512.schedule::<T>(hd)
         }
