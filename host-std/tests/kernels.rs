@@ -941,23 +941,38 @@ fn copy_blocks_copies_every_layer() {
 }
 
 /// The arithmetic the kernels report stays within the cap `KVPAGE_CPU_PATH` sets
-/// (`avx512f` takes no dot-product extension, `avx2` no AVX-512, `portable` neither),
-/// and is printed: CI reruns the kernel tests under each cap that changes it.
+/// (`avx512dot` takes no AMX tiles, `avx512f` no dot-product extension either, `avx2`
+/// no AVX-512, `portable` neither), and is printed: CI reruns the kernel tests under
+/// each cap that changes it.
 #[test]
 fn instruction_path_stays_within_the_cap() {
     let path = kvpage::kernels::instruction_path();
+    const NO_AMX: &[&str] = &[
+        "avx512f+vnni+bf16",
+        "avx512f+vnni",
+        "avx512f+bf16",
+        "avx512f",
+        "avx2+fma",
+        "portable",
+    ];
+    const ANY: &[&str] = &[
+        "avx512f+vnni+bf16+amx",
+        "avx512f+vnni+amx",
+        "avx512f+bf16+amx",
+        "avx512f+amx",
+        "avx512f+vnni+bf16",
+        "avx512f+vnni",
+        "avx512f+bf16",
+        "avx512f",
+        "avx2+fma",
+        "portable",
+    ];
     let allowed: &[&str] = match std::env::var(kvpage::kernels::CPU_PATH_ENV).as_deref() {
+        Ok("avx512dot") => NO_AMX,
         Ok("avx512f") => &["avx512f", "avx2+fma", "portable"],
         Ok("avx2") => &["avx2+fma", "portable"],
         Ok("portable") => &["portable"],
-        _ => &[
-            "avx512f+vnni+bf16",
-            "avx512f+vnni",
-            "avx512f+bf16",
-            "avx512f",
-            "avx2+fma",
-            "portable",
-        ],
+        _ => ANY,
     };
     assert!(allowed.contains(&path), "{path} is not one of {allowed:?}");
     println!("instruction path: {path}");
