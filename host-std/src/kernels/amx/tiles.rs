@@ -55,7 +55,9 @@ struct TileConfig {
 /// state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, Linux 5.16 and later;
 /// the request is per process and made once). False elsewhere, under Miri, and when
 /// the request fails (an older kernel, or a thread's signal stack too small for the
-/// state). O(1) after the first call.
+/// state). Once granted, Linux refuses any thread of the process an alternate signal
+/// stack too small for the tile state: the caller asks only where
+/// [`crate::kernels::CPU_PATH_ENV`] allows the tiles. O(1) after the first call.
 pub(super) fn permitted() -> bool {
     static PERMITTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PERMITTED.get_or_init(|| !cfg!(miri) && cpu_has_amx_bf16() && request_tile_data())
