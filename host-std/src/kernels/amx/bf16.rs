@@ -173,8 +173,9 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     s: &mut [f32],
     stride: usize,
 ) {
-    debug_assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
-    debug_assert!(q.len() >= ROWS * hd && k.len() >= n * hd && s.len() >= 3 * stride + n);
+    // The memory the tiles and vectors below touch (checked: a few comparisons a call).
+    assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    assert!(q.len() >= ROWS * hd && k.len() >= n * hd && s.len() >= 3 * stride + n);
     let mut pad: Padded;
     let (keys, key_stride): (*const u8, usize) = if n == TOKENS {
         (k.as_ptr().cast(), 2 * hd)
@@ -251,8 +252,9 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
     hd: usize,
     n: usize,
 ) {
-    debug_assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
-    debug_assert!(acc.len() >= ROWS * hd && v.len() >= n * hd && p.iter().all(|p| p.len() >= n));
+    // The memory the tiles and vectors below touch (checked: a few comparisons a call).
+    assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    assert!(acc.len() >= ROWS * hd && v.len() >= n * hd && p.iter().all(|p| p.len() >= n));
     // The weights tile: row `8 · odd + 4 · part + r`, token `t`'s pair holding the
     // part of `p[r][t]` in its low half (even dimensions) or high half (odd ones).
     let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
