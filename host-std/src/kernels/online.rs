@@ -17,10 +17,11 @@
 //! `0..=p`); the softmax keeps a running max `m`, sum `l` and output `acc` per row and
 //! rescales them by `exp(m_old - m_new)`, so it never overflows, whatever the scores.
 //!
-//! The routine is compiled five times: with the portable arithmetic, and on x86-64
+//! The routine is compiled six times: with the portable arithmetic, and on x86-64
 //! with the AVX2 + FMA ([`super::avx2`]) and AVX-512F ([`super::avx512`]) arithmetic,
-//! and for 8-bit storage with the AVX-512 dot-product extensions ([`super::dot`]),
-//! chosen at run time per task ([`attend`]).
+//! for 8-bit storage with the AVX-512 dot-product extensions ([`super::dot`]), and for
+//! bf16 storage with AMX tiles ([`super::amx`]), chosen at run time per task
+//! ([`attend`]).
 
 #[cfg(target_arch = "x86_64")]
 use super::amx::AmxBf16;
