@@ -100,23 +100,20 @@ struct TileRows([[u32; 16]; TOKENS]);
 /// 16 stored vectors of up to `MAX_HEAD_DIM` bf16.
 type Padded = [[u16; MAX_HEAD_DIM]; TOKENS];
 
-/// The `n < 16` stored vectors at `p` (`hd` bf16 each) copied into `out`, followed by
-/// zero vectors, 16 in all, so that a tile of 16 rows reads only memory of the call's
-/// own: the rows' start and their stride (`2 * MAX_HEAD_DIM` bytes). O(16 × hd).
+/// The `n < 16` stored vectors at `p` (`hd` bf16 each) copied into the first rows of
+/// `out`, which arrives zeroed, so that a tile of 16 rows reads only memory of the
+/// call's own, zero past the `n` vectors: the rows' start and their stride (`2 *
+/// MAX_HEAD_DIM` bytes). O(n × hd).
 ///
 /// # Safety
-/// `p` points to `n * hd` readable bf16; `hd <= MAX_HEAD_DIM`.
+/// `p` points to `n * hd` readable bf16; `hd <= MAX_HEAD_DIM`; `n <= 16`.
 #[inline(never)]
 unsafe fn padded(p: *const u8, n: usize, hd: usize, out: &mut Padded) -> (*const u8, usize) {
-    for (t, row) in out.iter_mut().enumerate() {
-        if t < n {
-            // SAFETY: vector `t < n` is readable (caller); `row` holds `hd` elements.
-            unsafe {
-                core::ptr::copy_nonoverlapping(p.add(2 * t * hd), row.as_mut_ptr().cast(), 2 * hd)
-            };
-        } else {
-            row[..hd].fill(0);
-        }
+    for (t, row) in out.iter_mut().take(n).enumerate() {
+        // SAFETY: vector `t < n` is readable (caller); `row` holds `hd` elements.
+        unsafe {
+            core::ptr::copy_nonoverlapping(p.add(2 * t * hd), row.as_mut_ptr().cast(), 2 * hd)
+        };
     }
     (out.as_ptr().cast(), 2 * MAX_HEAD_DIM)
 }
