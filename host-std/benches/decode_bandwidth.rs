@@ -450,8 +450,8 @@ fn amx_peak() -> Option<f64> {
 /// Chunked prefill: one sequence of 2048 tokens whose last 512 are new queries (causal),
 /// per dtype, on the pool's threads; its FLOP rate (`4 hd` per query head and visible
 /// token: the scores and the weighted values) against `threads × fma_peak()` measured
-/// just before, and for bf16 where the kernels take AMX tiles, against `threads ×
-/// amx_peak()` too.
+/// just before, and for bf16 and FP8 where the kernels take AMX tiles, against
+/// `threads × amx_peak()` too.
 fn prefill<T: Element>(pool: &WorkerPool, peak: f64, amx: Option<f64>, rng: &mut StdRng) {
     let (context, queries) = (2048u32, 512u32);
     let mut call =
@@ -468,7 +468,7 @@ fn prefill<T: Element>(pool: &WorkerPool, peak: f64, amx: Option<f64>, rng: &mut
     let rate = flops / m.as_secs_f64();
     let threads = pool.threads() as f64;
     let tiles = match amx {
-        Some(amx) if T::DTYPE == kvpage::DType::Bf16 => {
+        Some(amx) if matches!(T::DTYPE, kvpage::DType::Bf16 | kvpage::DType::Fp8E4m3) => {
             format!(" ({:.1}% of the AMX peak)", 100.0 * rate / (amx * threads))
         }
         _ => String::new(),

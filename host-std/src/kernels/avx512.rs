@@ -38,7 +38,7 @@ impl Avx512 {
     }
 }
 
-/// The element-wise methods of [`Simd`] (`max`, `exp_shifted_sum`, `scale`, `widen`)
+/// The element-wise methods of [`Simd`] on f32 (`max`, `exp_shifted_sum`, `scale`)
 /// for an arithmetic that holds an [`Avx512`] in its field `avx512` and keeps that
 /// one's: the dot-product extensions ([`super::dot`]) and AMX ([`super::amx`]).
 macro_rules! elementwise_of_avx512 {
@@ -54,10 +54,6 @@ macro_rules! elementwise_of_avx512 {
         #[inline(always)]
         fn scale(self, x: &mut [f32], c: f32) {
             self.avx512.scale(x, c)
-        }
-        #[inline(always)]
-        fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
-            self.avx512.widen(src, dst)
         }
     };
 }

@@ -289,6 +289,10 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         }
     }
     super::avx512::elementwise_of_avx512!();
+    #[inline(always)]
+    fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
+        self.avx512.widen(src, dst)
+    }
     /// Never: passes over the storage beat widening it (paired, decode of 64 query
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,
     /// fp8 0.63; chunked prefill f16 0.95, int8 0.62).

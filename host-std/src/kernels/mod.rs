@@ -90,8 +90,9 @@ pub(crate) fn path_ceiling() -> u8 {
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
 /// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, with `+vnni` when int8 storage takes
 /// 16-bit integer dot products, `+bf16` when FP8 storage takes bf16 dot products
-/// (never on Intel cores, which run them at half rate) and `+amx` when bf16 storage
-/// takes AMX tiles (decode and prefill of groups of 4 or 8 query heads per KV head);
+/// (never on Intel cores, which run them at half rate) and `+amx` when bf16 and FP8
+/// storage take AMX tiles (decode and prefill of groups of 4 or 8 query heads per KV
+/// head);
 /// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]

@@ -20,7 +20,7 @@
 //! The routine is compiled six times: with the portable arithmetic, and on x86-64
 //! with the AVX2 + FMA ([`super::avx2`]) and AVX-512F ([`super::avx512`]) arithmetic,
 //! for 8-bit storage with the AVX-512 dot-product extensions ([`super::dot`]), and for
-//! bf16 storage with AMX tiles ([`super::amx`]), chosen at run time per task
+//! bf16 and FP8 storage with AMX tiles ([`super::amx`]), chosen at run time per task
 //! ([`attend`]).
 
 #[cfg(target_arch = "x86_64")]
@@ -150,8 +150,9 @@ pub(crate) struct Scratch {
     /// ([`lift_query`]).
     key_unit: [f32; MAX_ROWS],
     /// Per row, the power of two (its exponent) by which its accumulator is below the
-    /// weighted sum of values, where the arithmetic's unit would make a weight times
-    /// its value's scale overflow ([`value_shift`]).
+    /// weighted sum of values, which keeps the weights times their values' scales and
+    /// the arithmetic's unit clear of overflow and of the subnormals ([`value_shift`]);
+    /// [`NO_SHIFT`] before the row's first chunk.
     value_shift: [i32; MAX_ROWS],
 }
 
@@ -204,7 +205,7 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
                 return;
             }
         }
-        if T::KIND == Kind::Bf16 {
+        if T::KIND == Kind::Bf16 || T::KIND == Kind::Fp8E4m3 {
             if let Some(simd) = AmxBf16::detect() {
                 if simd.takes_rows::<T>(task.head_dim, task.head_rows) {
                     // SAFETY: `detect` found AVX-512F, BW and the AMX tiles.
@@ -296,7 +297,7 @@ unsafe fn attend_avx512_bf16<T: Element, S: KvSource<T>>(
     attend_body(simd, task, src, ahead, primed, scratch);
 }
 
-/// [`attend_body`] over AMX tiles (bf16 storage), compiled with AVX-512F and BW
+/// [`attend_body`] over AMX tiles (bf16 and FP8 storage), compiled with AVX-512F and BW
 /// enabled: the tile configuration loaded before, the tiles released after.
 ///
 /// # Safety
@@ -581,7 +582,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         } else {
             lift_query(&mut sc.q[j * hd..(j + 1) * hd], unit)
         };
-        sc.value_shift[j] = 0;
+        sc.value_shift[j] = NO_SHIFT;
         sc.limit[j] = first_pos + qi + 1;
         sc.m[j] = f32::NEG_INFINITY;
         sc.l[j] = 0.0;
@@ -690,13 +691,17 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     };
                     let sum = simd.exp_shifted_sum(&mut s[..vis], m_new);
                     sc.l[j] = sc.l[j] * corr + sum;
-                    // A larger shift than the row's so far: its accumulator follows.
+                    // A larger shift than the row's so far: its accumulator follows (the
+                    // first chunk's is the row's, its accumulator being zero).
                     let rescale = if unit == 1.0 {
+                        corr
+                    } else if sc.value_shift[j] == NO_SHIFT {
+                        sc.value_shift[j] = shift;
                         corr
                     } else {
                         let grow = (shift - sc.value_shift[j]).max(0);
                         sc.value_shift[j] += grow;
-                        corr * pow2(-grow)
+                        times_pow2(corr, -grow)
                     };
                     if rescale != 1.0 {
                         simd.scale(&mut sc.acc[j * hd..(j + 1) * hd], rescale);
@@ -706,13 +711,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         // The weights meet codes of V: fold each value's scale into its
                         // weight (after the sum, which is over the weights themselves),
                         // then the arithmetic's unit, less the row's shift.
-                        let value_unit = if unit == 1.0 {
-                            1.0
+                        let (value_unit, more) = if unit == 1.0 {
+                            (1.0, 1.0)
                         } else {
-                            unit * pow2(-sc.value_shift[j])
+                            pow2_parts(exponent(unit) - sc.value_shift[j])
                         };
                         for (w, v) in s[..vis].iter_mut().zip(&sc.scales[1]) {
-                            *w = *w * v * value_unit;
+                            *w = *w * v * value_unit * more;
                         }
                     }
                 }
@@ -770,7 +775,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
-        let norm = if unit == 1.0 {
+        let norm = if unit == 1.0 || sc.value_shift[j] == NO_SHIFT {
             1.0 / sc.l[j]
         } else {
             1.0 / sc.l[j] * pow2(sc.value_shift[j])
@@ -815,12 +820,24 @@ fn exponent(x: f32) -> i32 {
     ((x.to_bits() >> 23) & 0xFF) as i32 - 127
 }
 
-/// The shift (an exponent, at least 0) that keeps a weight times a value's scale times
-/// `unit / 2^shift` finite, for the value scales `scales` of a chunk: a weight is at
-/// most 1 and a scale below `2^(e + 1)` for its exponent `e`, so `2^(e + 1) · unit /
-/// 2^shift` stays within 2^126. Non-finite scales are left out (their values are NaN
-/// whatever the unit). 0 for every scale below 2^(126 - log2 unit): for AVX2's FP8
-/// (unit 2^120), below 64, values of magnitude below 28672. O(scales.len()).
+/// [`Scratch::value_shift`] of a row that has accumulated nothing yet.
+const NO_SHIFT: i32 = i32::MIN;
+
+/// The largest product of a weight and a code the weights' shift aims at: 2^64, in the
+/// middle of the f32 exponents.
+const PRODUCT_EXPONENT: i32 = 64;
+
+/// The shift (an exponent, -126 to 126) of the weights of a chunk whose value scales
+/// are `scales`, given the arithmetic's unit: a weight (at most 1) times a value's
+/// scale (below `2^(e + 1)` for the largest's exponent `e`) times `unit / 2^shift`
+/// stays within 2^126, finite, and its product with a decoded code (below `2^9 /
+/// unit`, FP8's largest) within about 2^64 where that allows, so that sums of such
+/// products neither overflow nor fall among the subnormals (which AMX flushes to zero,
+/// and where f32 arithmetic keeps fewer bits). Non-finite scales are left out (their
+/// values are NaN whatever the unit). For AVX2's FP8 (unit 2^120) the first bound
+/// decides: 0 for scales in `[32, 64)`, values of magnitude up to 28672. An exact power
+/// of two: the results are those of shift 0 unless that one overflows or underflows.
+/// O(scales.len()).
 ///
 /// The attention loop keeps, per row, the largest shift of the chunks so far: its
 /// accumulator is the weighted sum of values over 2^shift, rescaled (exactly) when the
@@ -833,7 +850,23 @@ fn value_shift(scales: &[f32], unit: f32) -> i32 {
         .iter()
         .filter(|x| x.is_finite())
         .fold(0.0f32, |m, x| m.max(x.abs()));
-    (exponent(max) + 1 + exponent(unit) - 126).max(0)
+    let e = exponent(max) + 1;
+    (e + exponent(unit) - 126)
+        .max(e + 9 - PRODUCT_EXPONENT)
+        .clamp(-126, 126)
+}
+
+/// `2^e` as two factors, each within `2^-126..=2^127`, for `-252 <= e <= 254`. O(1).
+#[inline(always)]
+fn pow2_parts(e: i32) -> (f32, f32) {
+    (pow2(e / 2), pow2(e - e / 2))
+}
+
+/// `x · 2^e`, exact unless the result is subnormal, for `-252 <= e <= 254`. O(1).
+#[inline(always)]
+fn times_pow2(x: f32, e: i32) -> f32 {
+    let (a, b) = pow2_parts(e);
+    x * a * b
 }
 
 /// `2^e` for `-126 <= e <= 127`. O(1).
@@ -1215,8 +1248,20 @@ mod tests {
 
         assert_eq!(value_shift(&[63.9, 1.0, 0.0], unit), 0);
         assert_eq!(value_shift(&[64.0], unit), 1);
-        assert_eq!(value_shift(&[f32::NAN, 2.0, f32::INFINITY], unit), 0);
-        assert_eq!(value_shift(&[], unit), 0);
+        assert_eq!(value_shift(&[32.0], unit), 0);
+        assert_eq!(value_shift(&[31.9], unit), -1);
+        assert_eq!(value_shift(&[f32::NAN, 2.0, f32::INFINITY], unit), -4);
+        // No finite scale (nothing to weigh), and the smallest: the least shift.
+        assert_eq!(value_shift(&[], unit), -126);
+        assert_eq!(value_shift(&[f32::from_bits(1)], unit), -126);
+        // A small unit: the products' bound decides (2^64 for the largest code).
+        assert_eq!(value_shift(&[1.0], 256.0), 1 + 9 - 64);
+        assert_eq!(value_shift(&[1e30], 256.0), 100 + 9 - 64);
+        assert_eq!(
+            (pow2_parts(-252), pow2_parts(254)),
+            ((pow2(-126), pow2(-126)), (pow2(127), pow2(127)))
+        );
+        assert_eq!(times_pow2(3.0, -130), 3.0 * pow2(-65) * pow2(-65));
         let largest = f32::MAX / 448.0;
         let shift = value_shift(&[largest], unit);
         // Within 2^127, and three steps short of the least shift that keeps it finite.
@@ -1296,8 +1341,10 @@ mod tests {
         }
     }
 
-    /// AMX tiles for bf16 (the other types go to AVX-512 unchanged), on the shapes of
-    /// four or eight rows per KV head that the tiles take.
+    /// AMX tiles for bf16 and FP8 (the other types go to AVX-512 unchanged), on the
+    /// shapes of four or eight rows per KV head that the tiles take; FP8 at the far
+    /// magnitudes too, where the tiles' flushing of subnormals would lose the values
+    /// but for the weights' shift ([`value_shift`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn amx_matches_f64() {
