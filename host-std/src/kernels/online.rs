@@ -846,11 +846,16 @@ const PRODUCT_EXPONENT: i32 = 64;
 /// there, next to values at least 2^(126 - g) times larger.
 #[inline]
 fn value_shift(scales: &[f32], unit: f32) -> i32 {
+    // The largest finite magnitude, as bits (which order as the magnitudes do): an
+    // integer maximum, which vectorises (the float one with its NaN test did not: 4%
+    // of an FP8 decode in cache).
     let max = scales
         .iter()
-        .filter(|x| x.is_finite())
-        .fold(0.0f32, |m, x| m.max(x.abs()));
-    let e = exponent(max) + 1;
+        .map(|x| x.to_bits() & 0x7FFF_FFFF)
+        .map(|b| if b < 0x7F80_0000 { b } else { 0 })
+        .max()
+        .unwrap_or(0);
+    let e = exponent(f32::from_bits(max)) + 1;
     (e + exponent(unit) - 126)
         .max(e + 9 - PRODUCT_EXPONENT)
         .clamp(-126, 126)
