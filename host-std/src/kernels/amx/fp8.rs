@@ -4,7 +4,7 @@
 //! - **Decoding.** A code's bits `s eeee mmm` moved to `s 0000 eeee mmm 0000` are a
 //!   bf16 worth `2^-120` of the code's value: the values' decoding, in the unit AVX2's
 //!   FP8 keeps ([`UNIT`], which the attention loop applies to the scores and weights:
-//!   [`crate::kernels::math::Simd::code_unit`]). Four instructions per 32 codes, which
+//!   [`crate::kernels::math::Simd::code_unit`]). Three instructions per 32 codes, which
 //!   stay in their order, so the tiles of keys and values are laid out as bf16
 //!   storage.
 //! - **Keys** get 64 more in the exponent of every code but the subnormal ones (two
@@ -59,10 +59,10 @@ pub(in crate::kernels) unsafe fn decode<'a, const KEYS: bool>(
     // returned slice covers.
     unsafe {
         for i in (0..n).step_by(32) {
-            let x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(src.add(i).cast()));
-            // Code to the high byte, then back by four with the sign copied into bits
-            // 14..11, which the mask clears with the code's own bits below 4.
-            let mut b = _mm512_and_si512(_mm512_srai_epi16::<4>(_mm512_slli_epi16::<8>(x)), bits);
+            // Sign-extended to 16 bits and shifted by four: the sign in bits 15..11,
+            // the exponent and mantissa in 10..4; the mask keeps bit 15 of the sign.
+            let x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(src.add(i).cast()));
+            let mut b = _mm512_and_si512(_mm512_slli_epi16::<4>(x), bits);
             if KEYS {
                 let normal = _mm512_test_epi16_mask(b, exponent);
                 b = _mm512_mask_add_epi16(b, normal, b, lift);
