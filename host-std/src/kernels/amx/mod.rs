@@ -12,10 +12,12 @@
 //! its codes decode in another unit ([`Simd::code_unit`]).
 //!
 //! FP8 through the tiles, against the AVX-512 route of f16 decoding and f32 FMAs
-//! (Emerald Rapids, decode of 32 query heads over 8 KV heads, head dim 128, one
-//! thread, 1 × 256 tokens in cache; median of 9 paired ratios): 0.80 of its time.
-//! Decoding into a zeroed buffer took 13% of that time in `memset`: the buffer is
-//! left uninitialised, and only what is decoded is read.
+//! (Emerald Rapids, decode of 32 query heads over 8 KV heads, head dim 128; medians of
+//! 9 to 11 paired ratios on a loaded host): in cache (1 × 256 tokens, one thread)
+//! 0.80 and 0.90 of its time, out of cache (32 × 2048, two threads) 0.96 and 1.00,
+//! chunked prefill 1.06 times the FLOP rate. Decoding into a zeroed buffer took 13% of
+//! the in-cache time in `memset`: the buffer is left uninitialised, and only what is
+//! decoded is read.
 
 mod bf16;
 mod fp8;
@@ -121,7 +123,8 @@ impl Simd for AmxBf16 {
         debug_assert!(!tiled::<T>(hd), "single rows are not in the tiles' form");
         self.avx512.scores1(q, k, hd, n, s)
     }
-    /// [`Avx512`]'s: the accumulators are in the same split order.
+    /// [`Avx512`]'s: the accumulators are in the same split order. Never reached over
+    /// FP8 ([`Simd::takes_rows`]), whose codes [`Avx512`] decodes in another unit.
     #[inline(always)]
     fn accumulate2<T: Element>(
         self,
@@ -132,6 +135,7 @@ impl Simd for AmxBf16 {
         hd: usize,
         n: usize,
     ) {
+        debug_assert!(T::KIND != Kind::Fp8E4m3, "FP8 rows come four at a time");
         self.avx512.accumulate2(acc, p0, p1, v, hd, n)
     }
     #[inline(always)]
@@ -155,8 +159,10 @@ impl Simd for AmxBf16 {
             self.avx512.accumulate4(acc, p, v, hd, n)
         }
     }
+    /// [`Avx512`]'s; never reached over FP8, as [`Simd::accumulate2`].
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
+        debug_assert!(T::KIND != Kind::Fp8E4m3, "FP8 rows come four at a time");
         self.avx512.accumulate1(acc, p, v, hd, n)
     }
     /// bf16 and FP8: each four rows as their query tiles ([`bf16::to_query_tiles`]).
