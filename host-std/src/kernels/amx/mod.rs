@@ -27,7 +27,7 @@ use super::avx512::{elementwise_of_avx512, Avx512};
 use super::lanes;
 use super::math::Simd;
 use super::online::Schedule;
-use crate::dtype::{Element, Kind};
+use crate::dtype::{bytes_of, Element, Kind};
 
 /// AMX-BF16 over AVX-512F. Only [`AmxBf16::detect`] makes one, so holding a value
 /// proves the CPU has both and this process may use the tiles.
@@ -73,14 +73,6 @@ fn tiled<T: Element>(hd: usize) -> bool {
     matches!(T::KIND, Kind::Bf16 | Kind::Fp8E4m3) && hd.is_multiple_of(bf16::GROUP) && hd > 0
 }
 
-/// The stored bytes of `x`. O(1).
-#[inline(always)]
-fn codes<T: Element>(x: &[T]) -> &[u8] {
-    // SAFETY: storage elements are plain bytes (`Element: Pod`), every pattern valid,
-    // and `x` covers `size_of_val(x)` of them.
-    unsafe { core::slice::from_raw_parts(x.as_ptr().cast(), core::mem::size_of_val(x)) }
-}
-
 // SAFETY (every method): an `AmxBf16` value exists only when `detect` found AVX-512F,
 // BW and the tiles; the attention loop runs its calls between `begin` and `end` on the
 // calling thread.
@@ -105,7 +97,7 @@ impl Simd for AmxBf16 {
         passes: bool,
     ) {
         if T::KIND == Kind::Fp8E4m3 {
-            unsafe { fp8::scores4(q, codes(&k[..n * hd]), hd, n, s, s_stride) }
+            unsafe { fp8::scores4(q, bytes_of(&k[..n * hd]), hd, n, s, s_stride) }
         } else if tiled::<T>(hd) {
             for t in (0..n).step_by(bf16::TOKENS) {
                 let m = (n - t).min(bf16::TOKENS);
@@ -148,7 +140,7 @@ impl Simd for AmxBf16 {
         n: usize,
     ) {
         if T::KIND == Kind::Fp8E4m3 {
-            unsafe { fp8::accumulate4(acc, p, codes(&v[..n * hd]), hd, n) }
+            unsafe { fp8::accumulate4(acc, p, bytes_of(&v[..n * hd]), hd, n) }
         } else if tiled::<T>(hd) {
             for t in (0..n).step_by(bf16::TOKENS) {
                 let m = (n - t).min(bf16::TOKENS);
