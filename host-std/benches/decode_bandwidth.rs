@@ -21,10 +21,22 @@
 //! the layout's access pattern gets from memory with no arithmetic in the way. `of
 //! paged` is the kernel's share of that.
 //!
-//! The last column, `arithmetic`, is the most any schedule of memory could give: the
-//! threads times the kernel's best rate over K/V held in cache (timed between the row's
-//! own calls), as a share of the probe. Where it is under a target share, the arithmetic itself (instructions per
-//! byte on this CPU), not the memory access, is what falls short.
+//! `arithmetic` is the most any schedule of memory could give: the threads times the
+//! kernel's best rate over K/V held in cache (timed between the row's own calls), as a
+//! share of the probe. Where it is under a target share, the arithmetic itself
+//! (instructions per byte on this CPU), not the memory access, is what falls short.
+//!
+//! `ceiling` is what a kernel of that arithmetic reaches on this machine when its memory
+//! access is the simplest there is: the overlap ceiling, a curve measured in the same
+//! run from a synthetic kernel (the probe's streaming loop with a set number of
+//! multiply-adds on each line it reads; printed before the table) and read at the
+//! row's `arithmetic`. On the development VM arithmetic and memory overlap only in part:
+//! in a quiet spell the synthetic kernel read at about 98% of the probe with arithmetic
+//! at 3 times the probe, 85% at 1.5 times, 77% at 1.0 and 58% at 0.64 (in a loaded one,
+//! 72% at 2.4 and 50% at 1.16). A kernel near its ceiling loses nothing to its memory
+//! access; the way up from there is less arithmetic per byte. The rows are measured
+//! after the curve, so a change of load on a shared host between the two moves one
+//! against the other.
 //!
 //! The machine-independent quantity is the bytes of K/V each call must read (printed);
 //! the figure to compare across machines is the fraction of the probe.
@@ -62,8 +74,14 @@ fn add_line(acc: &mut [u64; 8], line: &[u8]) {
 /// chain), in the widest vector loads the CPU has, prefetching [`PROBE_AHEAD`] lines
 /// ahead ([`read_ranges`]). On the Xeon (Emerald Rapids, 2 threads) where the plain
 /// `u64` loop read at 12.5 GB/s, 0.77 of `memcpy`'s read rate, 64-byte loads read at
-/// 15.7 GB/s and 64-byte loads with the prefetches at 23.3 GB/s, as fast as the paged
-/// probe over the same bytes and 1.37 times `memcpy`'s read rate.
+/// 15.7 GB/s and 64-byte loads with the prefetches at 23.3 GB/s, 1.37 times `memcpy`'s
+/// read rate. That loop still fell short: the ceiling's synthetic kernel with no
+/// arithmetic ([`synthetic`], one load a line, prefetches by address) read the same
+/// bytes 1.20 to 1.45 times as fast, in the same rounds. Its prefetch cursor looked up
+/// its range and sliced `bytes` (a bounds check) for every line; the cursor in
+/// [`sum_ranges`] is now a line and an end, and the probe reads as fast as the
+/// synthetic kernel (1.02 to 1.03 of its time), 1.46 to 1.51 times `memcpy`'s read
+/// rate.
 fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
     let per = bytes.len().div_ceil(pool.threads()).next_multiple_of(64);
     let total = AtomicU64::new(0);
@@ -147,34 +165,223 @@ fn read_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
 /// The loop of [`read_ranges`], inlined into each of its target-feature variants.
 #[inline(always)]
 fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
-    // The prefetch cursor: a range and the offset in it.
-    let (mut range, mut offset) = (0, 0);
-    let mut prefetch = |lines: usize| {
-        for _ in 0..lines {
-            let Some(&(start, len)) = ranges.get(range) else {
+    // The prefetch cursor: the next line, the end of its range, the ranges after it.
+    let mut after = ranges.iter();
+    let (mut next, mut end) = (0, 0);
+    let mut prefetch = || {
+        while next >= end {
+            let Some(&(start, len)) = after.next() else {
                 return;
             };
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a prefetch never faults; the address lies inside `bytes`.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-                _mm_prefetch::<_MM_HINT_T1>(bytes[start + offset..].as_ptr().cast());
-            }
-            offset += 64;
-            if offset >= len {
-                (range, offset) = (range + 1, 0);
-            }
+            (next, end) = (start, start + len);
         }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().wrapping_add(next).cast());
+        }
+        next += 64;
     };
-    prefetch(PROBE_AHEAD);
+    for _ in 0..PROBE_AHEAD {
+        prefetch();
+    }
     let mut acc = [0u64; 8];
     for &(start, len) in ranges {
         for line in bytes[start..start + len].chunks_exact(64) {
-            prefetch(1);
+            prefetch();
             add_line(&mut acc, line);
         }
     }
     acc.iter().fold(0, |x, &y| x.wrapping_add(y))
+}
+
+/// Multiply-adds per 64-byte line of [`overlap_ceiling`]'s synthetic kernel: from
+/// arithmetic several times the probe's bandwidth (memory-bound) down to under half of
+/// it (bound by the arithmetic), to bracket the kernels' `arithmetic` column.
+const CEILING_WORK: [usize; 12] = [0, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48];
+
+/// The synthetic kernel: [`read_probe`]'s stream over `data` (prefetches
+/// [`PROBE_AHEAD`] lines ahead, a 64-byte load a line, added into one accumulator) with
+/// `W` 16-float multiply-adds `acc = acc · c + x` per line, taking the other
+/// accumulators in turn (seven independent chains in AVX-512F; three pairs of 8-float
+/// ones in AVX2 with FMA); `None` on a CPU with neither. The rounds are constants, so
+/// the accumulators stay in registers at every `W`. Returns their sum.
+fn synthetic<const W: usize>(data: &[f32]) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        /// # Safety
+        /// The CPU has AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512<const W: usize>(data: &[f32]) -> f32 {
+            let (p, lines) = (data.as_ptr(), data.len() / 16);
+            let (mut acc, c) = ([_mm512_setzero_ps(); 8], _mm512_set1_ps(0.999));
+            for i in 0..lines {
+                // SAFETY: a prefetch never faults; the loads read line `i < lines`.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add((i + PROBE_AHEAD) * 16).cast());
+                    let x = _mm512_loadu_ps(p.add(i * 16));
+                    acc[0] = _mm512_add_ps(acc[0], x);
+                    for round in 0..W.div_ceil(7) {
+                        for a in &mut acc[1..=(W - 7 * round).min(7)] {
+                            *a = _mm512_fmadd_ps(*a, c, x);
+                        }
+                    }
+                }
+            }
+            acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
+        }
+        /// # Safety
+        /// The CPU has AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<const W: usize>(data: &[f32]) -> f32 {
+            let (p, lines) = (data.as_ptr(), data.len() / 16);
+            let (mut acc, c) = ([_mm256_setzero_ps(); 8], _mm256_set1_ps(0.999));
+            for i in 0..lines {
+                // SAFETY: as in `avx512`.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add((i + PROBE_AHEAD) * 16).cast());
+                    let (x, y) = (
+                        _mm256_loadu_ps(p.add(i * 16)),
+                        _mm256_loadu_ps(p.add(i * 16 + 8)),
+                    );
+                    acc[0] = _mm256_add_ps(acc[0], x);
+                    acc[1] = _mm256_add_ps(acc[1], y);
+                    for round in 0..W.div_ceil(3) {
+                        for a in acc[2..2 + 2 * (W - 3 * round).min(3)].chunks_exact_mut(2) {
+                            a[0] = _mm256_fmadd_ps(a[0], c, x);
+                            a[1] = _mm256_fmadd_ps(a[1], c, y);
+                        }
+                    }
+                }
+            }
+            let mut lanes = [0.0f32; 8];
+            let sum = acc
+                .iter()
+                .fold(_mm256_setzero_ps(), |s, &a| _mm256_add_ps(s, a));
+            // SAFETY: 8 floats into `lanes`.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+            lanes.iter().sum()
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return Some(unsafe { avx512::<W>(data) });
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return Some(unsafe { avx2::<W>(data) });
+        }
+    }
+    let _ = data;
+    None
+}
+
+/// One point of [`overlap_ceiling`]'s curve, `(arithmetic, share)`: the synthetic
+/// kernel of `W` multiply-adds per line over `big` (a contiguous part per thread of
+/// `pool`), its share of the probe over the same bytes timed in the same rounds; and
+/// `arithmetic`, the threads times its best rate over `small` (in cache, one thread)
+/// over the probe's. `None` where the CPU has no synthetic kernel.
+fn ceiling_point<const W: usize>(
+    big: &[f32],
+    small: &[f32],
+    pool: &WorkerPool,
+) -> Option<(f64, f64)> {
+    // SAFETY: the floats' bytes, read as bytes (which have no invalid values), for as
+    // long as `big` is borrowed.
+    let bytes: &[u8] = unsafe { std::slice::from_raw_parts(big.as_ptr().cast(), 4 * big.len()) };
+    let per = big.len().div_ceil(pool.threads()).next_multiple_of(16);
+    let parts: Vec<&[f32]> = big.chunks(per).collect();
+    let (mut kernel, mut probe) = (Vec::new(), Vec::new());
+    let mut cached_best = Duration::MAX;
+    for i in 0..ITERS + 2 {
+        for _ in 0..20 {
+            let t = Instant::now();
+            black_box(synthetic::<W>(black_box(small))?);
+            cached_best = cached_best.min(t.elapsed());
+        }
+        let t = Instant::now();
+        pool.for_each_task(
+            parts.len(),
+            || (),
+            |_, h| {
+                black_box(synthetic::<W>(black_box(parts[h])));
+            },
+        );
+        let tk = t.elapsed();
+        let t = Instant::now();
+        black_box(read_probe(black_box(bytes), pool));
+        let tp = t.elapsed();
+        if i >= 2 {
+            kernel.push(tk);
+            probe.push(tp);
+        }
+    }
+    let share = paired_share(&probe, &kernel);
+    let (p, _) = stats(probe);
+    let cached_rate = (4 * small.len()) as f64 / cached_best.as_secs_f64();
+    let probe_rate = bytes.len() as f64 / p.as_secs_f64();
+    Some((pool.threads() as f64 * cached_rate / probe_rate, share))
+}
+
+/// The overlap ceiling of this machine: what share of the probe a kernel of a given
+/// `arithmetic` (its in-cache rate on all threads over the probe, as the rows' last
+/// column) reaches when its memory access is as simple as can be: the probe's stream
+/// and prefetches, with [`CEILING_WORK`] multiply-adds per line ([`synthetic`]). A
+/// kernel whose arithmetic were free would read at 100%; one whose arithmetic and
+/// memory did not overlap at all at `1 / (1 + 1 / arithmetic)`. Measured on the
+/// development VM (Emerald Rapids, 2 threads, a stand-alone version): 98% at
+/// arithmetic 3.1, 83% at 2.0, 75% at 1.35, 64% at 0.82. Printed as a curve; returned
+/// sorted by arithmetic (empty where the CPU has neither AVX-512F nor AVX2).
+fn overlap_ceiling(pool: &WorkerPool, rng: &mut StdRng) -> Vec<(f64, f64)> {
+    let mut floats =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(1.0..2.0)).collect() };
+    let (big, small) = (floats(64 << 20), floats(128 << 10));
+    let mut curve = Vec::new();
+    for w in CEILING_WORK {
+        let point = match w {
+            0 => ceiling_point::<0>(&big, &small, pool),
+            2 => ceiling_point::<2>(&big, &small, pool),
+            4 => ceiling_point::<4>(&big, &small, pool),
+            6 => ceiling_point::<6>(&big, &small, pool),
+            8 => ceiling_point::<8>(&big, &small, pool),
+            12 => ceiling_point::<12>(&big, &small, pool),
+            16 => ceiling_point::<16>(&big, &small, pool),
+            20 => ceiling_point::<20>(&big, &small, pool),
+            24 => ceiling_point::<24>(&big, &small, pool),
+            32 => ceiling_point::<32>(&big, &small, pool),
+            40 => ceiling_point::<40>(&big, &small, pool),
+            48 => ceiling_point::<48>(&big, &small, pool),
+            _ => unreachable!("CEILING_WORK lists these"),
+        };
+        let Some(point) = point else {
+            println!("  (no synthetic kernel without AVX-512F or AVX2: no ceiling)");
+            return Vec::new();
+        };
+        println!(
+            "  {w:>3} multiply-adds per line: arithmetic {:>6.1}%, {:>5.1}% of probe (no overlap at all: {:.1}%)",
+            100.0 * point.0,
+            100.0 * point.1,
+            100.0 / (1.0 + 1.0 / point.0)
+        );
+        curve.push(point);
+    }
+    curve.sort_by(|a, b| a.0.total_cmp(&b.0));
+    curve
+}
+
+/// The ceiling `curve` read at `arithmetic`: linear between its two nearest points,
+/// its end points beyond them.
+fn ceiling_at(curve: &[(f64, f64)], arithmetic: f64) -> f64 {
+    let above = curve.partition_point(|p| p.0 < arithmetic);
+    match (curve.get(above.wrapping_sub(1)), curve.get(above)) {
+        (Some(&(a0, s0)), Some(&(a1, s1))) if a1 > a0 => {
+            s0 + (s1 - s0) * (arithmetic - a0) / (a1 - a0)
+        }
+        (_, Some(&(_, s))) | (Some(&(_, s)), None) => s,
+        (None, None) => f64::NAN,
+    }
 }
 
 /// Copies `src` into `dst` with the C library's `memcpy` (`copy_from_slice`), one chunk
@@ -198,7 +405,7 @@ fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
 /// kernel's arithmetic gets through on all threads with memory out of the way: threads
 /// × the best rate of [`in_cache`]'s call, timed between the row's own calls so that
 /// it sees the same load on the machine), as a share of the probe.
-fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
+fn row<T: Element>(context: u32, pool: &WorkerPool, curve: &[(f64, f64)], rng: &mut StdRng) {
     let seqs = (TOKENS_PER_CALL / context).max(1);
     let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, seqs, context, 1, rng);
     let mut cached = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, 256, 1, rng);
@@ -234,8 +441,12 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
     let ((k, k_best), (p, p_best), (g, _)) = (stats(kernel), stats(probe), stats(paged));
     let bytes = call.bytes().len() as f64;
     let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
+    let arithmetic = pool.threads() as f64 * cached.bytes().len() as f64
+        / cached_best.as_secs_f64()
+        / 1e9
+        / gbs(p);
     println!(
-        "{:<7} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}% {:>9.2} {:>8.1}% {:>10.1}%",
+        "{:<7} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}% {:>9.2} {:>8.1}% {:>10.1}% {:>8.1}%",
         format!("{:?}", T::DTYPE),
         bytes / (1 << 20) as f64,
         k.as_secs_f64() * 1e3,
@@ -245,10 +456,8 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) {
         100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
         gbs(g),
         100.0 * of_paged,
-        100.0 * pool.threads() as f64 * cached.bytes().len() as f64
-            / cached_best.as_secs_f64()
-            / 1e9
-            / gbs(p),
+        100.0 * arithmetic,
+        100.0 * ceiling_at(curve, arithmetic),
     );
 }
 
@@ -539,7 +748,11 @@ fn main() {
     prefill::<Fp8E4m3>(&pool, peak, amx, &mut rng);
     probe_check(&pool, &mut rng);
     println!(
-        "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "overlap ceiling: the probe's streaming loop with arithmetic on what it reads, out of cache against the probe in the same rounds:"
+    );
+    let curve = overlap_ceiling(&pool, &mut rng);
+    println!(
+        "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9}",
         "dtype",
         "context",
         "seqs",
@@ -551,7 +764,8 @@ fn main() {
         "(best)",
         "paged",
         "of paged",
-        "arithmetic"
+        "arithmetic",
+        "ceiling"
     );
     let contexts = numeric_args(0);
     let contexts = if contexts == [0] {
@@ -560,10 +774,10 @@ fn main() {
         contexts
     };
     for context in contexts {
-        row::<f32>(context, &pool, &mut rng);
-        row::<f16>(context, &pool, &mut rng);
-        row::<bf16>(context, &pool, &mut rng);
-        row::<Int8>(context, &pool, &mut rng);
-        row::<Fp8E4m3>(context, &pool, &mut rng);
+        row::<f32>(context, &pool, &curve, &mut rng);
+        row::<f16>(context, &pool, &curve, &mut rng);
+        row::<bf16>(context, &pool, &curve, &mut rng);
+        row::<Int8>(context, &pool, &curve, &mut rng);
+        row::<Fp8E4m3>(context, &pool, &curve, &mut rng);
     }
 }
