@@ -85,14 +85,12 @@ fn add_line(acc: &mut [u64; 8], line: &[u8]) {
 /// synthetic kernel (1.02 to 1.03 of its time), 1.46 to 1.51 times `memcpy`'s read
 /// rate.
 fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
-    let per = bytes.len().div_ceil(pool.threads()).next_multiple_of(64);
     let total = AtomicU64::new(0);
     pool.for_each_task(
         pool.threads(),
         || (),
         |_, t| {
-            let start = (t * per).min(bytes.len());
-            let len = per.min(bytes.len() - start);
+            let (start, len) = thread_part(bytes.len(), pool.threads(), t);
             let lines = len / 64 * 64;
             let tail = bytes[start + lines..start + len]
                 .iter()
@@ -103,6 +101,14 @@ fn read_probe(bytes: &[u8], pool: &WorkerPool) -> u64 {
         },
     );
     total.into_inner()
+}
+
+/// Thread `t`'s contiguous part of `len` bytes split over `threads`, `(start, len)`:
+/// parts of a whole number of 64-byte lines but the last, empty past the end. O(1).
+fn thread_part(len: usize, threads: usize, t: usize) -> (usize, usize) {
+    let per = len.div_ceil(threads).next_multiple_of(64);
+    let start = (t * per).min(len);
+    (start, per.min(len - start))
 }
 
 /// Lines that the probes ([`read_ranges`]) prefetch ahead of their reads (16 KiB). In a
@@ -227,11 +233,6 @@ fn sum_ranges(bytes: &[u8], ranges: &[(usize, usize)]) -> u64 {
     acc.iter().fold(0, |x, &y| x.wrapping_add(y))
 }
 
-/// Multiply-adds per 64-byte line of [`overlap_ceiling`]'s synthetic kernel: from
-/// arithmetic several times the probe's bandwidth (memory-bound) down to under half of
-/// it (bound by the arithmetic), to bracket the kernels' `arithmetic` column.
-const CEILING_WORK: [usize; 12] = [0, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48];
-
 /// The synthetic kernel: the probes' loop over `ranges` of `bytes` (each a whole
 /// number of 64-byte lines; prefetches [`PROBE_AHEAD`] lines ahead through the same
 /// [`Cursor`], a 64-byte load a line, added into one accumulator) with `W` 16-float
@@ -330,6 +331,29 @@ fn synthetic<const W: usize>(bytes: &[u8], ranges: &[(usize, usize)]) -> Option<
     None
 }
 
+/// [`ceiling_point`] at one number of multiply-adds per line.
+type PointFn =
+    fn(&[u8], &[Vec<(usize, usize)>], &dyn Fn() -> u64, &[u8], &WorkerPool) -> Option<(f64, f64)>;
+
+/// The points of [`overlap_ceiling`]'s curve, by multiply-adds per 64-byte line of the
+/// synthetic kernel: from arithmetic several times the probe's bandwidth (memory-bound)
+/// down to under half of it (bound by the arithmetic), to bracket the kernels'
+/// `arithmetic` column.
+const CEILING_POINTS: [(usize, PointFn); 12] = [
+    (0, ceiling_point::<0>),
+    (2, ceiling_point::<2>),
+    (4, ceiling_point::<4>),
+    (6, ceiling_point::<6>),
+    (8, ceiling_point::<8>),
+    (12, ceiling_point::<12>),
+    (16, ceiling_point::<16>),
+    (20, ceiling_point::<20>),
+    (24, ceiling_point::<24>),
+    (32, ceiling_point::<32>),
+    (40, ceiling_point::<40>),
+    (48, ceiling_point::<48>),
+];
+
 /// One point of an overlap ceiling's curve, `(arithmetic, share)`: the synthetic
 /// kernel of `W` multiply-adds per line over `tasks` (lists of ranges of `big`, spread
 /// over the threads of `pool`), its share of `probe` (over the same bytes) timed in
@@ -378,12 +402,14 @@ fn ceiling_point<const W: usize>(
 /// The overlap ceiling of this machine: what share of the probe a kernel of a given
 /// `arithmetic` (its in-cache rate on all threads over the probe, as the rows' last
 /// column) reaches when its memory access is as simple as can be: the probe's stream
-/// and prefetches, with [`CEILING_WORK`] multiply-adds per line ([`synthetic`]). A
+/// and prefetches, with [`CEILING_POINTS`]' multiply-adds per line ([`synthetic`]). A
 /// kernel whose arithmetic were free would read at 100%; one whose arithmetic and
-/// memory did not overlap at all at `1 / (1 + 1 / arithmetic)`. Measured on the
-/// development VM (Emerald Rapids, 2 threads, a stand-alone version): 98% at
-/// arithmetic 3.1, 83% at 2.0, 75% at 1.35, 64% at 0.82. Printed as a curve; returned
-/// sorted by arithmetic (empty where the CPU has neither AVX-512F nor AVX2).
+/// memory did not overlap at all at `1 / (1 + 1 / arithmetic)` (figures from the
+/// development VM in the module doc). Printed as a curve; returned sorted by
+/// arithmetic (empty where the CPU has neither AVX-512F nor AVX2). O(`CEILING_POINTS`
+/// × 13 rounds × (the synthetic kernel and the probe over `big`)): a few seconds over
+/// 256 MiB at 25 GB/s (the whole `KVPAGE_BENCH_CEILINGS` run, two curves with the probe
+/// check and the bytes' generation, took 11.5 s on the development VM).
 fn overlap_ceiling(
     pool: &WorkerPool,
     big: &[u8],
@@ -392,23 +418,8 @@ fn overlap_ceiling(
     small: &[u8],
 ) -> Vec<(f64, f64)> {
     let mut curve = Vec::new();
-    for w in CEILING_WORK {
-        let args = (big, tasks, probe, small, pool);
-        let point = match w {
-            0 => ceiling_point::<0>(args.0, args.1, args.2, args.3, args.4),
-            2 => ceiling_point::<2>(args.0, args.1, args.2, args.3, args.4),
-            4 => ceiling_point::<4>(args.0, args.1, args.2, args.3, args.4),
-            6 => ceiling_point::<6>(args.0, args.1, args.2, args.3, args.4),
-            8 => ceiling_point::<8>(args.0, args.1, args.2, args.3, args.4),
-            12 => ceiling_point::<12>(args.0, args.1, args.2, args.3, args.4),
-            16 => ceiling_point::<16>(args.0, args.1, args.2, args.3, args.4),
-            20 => ceiling_point::<20>(args.0, args.1, args.2, args.3, args.4),
-            24 => ceiling_point::<24>(args.0, args.1, args.2, args.3, args.4),
-            32 => ceiling_point::<32>(args.0, args.1, args.2, args.3, args.4),
-            40 => ceiling_point::<40>(args.0, args.1, args.2, args.3, args.4),
-            48 => ceiling_point::<48>(args.0, args.1, args.2, args.3, args.4),
-            _ => unreachable!("CEILING_WORK lists these"),
-        };
+    for (w, point) in CEILING_POINTS {
+        let point = point(big, tasks, probe, small, pool);
         let Some(point) = point else {
             println!("  (no synthetic kernel without AVX-512F or AVX2: no ceiling)");
             return Vec::new();
@@ -805,10 +816,10 @@ fn streaming_ceiling(pool: &WorkerPool, rng: &mut StdRng) -> Vec<(f64, f64)> {
     );
     let big: Vec<u8> = (0..256 << 20).map(|_| rng.random()).collect();
     let small: Vec<u8> = (0..512 << 10).map(|_| rng.random()).collect();
-    let per = big.len().div_ceil(pool.threads()).next_multiple_of(64);
-    let parts: Vec<Vec<(usize, usize)>> = (0..big.len())
-        .step_by(per)
-        .map(|start| vec![(start, per.min(big.len() - start) / 64 * 64)])
+    // The probe's own parts, whole lines of them.
+    let parts: Vec<Vec<(usize, usize)>> = (0..pool.threads())
+        .map(|t| thread_part(big.len(), pool.threads(), t))
+        .map(|(start, len)| vec![(start, len / 64 * 64)])
         .collect();
     overlap_ceiling(pool, &big, &parts, &|| read_probe(&big, pool), &small)
 }
