@@ -7,7 +7,7 @@ use core::marker::PhantomData;
 
 use super::avx512::Avx512;
 use super::lanes::{fp8_bf16, int8_vnni, pairs};
-use super::math::{accumulate_tokens_one_by_one, Simd};
+use super::math::Simd;
 use super::online::MAX_CHUNK;
 use crate::dtype::Element;
 
@@ -274,18 +274,32 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     fn gathers_values<T: Element>(self, hd: usize) -> bool {
         K::applies::<T>(hd)
     }
+    /// The runs' first `n` tokens, one slice each, in one [`DotKernels::accumulate`].
     #[inline(always)]
-    fn accumulate_tokens<T: Element, const R: usize>(
+    fn accumulate_runs<T: Element, const R: usize, F: FnMut()>(
         self,
         acc: &mut [f32],
         p: [&[f32]; R],
-        v: &[&[T]],
+        runs: &[&[T]],
+        n: usize,
         hd: usize,
+        step: &mut F,
     ) {
         if K::applies::<T>(hd) {
-            unsafe { K::accumulate::<T, R>(acc, p, v, hd) }
+            let mut tokens: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
+            let mut at = 0;
+            'runs: for run in runs {
+                for vt in run.chunks_exact(hd) {
+                    if at == n {
+                        break 'runs;
+                    }
+                    tokens[at] = vt;
+                    at += 1;
+                }
+            }
+            unsafe { K::accumulate::<T, R>(acc, p, &tokens[..at], hd) }
         } else {
-            accumulate_tokens_one_by_one(self, acc, p, v, hd)
+            self.avx512.accumulate_runs(acc, p, runs, n, hd, step)
         }
     }
     super::avx512::elementwise_of_avx512!();

@@ -80,29 +80,48 @@ pub(crate) trait Simd: Copy {
     fn leave_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         let _ = (rows, hd);
     }
-    /// Whether [`Simd::accumulate_tokens`] is this arithmetic's form of the accumulation
+    /// Whether [`Simd::accumulate_runs`] is this arithmetic's form of the accumulation
     /// for storage `T` with head dim `hd`: one whose calls carry a fixed cost (putting
     /// the weights in its form, scaling its sums into the accumulators), which the
-    /// attention loop then calls once per chunk and KV head, with the tokens of all
-    /// the chunk's runs. False by default. O(1).
+    /// attention loop then calls once per chunk and KV head, with all the chunk's runs.
+    /// False by default. O(1).
     #[inline(always)]
     fn gathers_values<T: Element>(self, hd: usize) -> bool {
         let _ = hd;
         false
     }
-    /// `acc_r[d] += Σ_t p[r][t] * v[t][d]` for the `R <= 4` rows `acc_r = acc[r *
-    /// hd..]`, over the tokens `v` (one slice of at least `hd` elements per token,
-    /// wherever each is stored). By default one [`Simd::accumulate1`] per row and token
-    /// ([`accumulate_tokens_one_by_one`]). O(R × v.len() × hd).
+    /// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the `R <= 4` rows `acc_r = acc[r *
+    /// hd..]`, over the first `n` tokens of `runs` (each run whole vectors of `hd`
+    /// elements stored one after another, the runs in token order; [`first_tokens`]).
+    /// By default one [`Simd::accumulate1`] per row and run. An arithmetic whose
+    /// [`Simd::gathered_step`] is not zero calls `step` after each that many tokens
+    /// (the attention loop prefetches in it); the others never call it.
+    /// O(R × n × hd).
     #[inline(always)]
-    fn accumulate_tokens<T: Element, const R: usize>(
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_runs<T: Element, const R: usize, F: FnMut()>(
         self,
         acc: &mut [f32],
         p: [&[f32]; R],
-        v: &[&[T]],
+        runs: &[&[T]],
+        n: usize,
         hd: usize,
+        step: &mut F,
     ) {
-        accumulate_tokens_one_by_one(self, acc, p, v, hd);
+        let _ = step;
+        for (t, run, len) in first_tokens(runs, n, hd) {
+            for (r, pr) in p.iter().enumerate() {
+                self.accumulate1(&mut acc[r * hd..(r + 1) * hd], &pr[t..], run, hd, len);
+            }
+        }
+    }
+    /// Tokens between two calls of [`Simd::accumulate_runs`]'s `step` for storage `T`
+    /// with head dim `hd`, or 0 if it never calls it: the attention loop then
+    /// prefetches the next chunk's values during the scores. O(1).
+    #[inline(always)]
+    fn gathered_step<T: Element>(self, hd: usize) -> usize {
+        let _ = hd;
+        0
     }
     /// Maximum of `x` (`-inf` when empty).
     fn max(self, x: &[f32]) -> f32;
@@ -192,21 +211,23 @@ pub(crate) fn accumulate4_by_pairs<V: Simd, T: Element>(
     simd.accumulate2(a23, p[2], p[3], v, hd, n);
 }
 
-/// [`Simd::accumulate_tokens`] as one [`Simd::accumulate1`] call per row and token.
-/// O(R × v.len() × hd).
+/// The first `n` tokens of `runs` (runs of whole vectors of `hd` elements, in token
+/// order), as `(first token, its run's slice of them, tokens)` per run: a run past the
+/// `n`th token is cut, the runs after it left out. O(1) per run.
 #[inline(always)]
-pub(crate) fn accumulate_tokens_one_by_one<V: Simd, T: Element, const R: usize>(
-    simd: V,
-    acc: &mut [f32],
-    p: [&[f32]; R],
-    v: &[&[T]],
+pub(crate) fn first_tokens<'a, T>(
+    runs: &'a [&'a [T]],
+    n: usize,
     hd: usize,
-) {
-    for (r, pr) in p.iter().enumerate() {
-        for (t, vt) in v.iter().enumerate() {
-            simd.accumulate1(&mut acc[r * hd..(r + 1) * hd], &pr[t..=t], vt, hd, 1);
-        }
-    }
+) -> impl Iterator<Item = (usize, &'a [T], usize)> + 'a {
+    let mut t = 0;
+    runs.iter().map_while(move |run| {
+        let len = (run.len() / hd.max(1)).min(n - t);
+        (len > 0).then(|| {
+            t += len;
+            (t - len, &run[..len * hd], len)
+        })
+    })
 }
 
 /// The portable implementation (any CPU): widens one token at a time into a stack

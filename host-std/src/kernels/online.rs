@@ -558,9 +558,13 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let passes = hr > 4;
     let widen = passes && simd.widens_for_passes::<T>();
     // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
-    // dot-product extensions) takes a chunk's values of one head in one call, token by
-    // token from all of the chunk's runs ([`Simd::gathers_values`]).
-    let gather = !widen && simd.gathers_values::<T>(hd);
+    // dot-product extensions, bf16 sums in the AMX tiles) takes a chunk's values of one
+    // head in one call, all of the chunk's runs ([`Simd::gathers_values`]). One that
+    // steps through it ([`Simd::gathered_step`]: the tiles) gathers for tasks of one
+    // pass only: gathered, chunked prefill took 0.98 to 1.04 of the time, where decode
+    // in cache took 0.88.
+    let paced = simd.gathered_step::<T>(hd);
+    let gather = !widen && simd.gathers_values::<T>(hd) && !(passes && paced > 0);
     // The prefetch schedule: the arithmetic's ([`Simd::schedule`]) for a task of one
     // pass over each head's K/V (decode with up to four query heads per KV head), which
     // memory bounds; the longest steps for more passes (wider groups, chunked prefill),
@@ -630,7 +634,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // An accumulation of few steps (a gathered one takes the chunk in one per
         // head) would prefetch the next V tiles in one burst: they are spread over the
         // scores' steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
-        let per_step_v = if gather {
+        let per_step_v = if gather && paced == 0 {
             pf_v.lines().div_ceil(steps)
         } else {
             0
@@ -734,21 +738,27 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // gathered, the chunk's tokens of one head at a time; else `value_step` tokens
         // at a time, each run's tiles head after head.
         if gather {
-            let per_step = pf_v.lines().div_ceil(heads);
-            let before = sched.before(per_step);
+            // Prefetches of the next V tiles: spread over the scores' steps (above), or
+            // issued at each of the accumulation's own steps.
+            let per_call = if paced > 0 {
+                pf_v.lines()
+                    .div_ceil(heads * hr.div_ceil(4) * n.div_ceil(paced))
+            } else {
+                0
+            };
             for h in 0..heads {
-                let mut tokens: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
+                let mut tiles: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
+                let mut count = 0;
                 for (t, len) in runs(src, t0, n) {
-                    let v = src.tile(h, 1, t, len);
-                    for (slot, vt) in tokens[t - t0..].iter_mut().zip(v.chunks_exact(hd)) {
-                        *slot = vt;
-                    }
+                    tiles[count] = src.tile(h, 1, t, len);
+                    count += 1;
                 }
                 let limit = &sc.limit[h * hr..(h + 1) * hr];
                 let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
-                pf_v.advance(pf_src, before);
-                value_rows(simd, acc, s, limit, hd, t0, Values::Tokens(&tokens[..n]));
-                pf_v.advance(pf_src, per_step - before);
+                let v = Values::Runs(&tiles[..count], n);
+                value_rows(simd, acc, s, limit, hd, t0, v, &mut || {
+                    pf_v.advance(pf_src, per_call)
+                });
             }
         } else {
             let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
@@ -766,9 +776,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         if widen {
                             simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
-                            value_rows(simd, acc, s, limit, hd, t + ts, wide);
+                            value_rows(simd, acc, s, limit, hd, t + ts, wide, &mut || {});
                         } else {
-                            value_rows(simd, acc, s, limit, hd, t + ts, Values::Tile(vt, m));
+                            let vt = Values::Tile(vt, m);
+                            value_rows(simd, acc, s, limit, hd, t + ts, vt, &mut || {});
                         }
                         pf_v.advance(pf_src, per_step - before);
                     }
@@ -934,11 +945,12 @@ fn score_rows<U: Element, V: Simd>(
 }
 
 /// The values one accumulation call reads: `Tile(v, m)`, `m` tokens stored one after
-/// another; or `Tokens`, one slice per token, wherever each is stored.
+/// another; or `Runs(runs, n)`, `n` tokens in runs of such tiles, wherever each run is
+/// stored.
 #[derive(Clone, Copy)]
 enum Values<'a, U> {
     Tile(&'a [U], usize),
-    Tokens(&'a [&'a [U]]),
+    Runs(&'a [&'a [U]], usize),
 }
 
 impl<U> Values<'_, U> {
@@ -946,8 +958,7 @@ impl<U> Values<'_, U> {
     #[inline(always)]
     fn len(&self) -> usize {
         match self {
-            Values::Tile(_, m) => *m,
-            Values::Tokens(v) => v.len(),
+            Values::Tile(_, m) | Values::Runs(_, m) => *m,
         }
     }
 }
@@ -955,9 +966,10 @@ impl<U> Values<'_, U> {
 /// Weighted values of the tokens `v` (context tokens `t..t + v.len()`) added into every
 /// row's accumulator (`acc[j * hd..]`), with the weights `s[j * MAX_CHUNK..]` (`s`
 /// starts at the step's offset in the chunk): four rows at a time, then two, then one.
-/// O(rows × m × hd).
+/// `step` goes to [`Simd::accumulate_runs`]. O(rows × m × hd).
 #[inline(always)]
-fn value_rows<U: Element, V: Simd>(
+#[allow(clippy::too_many_arguments)]
+fn value_rows<U: Element, V: Simd, F: FnMut()>(
     simd: V,
     acc: &mut [f32],
     s: &[f32],
@@ -965,6 +977,7 @@ fn value_rows<U: Element, V: Simd>(
     hd: usize,
     t: usize,
     v: Values<'_, U>,
+    step: &mut F,
 ) {
     let (rows, m) = (limit.len(), v.len());
     let weights = |j: usize| &s[j * MAX_CHUNK..j * MAX_CHUNK + m];
@@ -976,7 +989,7 @@ fn value_rows<U: Element, V: Simd>(
             let a = &mut acc[j * hd..(j + 4) * hd];
             match v {
                 Values::Tile(v, _) => simd.accumulate4(a, p, v, hd, cnt),
-                Values::Tokens(v) => simd.accumulate_tokens(a, p, &v[..cnt], hd),
+                Values::Runs(v, _) => simd.accumulate_runs(a, p, v, cnt, hd, step),
             }
         }
         j += 4;
@@ -988,15 +1001,15 @@ fn value_rows<U: Element, V: Simd>(
             let a = &mut acc[j * hd..(j + 2) * hd];
             match v {
                 Values::Tile(v, _) => simd.accumulate2(a, weights(j), weights(j + 1), v, hd, cnt),
-                Values::Tokens(v) => {
-                    simd.accumulate_tokens(a, [weights(j), weights(j + 1)], &v[..cnt], hd)
+                Values::Runs(v, _) => {
+                    simd.accumulate_runs(a, [weights(j), weights(j + 1)], v, cnt, hd, step)
                 }
             }
         } else if cnt > 0 {
             let a = &mut acc[j * hd..(j + 1) * hd];
             match v {
                 Values::Tile(v, _) => simd.accumulate1(a, weights(j), v, hd, cnt),
-                Values::Tokens(v) => simd.accumulate_tokens(a, [weights(j)], &v[..cnt], hd),
+                Values::Runs(v, _) => simd.accumulate_runs(a, [weights(j)], v, cnt, hd, step),
             }
         }
         j += if pair { 2 } else { 1 };

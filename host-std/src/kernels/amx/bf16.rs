@@ -19,12 +19,15 @@
 //!   token's weight in one half of its pair and zero in the other: rows whose weight
 //!   is in the low half sum the even dimensions, rows with it in the high half the
 //!   odd ones, so the sums come out in [`super::super::lanes`]'s split order (16 even
-//!   dimensions, then 16 odd, per group of 32).
+//!   dimensions, then 16 odd, per group of 32). [`accumulate4`] takes 16 tokens a
+//!   call; [`accumulate_runs4`] a chunk's (decode), the sums of each group kept in a
+//!   tile across its 16-token tiles.
 
 use core::arch::x86_64::*;
 
 use super::tiles::{self, tmm};
 use crate::dtype::Element;
+use crate::kernels::math::first_tokens;
 use crate::kernels::MAX_HEAD_DIM;
 
 /// Dimensions per tile of keys or values (64 bytes of bf16).
@@ -186,8 +189,8 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     // SAFETY: configured (caller). Key tile `g`: 16 rows of 64 bytes at `keys + 64 g`,
     // inside the keys (or the padded copy); query tile `g`: 16 rows of 32 bytes, inside
     // the four rows' `4 * hd` floats (`hd / 32` tiles of 512 bytes); `c` is 16 rows of
-    // 32 bytes at a stride of 64. Even groups' operands go to the first registers of
-    // each kind, odd groups' to the second.
+    // 32 bytes at a stride of 64. Even groups' keys go to the first stored register,
+    // odd groups' to the second.
     unsafe {
         let qb: *const u8 = q.as_ptr().cast();
         tiles::zero::<{ tmm::SCORES }>();
@@ -195,12 +198,12 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
             let (k, q) = (keys.add(64 * g), qb.add(4 * QUERY_TILE_WORDS * g));
             if g.is_multiple_of(2) {
                 tiles::load::<{ tmm::STORED[0] }>(k, key_stride);
-                tiles::load::<{ tmm::QUERIES[0] }>(q, 32);
-                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[0] }, { tmm::QUERIES[0] }>();
+                tiles::load::<{ tmm::QUERIES }>(q, 32);
+                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[0] }, { tmm::QUERIES }>();
             } else {
                 tiles::load::<{ tmm::STORED[1] }>(k, key_stride);
-                tiles::load::<{ tmm::QUERIES[1] }>(q, 32);
-                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[1] }, { tmm::QUERIES[1] }>();
+                tiles::load::<{ tmm::QUERIES }>(q, 32);
+                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[1] }, { tmm::QUERIES }>();
             }
         }
         tiles::store::<{ tmm::SCORES }>(c.as_mut_ptr().cast(), 64);
@@ -232,6 +235,62 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     }
 }
 
+/// Writes the weights tile of `n <= 16` tokens into `w`: row `8 · odd + 4 · part + r`,
+/// token `t`'s pair holding the part of `p[r][t]` in its low half (even dimensions) or
+/// high half (odd ones); tokens past `n` weigh zero. O(1).
+///
+/// # Safety
+/// AVX-512F; each `p[r]` holds `n` weights.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+unsafe fn weights_tile(p: [&[f32]; ROWS], n: usize, w: &mut core::mem::MaybeUninit<TileRows>) {
+    let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
+    let rows: *mut u32 = w.as_mut_ptr().cast();
+    for (r, pr) in p.iter().enumerate() {
+        // SAFETY: `n` weights readable (caller), the rest masked; AVX-512F (caller).
+        let (hi, lo) = unsafe {
+            let x = _mm512_maskz_loadu_ps(mask, pr.as_ptr());
+            let hi = nearest_bf16(x);
+            (hi, nearest_bf16(_mm512_sub_ps(x, _mm512_castsi512_ps(hi))))
+        };
+        for (row, part) in [(r, hi), (ROWS + r, lo)] {
+            // SAFETY: 64 bytes into rows `row` and `8 + row` of `w` (every row of the
+            // 16 is written, once, by this loop).
+            unsafe {
+                _mm512_storeu_si512(rows.add(16 * row).cast(), _mm512_srli_epi32::<16>(part));
+                _mm512_storeu_si512(rows.add(16 * (2 * ROWS + row)).cast(), part);
+            }
+        }
+    }
+}
+
+/// Adds the sums tile of group `g` (as stored from a product with a [`weights_tile`]:
+/// each row's high and low parts, even and odd dimensions) into the four accumulator
+/// rows of `acc` (`hd` floats each, split order). O(1).
+///
+/// # Safety
+/// AVX-512F; `sums` is 16 rows of 16 floats, all written; `acc` holds four rows of
+/// `hd`, and group `g` is inside them.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+unsafe fn add_sums(acc: &mut [f32], sums: *const f32, hd: usize, g: usize) {
+    debug_assert!(acc.len() >= ROWS * hd && (g + 1) * GROUP <= hd);
+    // SAFETY: as the caller promises; AVX-512F (caller).
+    unsafe {
+        for r in 0..ROWS {
+            for odd in 0..2 {
+                let (high, low) = (8 * odd + r, 8 * odd + ROWS + r);
+                let sum = _mm512_add_ps(
+                    _mm512_loadu_ps(sums.add(16 * high)),
+                    _mm512_loadu_ps(sums.add(16 * low)),
+                );
+                let a = acc.as_mut_ptr().add(r * hd + g * GROUP + 16 * odd);
+                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), sum));
+            }
+        }
+    }
+}
+
 /// `acc_r[d] += Σ_{t<n} p[r][t] · v_t[d]` for the four rows `acc_r = acc[r * hd..]`,
 /// in split order.
 ///
@@ -252,27 +311,9 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
     // The memory the tiles and vectors below touch (checked: a few comparisons a call).
     assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
     assert!(acc.len() >= ROWS * hd && v.len() >= n * hd && p.iter().all(|p| p.len() >= n));
-    // The weights tile: row `8 · odd + 4 · part + r`, token `t`'s pair holding the
-    // part of `p[r][t]` in its low half (even dimensions) or high half (odd ones).
-    let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
     let mut w = core::mem::MaybeUninit::<TileRows>::uninit();
-    let rows: *mut u32 = w.as_mut_ptr().cast();
-    for (r, pr) in p.iter().enumerate() {
-        // SAFETY: `n` weights readable (caller), the rest masked; AVX-512F (caller).
-        let (hi, lo) = unsafe {
-            let x = _mm512_maskz_loadu_ps(mask, pr.as_ptr());
-            let hi = nearest_bf16(x);
-            (hi, nearest_bf16(_mm512_sub_ps(x, _mm512_castsi512_ps(hi))))
-        };
-        for (row, part) in [(r, hi), (ROWS + r, lo)] {
-            // SAFETY: 64 bytes into rows `row` and `8 + row` of `w` (every row of the
-            // 16 is written, once, by this loop).
-            unsafe {
-                _mm512_storeu_si512(rows.add(16 * row).cast(), _mm512_srli_epi32::<16>(part));
-                _mm512_storeu_si512(rows.add(16 * (2 * ROWS + row)).cast(), part);
-            }
-        }
-    }
+    // SAFETY: AVX-512F (caller); `n` weights a row (checked).
+    unsafe { weights_tile(p, n, &mut w) };
     let mut pad: Padded;
     let (values, stride): (*const u8, usize) = if n == TOKENS {
         (v.as_ptr().cast(), 2 * hd)
@@ -302,7 +343,7 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
         }
     };
     // SAFETY: configured (caller); `w` is 16 rows of 64 bytes, all written above.
-    unsafe { tiles::load::<{ tmm::WEIGHTS }>(rows.cast_const().cast(), 64) };
+    unsafe { tiles::load::<{ tmm::WEIGHTS }>(w.as_ptr().cast(), 64) };
     let groups = hd / GROUP;
     product(0);
     for g in 0..groups {
@@ -310,23 +351,180 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
         if g + 1 < groups {
             product(g + 1);
         }
-        let sums = sums[g % 2];
-        // SAFETY: every row of `sums` was written by group `g`'s tile store, and `acc`
-        // holds four rows of `hd` (caller), of which group `g`'s 32 floats are read and
-        // written; AVX-512F (caller).
+        // SAFETY: every row of `sums[g % 2]` was written by group `g`'s tile store;
+        // `acc` holds four rows of `hd` (checked); AVX-512F (caller).
+        unsafe { add_sums(acc, sums[g % 2], hd, g) };
+    }
+}
+
+/// Tiles of 16 tokens in one call of [`accumulate_runs4`]: a chunk's.
+const CHUNK_TILES: usize = crate::kernels::online::MAX_CHUNK / TOKENS;
+
+/// One tile of a chunk's values: rows `stride` bytes apart from `start`.
+#[derive(Clone, Copy)]
+struct ValueTile {
+    start: *const u8,
+    stride: usize,
+}
+
+/// `acc_r[d] += Σ_{t<n} p[r][t] · v_t[d]` for the four rows `acc_r = acc[r * hd..]`, in
+/// split order, over the first `n <= 64` tokens of `runs` (runs of whole vectors of
+/// `hd` bf16, in token order: a chunk's of one KV head), calling `step` after each 16.
+///
+/// The sums are chained: each group of dimensions has its own sums tile
+/// ([`tmm::GROUP_SUMS`], four groups at a time), which adds up every 16 tokens of the
+/// call and is stored and added into the accumulators once. [`accumulate4`] over each
+/// 16 tokens stores and adds them once per 16 tokens, which took 14% of a bf16 decode's
+/// samples (`tilestored` waits for its product). Paired medians, decode of 32 query
+/// heads over 8 KV heads, head dim 128, blocks of 16, Emerald Rapids: 0.88 of the time
+/// in cache (1 × 256 tokens, one thread, 15 rounds), 0.97 and 1.01 out of cache (32 ×
+/// 2048, two threads, 13 rounds each; the host's bandwidth swung between runs by 1.5
+/// times).
+///
+/// A tile of 16 tokens inside one run is loaded where it is stored; a tile across runs
+/// (blocks of fewer than 16 tokens, or a block boundary inside a tile), or the last,
+/// partial one, is first copied onto the stack, rows past the tokens zero. O(n × hd).
+///
+/// # Safety
+/// [`tiles::configure`] ran on this thread (which implies AVX-512F and BW); `T` is
+/// bf16; `hd` is a non-zero multiple of 32 within `MAX_HEAD_DIM`; each `p[r]` holds
+/// `n` weights; `acc` holds four rows.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
+    acc: &mut [f32],
+    p: [&[f32]; ROWS],
+    runs: &[&[T]],
+    n: usize,
+    hd: usize,
+    step: &mut F,
+) {
+    // The memory the tiles and vectors below touch (checked: a few comparisons a call).
+    assert!(n <= CHUNK_TILES * TOKENS && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
+    assert!(acc.len() >= ROWS * hd && p.iter().all(|p| p.len() >= n));
+    let mut copies = [const { core::mem::MaybeUninit::<Padded>::uninit() }; CHUNK_TILES];
+    let mut tiles = [ValueTile {
+        start: core::ptr::null(),
+        stride: 0,
+    }; CHUNK_TILES];
+    // Tiles, and tokens, that the runs hold (all `n` unless they hold fewer).
+    let (mut count, mut tokens) = (0, 0);
+    // Each run's tokens, tile by tile: whole tiles inside the run as they are, the rest
+    // into the copy of the tile they fall in.
+    for (t, run, len) in first_tokens(runs, n, hd) {
+        let mut at = 0;
+        while at < len {
+            let (tile, row) = ((t + at) / TOKENS, (t + at) % TOKENS);
+            if row == 0 && len - at >= TOKENS {
+                tiles[tile] = ValueTile {
+                    start: run[at * hd..].as_ptr().cast(),
+                    stride: 2 * hd,
+                };
+                at += TOKENS;
+            } else {
+                let m = (len - at).min(TOKENS - row);
+                let copy = copies[tile].as_mut_ptr().cast::<[u16; MAX_HEAD_DIM]>();
+                for (i, x) in run[at * hd..(at + m) * hd].chunks_exact(hd).enumerate() {
+                    // SAFETY: row `row + i < 16` of the copy holds `MAX_HEAD_DIM >= hd`
+                    // elements; `x` holds `hd`.
+                    unsafe {
+                        core::ptr::copy_nonoverlapping(
+                            x.as_ptr().cast::<u8>(),
+                            copy.add(row + i).cast(),
+                            2 * hd,
+                        )
+                    };
+                }
+                tiles[tile] = ValueTile {
+                    start: copy.cast_const().cast(),
+                    stride: 2 * MAX_HEAD_DIM,
+                };
+                at += m;
+            }
+            count = tile + 1;
+        }
+        tokens = t + len;
+    }
+    if tokens == 0 {
+        return;
+    }
+    let last = tokens - (count - 1) * TOKENS;
+    if last < TOKENS {
+        // The last tile's rows past the tokens: zero, so that their zero weights
+        // multiply numbers (a copy's rows are those of the tokens only).
+        let copy = copies[count - 1].as_mut_ptr().cast::<[u16; MAX_HEAD_DIM]>();
+        for row in last..TOKENS {
+            // SAFETY: row `row < 16` of the copy, its first `hd` elements.
+            unsafe { copy.add(row).cast::<u16>().write_bytes(0, hd) };
+        }
+    }
+    let mut w = [const { core::mem::MaybeUninit::<TileRows>::uninit() }; CHUNK_TILES];
+    for (i, w) in w.iter_mut().enumerate().take(count) {
+        let m = (tokens - i * TOKENS).min(TOKENS);
+        // SAFETY: AVX-512F (caller); `tokens <= n` weights a row (checked).
+        unsafe { weights_tile(p.map(|p| &p[i * TOKENS..]), m, w) };
+    }
+    let mut c = core::mem::MaybeUninit::<TileRows>::uninit();
+    let sums: *mut f32 = c.as_mut_ptr().cast();
+    let groups = hd / GROUP;
+    for g0 in (0..groups).step_by(4) {
+        let chained = (groups - g0).min(4);
+        // SAFETY: configured (caller). Value tile `i`'s group `g` is 16 rows of 64
+        // bytes at `tiles[i].start + 64 g`: inside its run, or inside its copy (rows
+        // with tokens copied, the rest zeroed above); weights tile `i` was written
+        // above; `c` is 16 rows of 64 bytes.
         unsafe {
-            for r in 0..ROWS {
-                for odd in 0..2 {
-                    let (high, low) = (8 * odd + r, 8 * odd + ROWS + r);
-                    let sum = _mm512_add_ps(
-                        _mm512_loadu_ps(sums.add(16 * high)),
-                        _mm512_loadu_ps(sums.add(16 * low)),
-                    );
-                    let a = acc.as_mut_ptr().add(r * hd + g * GROUP + 16 * odd);
-                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), sum));
+            tiles::zero::<{ tmm::GROUP_SUMS[0] }>();
+            tiles::zero::<{ tmm::GROUP_SUMS[1] }>();
+            tiles::zero::<{ tmm::GROUP_SUMS[2] }>();
+            tiles::zero::<{ tmm::GROUP_SUMS[3] }>();
+            for (tile, w) in tiles.iter().zip(&w).take(count) {
+                let (at, stride) = (tile.start.add(64 * g0), tile.stride);
+                tiles::load::<{ tmm::WEIGHTS }>(w.as_ptr().cast(), 64);
+                chain_group::<{ tmm::GROUP_SUMS[0] }>(at, stride);
+                if chained > 1 {
+                    chain_group::<{ tmm::GROUP_SUMS[1] }>(at.add(64), stride);
+                }
+                if chained > 2 {
+                    chain_group::<{ tmm::GROUP_SUMS[2] }>(at.add(128), stride);
+                }
+                if chained > 3 {
+                    chain_group::<{ tmm::GROUP_SUMS[3] }>(at.add(192), stride);
+                }
+                if g0 == 0 {
+                    step();
                 }
             }
+            tiles::store::<{ tmm::GROUP_SUMS[0] }>(sums.cast(), 64);
+            add_sums(acc, sums, hd, g0);
+            if chained > 1 {
+                tiles::store::<{ tmm::GROUP_SUMS[1] }>(sums.cast(), 64);
+                add_sums(acc, sums, hd, g0 + 1);
+            }
+            if chained > 2 {
+                tiles::store::<{ tmm::GROUP_SUMS[2] }>(sums.cast(), 64);
+                add_sums(acc, sums, hd, g0 + 2);
+            }
+            if chained > 3 {
+                tiles::store::<{ tmm::GROUP_SUMS[3] }>(sums.cast(), 64);
+                add_sums(acc, sums, hd, g0 + 3);
+            }
         }
+    }
+}
+
+/// `S += W · V` with `V` the 16 rows of 64 bytes at `values`, `stride` bytes apart,
+/// through [`tmm::VALUES`], and `W` in [`tmm::WEIGHTS`]. O(1).
+///
+/// # Safety
+/// [`tiles::configure`] ran on this thread; the rows are readable; `S` is one of
+/// [`tmm::GROUP_SUMS`].
+#[inline(always)]
+unsafe fn chain_group<const S: u8>(values: *const u8, stride: usize) {
+    // SAFETY: the caller's.
+    unsafe {
+        tiles::load::<{ tmm::VALUES }>(values, stride);
+        tiles::dot_bf16::<S, { tmm::WEIGHTS }, { tmm::VALUES }>();
     }
 }
 
@@ -425,6 +623,94 @@ mod tests {
                 }
                 let err = worst(&acc, &want, &scale);
                 assert!(err < 4e-5, "accumulation hd {hd} n {n}: {err:e}");
+            }
+        }
+        amx.end();
+    }
+
+    /// The chained accumulation over runs of every shape a chunk can have (whole tiles
+    /// in blocks of 16 and 48, blocks of 8 and 5 copied, a block boundary inside a tile
+    /// or one token short of a tile's end,
+    /// a last partial tile, fewer tokens asked for than the runs hold, their vectors
+    /// past those NaN) at head dims of one, three, four and eight groups, against f64
+    /// sums; and one `step` per tile.
+    #[test]
+    fn chained_runs_match_f64_sums() {
+        let Some(amx) = AmxBf16::detect() else {
+            eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)");
+            return;
+        };
+        let mut rng = StdRng::seed_from_u64(12);
+        amx.begin();
+        let shapes: [(&[usize], usize); 9] = [
+            (&[16, 16, 16, 16], 64),
+            (&[48, 16], 64),
+            (&[20, 44], 64),
+            (&[31, 33], 64),
+            (&[15, 49], 64),
+            (&[8, 8, 8, 8, 8], 40),
+            (&[5, 5, 5, 5, 5, 5, 5], 33),
+            (&[16, 16, 16], 37),
+            (&[1], 1),
+        ];
+        for hd in [32, 96, 128, 256] {
+            for (lens, n) in shapes {
+                let total: usize = lens.iter().sum();
+                // Each run in its own allocation, the vectors past the `n`th NaN.
+                let mut runs: Vec<Vec<bf16>> = vec![];
+                let mut t = 0;
+                for &len in lens {
+                    runs.push(
+                        (0..len * hd)
+                            .map(|i| {
+                                if t + i / hd < n {
+                                    bf16::from_f32(rng.random_range(-3.0..3.0))
+                                } else {
+                                    bf16::NAN
+                                }
+                            })
+                            .collect(),
+                    );
+                    t += len;
+                }
+                assert!(total >= n);
+                let token = |t: usize| {
+                    let (mut r, mut at) = (0, t);
+                    while at >= lens[r] {
+                        at -= lens[r];
+                        r += 1;
+                    }
+                    &runs[r][at * hd..(at + 1) * hd]
+                };
+                let p: Vec<Vec<f32>> = (0..ROWS)
+                    .map(|_| (0..n).map(|_| rng.random_range(0.0..1.0)).collect())
+                    .collect();
+                let acc0: Vec<f32> = (0..ROWS * hd)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                let mut acc = acc0.clone();
+                crate::kernels::lanes::to_split_order::<GROUP, 2>(&mut acc);
+                let slices: Vec<&[bf16]> = runs.iter().map(|r| &r[..]).collect();
+                let rows = [&p[0][..], &p[1][..], &p[2][..], &p[3][..]];
+                let mut steps = 0;
+                // SAFETY: configured above; the shapes are the kernel's.
+                unsafe { accumulate_runs4(&mut acc, rows, &slices, n, hd, &mut || steps += 1) };
+                assert_eq!(steps, n.div_ceil(TOKENS), "hd {hd} runs {lens:?}");
+                crate::kernels::lanes::from_split_order::<GROUP, 2>(&mut acc);
+                // (`worst` passes NaN over.)
+                assert!(acc.iter().all(|x| x.is_finite()), "hd {hd} runs {lens:?}");
+                let (mut want, mut scale) = (vec![], vec![]);
+                for r in 0..ROWS {
+                    for d in 0..hd {
+                        let terms = (0..n).map(|t| f64::from(p[r][t]) * f64::from(token(t)[d]));
+                        want.push(f64::from(acc0[r * hd + d]) + terms.clone().sum::<f64>());
+                        scale.push(
+                            f64::from(acc0[r * hd + d].abs()) + terms.map(f64::abs).sum::<f64>(),
+                        );
+                    }
+                }
+                let err = worst(&acc, &want, &scale);
+                assert!(err < 4e-5, "hd {hd} runs {lens:?} n {n}: {err:e}");
             }
         }
         amx.end();

@@ -7,9 +7,11 @@
 //! takes only tasks whose rows per KV head are a multiple of four
 //! ([`Simd::takes_rows`]): decode of groups of 4 or 8 query heads per KV head, and
 //! chunked prefill of such groups. The attention loop then calls only
-//! [`Simd::scores4`] and [`Simd::accumulate4`], on groups of four rows that start at
-//! a multiple of four. FP8 tasks the tiles do not take go to [`Avx512`] whole, since
-//! its codes decode in another unit ([`Simd::code_unit`]).
+//! [`Simd::scores4`], [`Simd::accumulate4`] and (bf16 decode, whose accumulation
+//! takes a chunk's blocks at once and keeps its sums in the tiles across them)
+//! [`Simd::accumulate_runs`], on groups of four rows that start at a multiple of
+//! four. FP8 tasks the tiles do not take go to [`Avx512`] whole, since its codes
+//! decode in another unit ([`Simd::code_unit`]).
 //!
 //! FP8 through the tiles, against the AVX-512 route of f16 decoding and f32 FMAs
 //! (Emerald Rapids, decode of 32 query heads over 8 KV heads, head dim 128; medians of
@@ -71,6 +73,14 @@ impl AmxBf16 {
 #[inline(always)]
 fn tiled<T: Element>(hd: usize) -> bool {
     matches!(T::KIND, Kind::Bf16 | Kind::Fp8E4m3) && hd.is_multiple_of(bf16::GROUP) && hd > 0
+}
+
+/// Whether storage `T` with head dim `hd` takes the chained accumulation
+/// ([`bf16::accumulate_runs4`]): bf16 in the tiles (FP8 decodes a tile at a time).
+/// O(1).
+#[inline(always)]
+fn chained<T: Element>(hd: usize) -> bool {
+    T::KIND == Kind::Bf16 && tiled::<T>(hd)
 }
 
 // SAFETY (every method): an `AmxBf16` value exists only when `detect` found AVX-512F,
@@ -176,9 +186,37 @@ impl Simd for AmxBf16 {
             self.avx512.leave_kernel_order::<T>(rows, hd)
         }
     }
+    /// bf16 through the tiles: a chunk's values of a KV head in one call, whose sums
+    /// stay in the tiles across its blocks ([`bf16::accumulate_runs4`]).
     #[inline(always)]
     fn gathers_values<T: Element>(self, hd: usize) -> bool {
-        self.avx512.gathers_values::<T>(hd)
+        chained::<T>(hd) || self.avx512.gathers_values::<T>(hd)
+    }
+    #[inline(always)]
+    fn accumulate_runs<T: Element, const R: usize, F: FnMut()>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; R],
+        runs: &[&[T]],
+        n: usize,
+        hd: usize,
+        step: &mut F,
+    ) {
+        if chained::<T>(hd) && R == bf16::ROWS {
+            let p = core::array::from_fn(|r| p[r]);
+            unsafe { bf16::accumulate_runs4(acc, p, runs, n, hd, step) }
+        } else {
+            self.avx512.accumulate_runs(acc, p, runs, n, hd, step)
+        }
+    }
+    /// bf16: a step a tile of 16 tokens.
+    #[inline(always)]
+    fn gathered_step<T: Element>(self, hd: usize) -> usize {
+        if chained::<T>(hd) {
+            bf16::TOKENS
+        } else {
+            self.avx512.gathered_step::<T>(hd)
+        }
     }
     elementwise_of_avx512!();
     /// FP8 in the tiles' unit ([`fp8::UNIT`], exact: a code over

@@ -6,31 +6,39 @@
 
 use core::arch::asm;
 
-/// Tile register numbers of the configuration [`configure`] loads. Two of each kind an
-/// arithmetic loads, for alternate groups of dimensions: a tile register is not
-/// renamed, so loading the next group's operands into the registers the current
-/// product reads would wait for it (and storing a group's sums would wait for the
-/// next product into the same register). One scores tile: a product waits for the
-/// previous one into it no longer than for the multiplier to be free.
+/// Tile register numbers of the configuration [`configure`] loads: two of 16 rows × 32
+/// bytes, six of 16 rows × 64 bytes. A tile register is not renamed, so loading the
+/// next operands into a register that a product still reads waits for it, and storing
+/// sums waits for the product into them: the kernels alternate registers where they
+/// can. The scores take one query register (what they load for a group of
+/// dimensions waits on the previous group's product into the same scores tile
+/// anyway), so that the chained accumulation has four sums tiles.
 pub(super) mod tmm {
     /// Scores: 16 tokens × 8 columns of f32 (four rows' high and low query parts).
     pub(in crate::kernels::amx) const SCORES: u8 = 0;
     /// Scores: 16 dimension pairs × 8 columns of the query parts.
-    pub(in crate::kernels::amx) const QUERIES: [u8; 2] = [1, 2];
-    /// Scores and accumulation: 16 keys or values × 32 bf16 dimensions.
-    pub(in crate::kernels::amx) const STORED: [u8; 2] = [3, 4];
-    /// Accumulation: 16 rows (4 query rows × 2 weight parts × even / odd dimensions) ×
-    /// 16 f32.
-    pub(in crate::kernels::amx) const SUMS: [u8; 2] = [5, 6];
+    pub(in crate::kernels::amx) const QUERIES: u8 = 1;
+    /// Scores and accumulation a tile at a time: 16 keys or values × 32 bf16
+    /// dimensions, for alternate groups of dimensions.
+    pub(in crate::kernels::amx) const STORED: [u8; 2] = [2, 3];
+    /// Accumulation a tile at a time: 16 rows (4 query rows × 2 weight parts × even /
+    /// odd dimensions) × 16 f32, for alternate groups.
+    pub(in crate::kernels::amx) const SUMS: [u8; 2] = [4, 5];
     /// Accumulation: 16 rows × 16 tokens of the weights, each in one half of a pair.
-    pub(in crate::kernels::amx) const WEIGHTS: u8 = 7;
+    pub(in crate::kernels::amx) const WEIGHTS: u8 = 6;
+    /// Chained accumulation: the sums of four groups of dimensions, kept across the
+    /// tiles of a chunk (the registers of [`STORED`] and [`SUMS`], which a chained
+    /// accumulation does not use).
+    pub(in crate::kernels::amx) const GROUP_SUMS: [u8; 4] = [2, 3, 4, 5];
+    /// Chained accumulation: 16 values × 32 bf16 dimensions.
+    pub(in crate::kernels::amx) const VALUES: u8 = 7;
 }
 
 /// `[rows, bytes per row]` of each tile register of the configuration.
 const SHAPES: [[u8; 2]; 8] = [
     [16, 32],
     [16, 32],
-    [16, 32],
+    [16, 64],
     [16, 64],
     [16, 64],
     [16, 64],
