@@ -376,10 +376,10 @@ struct ValueTile {
 /// call and is stored and added into the accumulators once. [`accumulate4`] over each
 /// 16 tokens stores and adds them once per 16 tokens, which took 14% of a bf16 decode's
 /// samples (`tilestored` waits for its product). Paired medians, decode of 32 query
-/// heads over 8 KV heads, head dim 128, blocks of 16, Emerald Rapids: 0.88 of the time
-/// in cache (1 × 256 tokens, one thread, 15 rounds), 0.97 and 1.01 out of cache (32 ×
-/// 2048, two threads, 13 rounds each; the host's bandwidth swung between runs by 1.5
-/// times).
+/// heads over 8 KV heads, head dim 128, blocks of 16, Emerald Rapids: 0.88 and 0.90 of
+/// the time in cache (1 × 256 tokens, one thread, 15 and 11 rounds), 0.95 to 1.01 out
+/// of cache (32 × 2048, two threads, three sets of 11 to 13 rounds; the host's
+/// bandwidth swung between runs by 1.5 times).
 ///
 /// A tile of 16 tokens inside one run is loaded where it is stored; a tile across runs
 /// (blocks of fewer than 16 tokens, or a block boundary inside a tile), or the last,
@@ -551,6 +551,29 @@ mod tests {
             .fold(0.0, f64::max)
     }
 
+    /// The worst error ([`worst`]) of the four accumulator rows `acc` (dimension order)
+    /// against `acc0 + Σ_t p[r][t] · v_t` over the `n` tokens `token(t)`, relative to
+    /// `|acc0| + Σ |p · v|`; every output must be finite (`worst` passes NaN over).
+    fn accumulation_error<'a>(
+        acc: &[f32],
+        acc0: &[f32],
+        p: &[Vec<f32>],
+        token: impl Fn(usize) -> &'a [bf16],
+        n: usize,
+        hd: usize,
+    ) -> f64 {
+        assert!(acc.iter().all(|x| x.is_finite()), "a non-finite output");
+        let (mut want, mut scale) = (vec![], vec![]);
+        for r in 0..ROWS {
+            for d in 0..hd {
+                let terms = (0..n).map(|t| f64::from(p[r][t]) * f64::from(token(t)[d]));
+                want.push(f64::from(acc0[r * hd + d]) + terms.clone().sum::<f64>());
+                scale.push(f64::from(acc0[r * hd + d].abs()) + terms.map(f64::abs).sum::<f64>());
+            }
+        }
+        worst(acc, &want, &scale)
+    }
+
     #[test]
     fn tiles_match_f64_sums() {
         let Some(amx) = AmxBf16::detect() else {
@@ -611,17 +634,7 @@ mod tests {
                 // SAFETY: configured above; the shapes are the kernel's.
                 unsafe { accumulate4(&mut acc, rows, &v, hd, n) };
                 crate::kernels::lanes::from_split_order::<GROUP, 2>(&mut acc);
-                let (mut want, mut scale) = (vec![], vec![]);
-                for r in 0..ROWS {
-                    for d in 0..hd {
-                        let terms = (0..n).map(|t| f64::from(p[r][t]) * f64::from(v[t * hd + d]));
-                        want.push(f64::from(acc0[r * hd + d]) + terms.clone().sum::<f64>());
-                        scale.push(
-                            f64::from(acc0[r * hd + d].abs()) + terms.map(f64::abs).sum::<f64>(),
-                        );
-                    }
-                }
-                let err = worst(&acc, &want, &scale);
+                let err = accumulation_error(&acc, &acc0, &p, |t| &v[t * hd..], n, hd);
                 assert!(err < 4e-5, "accumulation hd {hd} n {n}: {err:e}");
             }
         }
@@ -630,10 +643,9 @@ mod tests {
 
     /// The chained accumulation over runs of every shape a chunk can have (whole tiles
     /// in blocks of 16 and 48, blocks of 8 and 5 copied, a block boundary inside a tile
-    /// or one token short of a tile's end,
-    /// a last partial tile, fewer tokens asked for than the runs hold, their vectors
-    /// past those NaN) at head dims of one, three, four and eight groups, against f64
-    /// sums; and one `step` per tile.
+    /// or one token short of a tile's end, a last partial tile, fewer tokens asked for
+    /// than the runs hold, their vectors past those NaN) at head dims of one, three,
+    /// four and eight groups, against f64 sums; and one `step` per tile.
     #[test]
     fn chained_runs_match_f64_sums() {
         let Some(amx) = AmxBf16::detect() else {
@@ -697,19 +709,7 @@ mod tests {
                 unsafe { accumulate_runs4(&mut acc, rows, &slices, n, hd, &mut || steps += 1) };
                 assert_eq!(steps, n.div_ceil(TOKENS), "hd {hd} runs {lens:?}");
                 crate::kernels::lanes::from_split_order::<GROUP, 2>(&mut acc);
-                // (`worst` passes NaN over.)
-                assert!(acc.iter().all(|x| x.is_finite()), "hd {hd} runs {lens:?}");
-                let (mut want, mut scale) = (vec![], vec![]);
-                for r in 0..ROWS {
-                    for d in 0..hd {
-                        let terms = (0..n).map(|t| f64::from(p[r][t]) * f64::from(token(t)[d]));
-                        want.push(f64::from(acc0[r * hd + d]) + terms.clone().sum::<f64>());
-                        scale.push(
-                            f64::from(acc0[r * hd + d].abs()) + terms.map(f64::abs).sum::<f64>(),
-                        );
-                    }
-                }
-                let err = worst(&acc, &want, &scale);
+                let err = accumulation_error(&acc, &acc0, &p, token, n, hd);
                 assert!(err < 4e-5, "hd {hd} runs {lens:?} n {n}: {err:e}");
             }
         }
