@@ -7,7 +7,7 @@ use core::marker::PhantomData;
 
 use super::avx512::Avx512;
 use super::lanes::{fp8_bf16, int8_vnni, pairs};
-use super::math::Simd;
+use super::math::{first_tokens, Simd};
 use super::online::MAX_CHUNK;
 use crate::dtype::Element;
 
@@ -271,7 +271,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     /// int8 in cache, 1 × 256 tokens: 8 tokens a call 7.9 GB/s per thread, 16: 9.0,
     /// 64: 10.5).
     #[inline(always)]
-    fn gathers_values<T: Element>(self, hd: usize) -> bool {
+    fn gathers_values<T: Element>(self, hd: usize, _passes: bool) -> bool {
         K::applies::<T>(hd)
     }
     /// The runs' first `n` tokens, one slice each, in one [`DotKernels::accumulate`].
@@ -288,11 +288,8 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         if K::applies::<T>(hd) {
             let mut tokens: [&[T]; MAX_CHUNK] = [&[]; MAX_CHUNK];
             let mut at = 0;
-            'runs: for run in runs {
+            for (_, run, _) in first_tokens(runs, n, hd) {
                 for vt in run.chunks_exact(hd) {
-                    if at == n {
-                        break 'runs;
-                    }
                     tokens[at] = vt;
                     at += 1;
                 }

@@ -81,13 +81,14 @@ pub(crate) trait Simd: Copy {
         let _ = (rows, hd);
     }
     /// Whether [`Simd::accumulate_runs`] is this arithmetic's form of the accumulation
-    /// for storage `T` with head dim `hd`: one whose calls carry a fixed cost (putting
-    /// the weights in its form, scaling its sums into the accumulators), which the
-    /// attention loop then calls once per chunk and KV head, with all the chunk's runs.
-    /// False by default. O(1).
+    /// for storage `T` with head dim `hd`, in a task of one pass over each stored
+    /// vector or of several (`passes`: more than four rows per KV head): one whose
+    /// calls carry a fixed cost (putting the weights in its form, scaling its sums into
+    /// the accumulators), which the attention loop then calls once per chunk and KV
+    /// head, with all the chunk's runs. False by default. O(1).
     #[inline(always)]
-    fn gathers_values<T: Element>(self, hd: usize) -> bool {
-        let _ = hd;
+    fn gathers_values<T: Element>(self, hd: usize, passes: bool) -> bool {
+        let _ = (hd, passes);
         false
     }
     /// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the `R <= 4` rows `acc_r = acc[r *

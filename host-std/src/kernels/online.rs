@@ -558,13 +558,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let passes = hr > 4;
     let widen = passes && simd.widens_for_passes::<T>();
     // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
-    // dot-product extensions, bf16 sums in the AMX tiles) takes a chunk's values of one
-    // head in one call, all of the chunk's runs ([`Simd::gathers_values`]). One that
-    // steps through it ([`Simd::gathered_step`]: the tiles) gathers for tasks of one
-    // pass only: gathered, chunked prefill took 0.98 to 1.04 of the time, where decode
-    // in cache took 0.88.
+    // dot-product extensions, bf16 sums in the AMX tiles in decode) takes a chunk's
+    // values of one head in one call, all of the chunk's runs ([`Simd::gathers_values`]),
+    // and may step through it ([`Simd::gathered_step`]).
+    let gather = !widen && simd.gathers_values::<T>(hd, passes);
     let paced = simd.gathered_step::<T>(hd);
-    let gather = !widen && simd.gathers_values::<T>(hd) && !(passes && paced > 0);
     // The prefetch schedule: the arithmetic's ([`Simd::schedule`]) for a task of one
     // pass over each head's K/V (decode with up to four query heads per KV head), which
     // memory bounds; the longest steps for more passes (wider groups, chunked prefill),

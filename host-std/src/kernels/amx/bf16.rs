@@ -474,57 +474,70 @@ pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
         // with tokens copied, the rest zeroed above); weights tile `i` was written
         // above; `c` is 16 rows of 64 bytes.
         unsafe {
-            tiles::zero::<{ tmm::GROUP_SUMS[0] }>();
-            tiles::zero::<{ tmm::GROUP_SUMS[1] }>();
-            tiles::zero::<{ tmm::GROUP_SUMS[2] }>();
-            tiles::zero::<{ tmm::GROUP_SUMS[3] }>();
+            for j in 0..chained {
+                group_sums(j, GroupSums::Zero);
+            }
             for (tile, w) in tiles.iter().zip(&w).take(count) {
                 let (at, stride) = (tile.start.add(64 * g0), tile.stride);
                 tiles::load::<{ tmm::WEIGHTS }>(w.as_ptr().cast(), 64);
-                chain_group::<{ tmm::GROUP_SUMS[0] }>(at, stride);
-                if chained > 1 {
-                    chain_group::<{ tmm::GROUP_SUMS[1] }>(at.add(64), stride);
-                }
-                if chained > 2 {
-                    chain_group::<{ tmm::GROUP_SUMS[2] }>(at.add(128), stride);
-                }
-                if chained > 3 {
-                    chain_group::<{ tmm::GROUP_SUMS[3] }>(at.add(192), stride);
+                for j in 0..chained {
+                    group_sums(j, GroupSums::Add(at.add(64 * j), stride));
                 }
                 if g0 == 0 {
                     step();
                 }
             }
-            tiles::store::<{ tmm::GROUP_SUMS[0] }>(sums.cast(), 64);
-            add_sums(acc, sums, hd, g0);
-            if chained > 1 {
-                tiles::store::<{ tmm::GROUP_SUMS[1] }>(sums.cast(), 64);
-                add_sums(acc, sums, hd, g0 + 1);
-            }
-            if chained > 2 {
-                tiles::store::<{ tmm::GROUP_SUMS[2] }>(sums.cast(), 64);
-                add_sums(acc, sums, hd, g0 + 2);
-            }
-            if chained > 3 {
-                tiles::store::<{ tmm::GROUP_SUMS[3] }>(sums.cast(), 64);
-                add_sums(acc, sums, hd, g0 + 3);
+            for j in 0..chained {
+                group_sums(j, GroupSums::Store(sums));
+                add_sums(acc, sums, hd, g0 + j);
             }
         }
     }
 }
 
-/// `S += W · V` with `V` the 16 rows of 64 bytes at `values`, `stride` bytes apart,
-/// through [`tmm::VALUES`], and `W` in [`tmm::WEIGHTS`]. O(1).
+/// What [`group_sums`] does with a sums tile of [`tmm::GROUP_SUMS`].
+#[derive(Clone, Copy)]
+enum GroupSums {
+    /// Zeroes it.
+    Zero,
+    /// `S += W · V`, `V` the 16 rows of 64 bytes from the pointer, the stride apart,
+    /// loaded into [`tmm::VALUES`], and `W` in [`tmm::WEIGHTS`].
+    Add(*const u8, usize),
+    /// Stores it as 16 rows of 64 bytes.
+    Store(*mut f32),
+}
+
+/// `op` on sums tile `j < 4` of [`tmm::GROUP_SUMS`] (a tile register is named in the
+/// instruction, so each is its own branch). O(1).
 ///
 /// # Safety
-/// [`tiles::configure`] ran on this thread; the rows are readable; `S` is one of
-/// [`tmm::GROUP_SUMS`].
+/// [`tiles::configure`] ran on this thread; `Add`'s rows are readable, `Store`'s
+/// writable.
 #[inline(always)]
-unsafe fn chain_group<const S: u8>(values: *const u8, stride: usize) {
+unsafe fn group_sums(j: usize, op: GroupSums) {
+    /// `op` on sums tile `S`.
+    #[inline(always)]
+    unsafe fn on<const S: u8>(op: GroupSums) {
+        // SAFETY: the caller's.
+        unsafe {
+            match op {
+                GroupSums::Zero => tiles::zero::<S>(),
+                GroupSums::Add(values, stride) => {
+                    tiles::load::<{ tmm::VALUES }>(values, stride);
+                    tiles::dot_bf16::<S, { tmm::WEIGHTS }, { tmm::VALUES }>();
+                }
+                GroupSums::Store(sums) => tiles::store::<S>(sums.cast(), 64),
+            }
+        }
+    }
     // SAFETY: the caller's.
     unsafe {
-        tiles::load::<{ tmm::VALUES }>(values, stride);
-        tiles::dot_bf16::<S, { tmm::WEIGHTS }, { tmm::VALUES }>();
+        match j {
+            0 => on::<{ tmm::GROUP_SUMS[0] }>(op),
+            1 => on::<{ tmm::GROUP_SUMS[1] }>(op),
+            2 => on::<{ tmm::GROUP_SUMS[2] }>(op),
+            _ => on::<{ tmm::GROUP_SUMS[3] }>(op),
+        }
     }
 }
 
@@ -574,14 +587,21 @@ mod tests {
         worst(acc, &want, &scale)
     }
 
+    /// The tiles, configured on this thread; `None` (said on stderr) where the CPU or
+    /// the OS does not give them, or a cap rules them out.
+    fn begun() -> Option<AmxBf16> {
+        let amx = AmxBf16::detect();
+        match amx {
+            Some(amx) => amx.begin(),
+            None => eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)"),
+        }
+        amx
+    }
+
     #[test]
     fn tiles_match_f64_sums() {
-        let Some(amx) = AmxBf16::detect() else {
-            eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)");
-            return;
-        };
+        let Some(amx) = begun() else { return };
         let mut rng = StdRng::seed_from_u64(11);
-        amx.begin();
         for hd in [32, 96, 128, 256] {
             for n in [1, 7, 16] {
                 let q: Vec<f32> = (0..ROWS * hd)
@@ -648,12 +668,8 @@ mod tests {
     /// four and eight groups, against f64 sums; and one `step` per tile.
     #[test]
     fn chained_runs_match_f64_sums() {
-        let Some(amx) = AmxBf16::detect() else {
-            eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)");
-            return;
-        };
+        let Some(amx) = begun() else { return };
         let mut rng = StdRng::seed_from_u64(12);
-        amx.begin();
         let shapes: [(&[usize], usize); 9] = [
             (&[16, 16, 16, 16], 64),
             (&[48, 16], 64),
