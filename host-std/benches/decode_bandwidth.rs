@@ -22,23 +22,34 @@
 //! paged` is the kernel's share of that.
 //!
 //! `arithmetic` is the most any schedule of memory could give: the threads times the
-//! kernel's best rate over K/V held in cache (timed between the row's own calls), as a
-//! share of the probe. Where it is under a target share, the arithmetic itself
-//! (instructions per byte on this CPU), not the memory access, is what falls short.
+//! kernel's best rate over K/V held in cache (timed on every thread between the row's
+//! own calls), as a share of the probe. Where it is under a target share, the
+//! arithmetic itself (instructions per byte on this CPU), not the memory access, is
+//! what falls short.
 //!
 //! `ceiling` is what a kernel of that arithmetic reaches on this machine when its memory
 //! access is the simplest there is: the overlap ceiling, a curve measured in the same
 //! run from a synthetic kernel (the probe's streaming loop with a set number of
 //! multiply-adds on each line it reads; printed before the table) and read at the
-//! row's `arithmetic`. On the development VM arithmetic and memory overlap only in part:
-//! in a quiet spell the synthetic kernel read at about 98% of the probe with arithmetic
-//! at 3 times the probe, 85% at 1.5 times, 77% at 1.0 and 58% at 0.64 (in a loaded one,
-//! 72% at 2.4 and 50% at 1.16). A kernel near its ceiling loses nothing to its memory
-//! access; the way up from there is less arithmetic per byte. The rows are measured
-//! after the curve, so a change of load on a shared host between the two moves one
-//! against the other. With `KVPAGE_BENCH_CEILINGS` set, the bench prints the probe
-//! check and the ceiling twice, streaming and in a decode's paged order, and runs no
-//! kernel.
+//! row's `arithmetic`. A kernel near its ceiling loses nothing to its memory access;
+//! the way up from there is less arithmetic per byte. With `KVPAGE_BENCH_CEILINGS`
+//! set, the bench prints the probe check and the ceiling twice, streaming and in a
+//! decode's paged order, and runs no kernel.
+//!
+//! A shared host takes arithmetic away, not memory: on the development VM each vCPU
+//! ran at full speed or at half, switching every few seconds while the probe stayed
+//! where it was ([`QUIET_WITHIN`]). So every round times each thread's in-cache call
+//! right before and after the kernel's call, all threads side by side
+//! ([`compute_check`]), and the curve's points are measured the same way:
+//! - `loaded` is the median of the rounds' own arithmetic (the threads' summed
+//!   in-cache rate in that round, over the round's probe), where `arithmetic` is the
+//!   best any thread did;
+//! - `of ceil.` is the median over the rounds of the kernel's share over the curve read
+//!   at the round's own arithmetic: what the kernel's structure loses, whatever the
+//!   host left it;
+//! - `quiet` is the share over the rounds in which no thread was slowed (each thread's
+//!   in-cache call within [`QUIET_WITHIN`] of the dtype's fastest), with their count:
+//!   "-" where there was none.
 //!
 //! The machine-independent quantity is the bytes of K/V each call must read (printed);
 //! the figure to compare across machines is the fraction of the probe.
@@ -46,7 +57,8 @@
 mod common;
 
 use std::hint::black_box;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{numeric_args, stats, PagedCall};
@@ -60,7 +72,7 @@ const KV_HEADS: u32 = 8;
 const Q_HEADS: u32 = 32;
 const HEAD_DIM: u32 = 128;
 const BLOCK: u32 = 16;
-const ITERS: usize = 11;
+const ITERS: usize = 21;
 
 /// Adds the eight `u64` words of a 64-byte `line` into the eight accumulators (the
 /// probes' loads, independent chains so that the loop is bound by loads).
@@ -357,8 +369,11 @@ const CEILING_POINTS: [(usize, PointFn); 12] = [
 /// One point of an overlap ceiling's curve, `(arithmetic, share)`: the synthetic
 /// kernel of `W` multiply-adds per line over `tasks` (lists of ranges of `big`, spread
 /// over the threads of `pool`), its share of `probe` (over the same bytes) timed in
-/// the same rounds; and `arithmetic`, the threads times its best rate over `small` (in
-/// cache, one thread) over the probe's. `None` where the CPU has no synthetic kernel.
+/// the same rounds; and `arithmetic`, the median over the rounds of its in-cache rate
+/// over `small` on all threads at once ([`compute_check`], right before and after the
+/// round's call) over the round's probe: measured as the rows' `loaded` column is, so
+/// that a round on a loaded host moves both coordinates together. `None` where the CPU
+/// has no synthetic kernel.
 fn ceiling_point<const W: usize>(
     big: &[u8],
     tasks: &[Vec<(usize, usize)>],
@@ -366,14 +381,16 @@ fn ceiling_point<const W: usize>(
     small: &[u8],
     pool: &WorkerPool,
 ) -> Option<(f64, f64)> {
-    let (mut kernel, mut probes) = (Vec::new(), Vec::new());
-    let mut cached_best = Duration::MAX;
+    synthetic::<W>(small, &[(0, small.len())])?;
+    let in_cache = |_| {
+        let t = Instant::now();
+        black_box(synthetic::<W>(black_box(small), &[(0, small.len())]));
+        t.elapsed()
+    };
+    let bytes: usize = tasks.iter().flatten().map(|r| r.1).sum();
+    let (mut kernel, mut probes, mut arithmetic) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..ITERS + 2 {
-        for _ in 0..20 {
-            let t = Instant::now();
-            black_box(synthetic::<W>(black_box(small), &[(0, small.len())])?);
-            cached_best = cached_best.min(t.elapsed());
-        }
+        let before = compute_check(pool, &in_cache);
         let t = Instant::now();
         pool.for_each_task(
             tasks.len(),
@@ -383,33 +400,31 @@ fn ceiling_point<const W: usize>(
             },
         );
         let tk = t.elapsed();
+        let after = compute_check(pool, &in_cache);
         let t = Instant::now();
         black_box(probe());
         let tp = t.elapsed();
         if i >= 2 {
             kernel.push(tk);
             probes.push(tp);
+            let probe_rate = bytes as f64 / tp.as_secs_f64();
+            let a = round_arithmetic(&before, &after, small.len() as f64, probe_rate);
+            arithmetic.extend(a);
         }
     }
-    let share = paired_share(&probes, &kernel);
-    let (p, _) = stats(probes);
-    let bytes: usize = tasks.iter().flatten().map(|r| r.1).sum();
-    let cached_rate = small.len() as f64 / cached_best.as_secs_f64();
-    let probe_rate = bytes as f64 / p.as_secs_f64();
-    Some((pool.threads() as f64 * cached_rate / probe_rate, share))
+    Some((median(arithmetic)?, paired_share(&probes, &kernel)))
 }
 
 /// The overlap ceiling of this machine: what share of the probe a kernel of a given
-/// `arithmetic` (its in-cache rate on all threads over the probe, as the rows' last
-/// column) reaches when its memory access is as simple as can be: the probe's stream
-/// and prefetches, with [`CEILING_POINTS`]' multiply-adds per line ([`synthetic`]). A
-/// kernel whose arithmetic were free would read at 100%; one whose arithmetic and
-/// memory did not overlap at all at `1 / (1 + 1 / arithmetic)` (figures from the
-/// development VM in the module doc). Printed as a curve; returned sorted by
-/// arithmetic (empty where the CPU has neither AVX-512F nor AVX2). O(`CEILING_POINTS`
-/// × 13 rounds × (the synthetic kernel and the probe over `big`)): a few seconds over
-/// 256 MiB at 25 GB/s (the whole `KVPAGE_BENCH_CEILINGS` run, two curves with the probe
-/// check and the bytes' generation, took 11.5 s on the development VM).
+/// `arithmetic` (its in-cache rate on all threads at once over the probe, as the rows'
+/// `loaded` column) reaches when its memory access is as simple as can be: the probe's
+/// stream and prefetches, with [`CEILING_POINTS`]' multiply-adds per line
+/// ([`synthetic`]). A kernel whose arithmetic were free would read at 100%; one whose
+/// arithmetic and memory did not overlap at all at `1 / (1 + 1 / arithmetic)`.
+/// Printed as a curve; returned sorted by arithmetic (empty where the CPU has neither
+/// AVX-512F nor AVX2). O(`CEILING_POINTS` × `ITERS + 2` rounds × (the synthetic kernel
+/// and the probe over `big`, and two [`compute_check`]s)): about 10 s over 256 MiB at
+/// 25 GB/s.
 fn overlap_ceiling(
     pool: &WorkerPool,
     big: &[u8],
@@ -453,8 +468,7 @@ fn ceiling_at(curve: &[(f64, f64)], arithmetic: f64) -> f64 {
 /// per thread of `pool`.
 fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
     let per = src.len().div_ceil(pool.threads()).next_multiple_of(64);
-    let chunks: Vec<std::sync::Mutex<&mut [u8]>> =
-        dst.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    let chunks: Vec<Mutex<&mut [u8]>> = dst.chunks_mut(per).map(Mutex::new).collect();
     pool.for_each_task(
         chunks.len(),
         || (),
@@ -465,15 +479,134 @@ fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
     );
 }
 
-/// One (context, dtype) row: median decode time, its bandwidth, and the probe's; and
-/// the ceiling the arithmetic alone sets, `arithmetic` (bytes per second of K/V the
-/// kernel's arithmetic gets through on all threads with memory out of the way: threads
-/// × the best rate of [`in_cache`]'s call, timed between the row's own calls so that
-/// it sees the same load on the machine), as a share of the probe.
-fn row<T: Element>(context: u32, pool: &WorkerPool, curve: &[(f64, f64)], rng: &mut StdRng) {
+/// A round of a row is quiet when every thread's in-cache check ([`compute_check`])
+/// before and after its kernel call took at most this many times the fastest thread's
+/// median over all rows of the dtype: no thread shared its core with a busy neighbour
+/// then. On the development VM (2 vCPUs) each vCPU's in-cache bf16 decode took either
+/// 44-50 µs or 85-117 µs, twice as long, switching every few seconds, each vCPU on its
+/// own (both pinned, side by side: 92 and 49, 48 and 107, 47 and 49 µs), while the read
+/// probe did not move (10.5-11.2 ms in the same rounds): the host takes half of a
+/// vCPU's arithmetic, not its memory. In a 31-round bf16 row both threads were slow in
+/// 27 rounds (54% of the probe) and one fast in 4 (72-80%); no round had both fast.
+const QUIET_WITHIN: f64 = 1.3;
+
+/// In-cache calls each thread times in one [`compute_check`].
+const CHECK_CALLS: usize = 25;
+
+/// What one [`compute_check`] saw.
+struct Check {
+    /// Each check's median time of one call (a check per thread).
+    medians: Vec<Duration>,
+    /// Whether every check ran on a thread of its own (not so when a worker did not
+    /// wake in time and another thread ran two).
+    apart: bool,
+    /// The fastest single call.
+    best: Duration,
+}
+
+impl Check {
+    /// The in-cache rate of all threads at once, `bytes` per call: the sum over the
+    /// threads of `bytes / median`. `None` unless the checks ran apart.
+    fn rate(&self, bytes: f64) -> Option<f64> {
+        let sum = self.medians.iter().map(|m| bytes / m.as_secs_f64()).sum();
+        self.apart.then_some(sum)
+    }
+
+    /// The slowest thread's median, `None` unless the checks ran apart.
+    fn slowest(&self) -> Option<Duration> {
+        self.apart.then(|| *self.medians.iter().max().unwrap())
+    }
+
+    /// The fastest thread's median.
+    fn fastest(&self) -> Duration {
+        *self.medians.iter().min().unwrap()
+    }
+}
+
+/// The round's arithmetic from the checks `before` and `after` its kernel call: their
+/// mean in-cache rate of all threads (`bytes` per call) over `probe_rate`. `None`
+/// unless both checks ran apart.
+fn round_arithmetic(before: &Check, after: &Check, bytes: f64, probe_rate: f64) -> Option<f64> {
+    let (b, a) = (before.rate(bytes)?, after.rate(bytes)?);
+    Some((b + a) / 2.0 / probe_rate)
+}
+
+/// One in-cache check of every thread of `pool` at once: thread `t` times
+/// [`CHECK_CALLS`] calls of `call(t)` (each returns the time of one call over data of
+/// its own, in cache). All threads run side by side, as a kernel's call runs them: a
+/// thread whose core a neighbour shares is timed as the kernel would find it.
+/// O(threads × CHECK_CALLS) calls.
+fn compute_check(pool: &WorkerPool, call: &(dyn Fn(usize) -> Duration + Sync)) -> Check {
+    let threads = pool.threads();
+    let started = AtomicUsize::new(0);
+    let results = Mutex::new(Vec::new());
+    pool.for_each_task(
+        threads,
+        || (),
+        |_, t| {
+            // Each check starts once all have (or after 2 ms).
+            started.fetch_add(1, Ordering::SeqCst);
+            let wait = Instant::now();
+            while started.load(Ordering::SeqCst) < threads
+                && wait.elapsed() < Duration::from_millis(2)
+            {
+                std::hint::spin_loop();
+            }
+            let times: Vec<Duration> = (0..CHECK_CALLS).map(|_| call(t)).collect();
+            let id = std::thread::current().id();
+            results.lock().unwrap().push((id, stats(times)));
+        },
+    );
+    let results = results.into_inner().unwrap();
+    Check {
+        medians: results.iter().map(|r| r.1 .0).collect(),
+        apart: results
+            .iter()
+            .all(|(id, _)| results.iter().filter(|r| r.0 == *id).count() == 1),
+        best: results.iter().map(|r| r.1 .1).min().unwrap(),
+    }
+}
+
+/// One (context, dtype) row's rounds, printed once every row is measured
+/// ([`Row::print`]): a round is quiet against the fastest thread of all rows of its
+/// dtype.
+struct Row {
+    dtype: kvpage::DType,
+    context: u32,
+    seqs: u32,
+    /// Bytes of K/V the kernel's call reads.
+    bytes: f64,
+    /// Per round: the kernel's time, the streaming and the paged probe's.
+    kernel: Vec<Duration>,
+    probe: Vec<Duration>,
+    paged: Vec<Duration>,
+    /// Per round: the slowest thread's median of the checks before and after the
+    /// kernel (`None`: not every thread checked apart), and the round's arithmetic
+    /// ([`round_arithmetic`]).
+    slowest: Vec<Option<Duration>>,
+    arithmetic: Vec<Option<f64>>,
+    /// The fastest thread's median over the row's checks: a thread's in-cache speed
+    /// with no neighbour, the yardstick of a quiet round.
+    quiet_median: Duration,
+    /// The threads times the fastest in-cache call of the row's checks, in bytes per
+    /// second: the arithmetic with no neighbour on any core.
+    unloaded_rate: f64,
+}
+
+/// One (context, dtype) row: [`ITERS`] rounds (after two of warm-up), each the kernel's
+/// call between two [`compute_check`]s of the same decode over one sequence of 256
+/// tokens (1 MiB of f32) in each thread's cache, then the two probes. O(rounds) calls.
+fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) -> Row {
     let seqs = (TOKENS_PER_CALL / context).max(1);
     let mut call = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, seqs, context, 1, rng);
-    let mut cached = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, 256, 1, rng);
+    let cached: Vec<Mutex<PagedCall<T>>> = (0..pool.threads())
+        .map(|_| {
+            let c = PagedCall::<T>::new(KV_HEADS, HEAD_DIM, BLOCK, Q_HEADS, 1, 256, 1, rng);
+            Mutex::new(c)
+        })
+        .collect();
+    let cached_bytes = cached[0].lock().unwrap().bytes().len() as f64;
+    let check = || compute_check(pool, &|t| cached[t].lock().unwrap().time(None));
     let tasks = call.decode_ranges(PROBE_HEADS);
     if context.is_multiple_of(BLOCK) {
         let read: usize = tasks.iter().flatten().map(|r| r.1).sum();
@@ -483,47 +616,116 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, curve: &[(f64, f64)], rng: &
             "the paged probe reads the arena once"
         );
     }
-    let mut cached_best = Duration::MAX;
-    let (mut kernel, mut probe, mut paged) = (Vec::new(), Vec::new(), Vec::new());
+    let mut row = Row {
+        dtype: T::DTYPE,
+        context,
+        seqs,
+        bytes: call.bytes().len() as f64,
+        kernel: Vec::new(),
+        probe: Vec::new(),
+        paged: Vec::new(),
+        slowest: Vec::new(),
+        arithmetic: Vec::new(),
+        quiet_median: Duration::MAX,
+        unloaded_rate: 0.0,
+    };
     for i in 0..ITERS + 2 {
-        for _ in 0..50 {
-            cached_best = cached_best.min(cached.time(None));
-        }
+        let before = check();
         let tk = call.time(Some(pool));
+        let after = check();
         let t = Instant::now();
         black_box(read_probe(black_box(call.bytes()), pool));
         let tp = t.elapsed();
         let t = Instant::now();
         black_box(paged_probe(black_box(call.bytes()), &tasks, pool));
         let tg = t.elapsed();
+        for c in [&before, &after] {
+            row.quiet_median = row.quiet_median.min(c.fastest());
+            let rate = pool.threads() as f64 * cached_bytes / c.best.as_secs_f64();
+            row.unloaded_rate = row.unloaded_rate.max(rate);
+        }
         if i >= 2 {
-            kernel.push(tk);
-            probe.push(tp);
-            paged.push(tg);
+            row.kernel.push(tk);
+            row.probe.push(tp);
+            row.paged.push(tg);
+            let slowest = before.slowest().zip(after.slowest());
+            row.slowest.push(slowest.map(|(b, a)| b.max(a)));
+            let probe_rate = row.bytes / tp.as_secs_f64();
+            let a = round_arithmetic(&before, &after, cached_bytes, probe_rate);
+            row.arithmetic.push(a);
         }
     }
-    let (of_probe, of_paged) = (paired_share(&probe, &kernel), paired_share(&paged, &kernel));
-    let ((k, k_best), (p, p_best), (g, _)) = (stats(kernel), stats(probe), stats(paged));
-    let bytes = call.bytes().len() as f64;
-    let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
-    let arithmetic = pool.threads() as f64 * cached.bytes().len() as f64
-        / cached_best.as_secs_f64()
-        / 1e9
-        / gbs(p);
-    println!(
-        "{:<7} {context:>7} {seqs:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}% {:>9.2} {:>8.1}% {:>10.1}% {:>8.1}%",
-        format!("{:?}", T::DTYPE),
-        bytes / (1 << 20) as f64,
-        k.as_secs_f64() * 1e3,
-        gbs(k),
-        gbs(p),
-        100.0 * of_probe,
-        100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
-        gbs(g),
-        100.0 * of_paged,
-        100.0 * arithmetic,
-        100.0 * ceiling_at(curve, arithmetic),
-    );
+    row
+}
+
+/// The median of `v`, `None` if it is empty.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+impl Row {
+    /// Prints the row:
+    /// - median decode time, its bandwidth and the probe's; its share of each probe;
+    /// - `arithmetic`: the threads × the best rate of an in-cache call over the probe:
+    ///   what the arithmetic gets through with memory out of the way and no
+    ///   neighbour on any core; `ceiling`: the overlap `curve` read there;
+    /// - `loaded`: the median of the rounds' own arithmetic (every thread's in-cache
+    ///   rate, timed side by side right around the round's call); `of ceil.`: the
+    ///   median over the rounds of the kernel's share over the curve read at the
+    ///   round's arithmetic: what the kernel's structure loses, whatever the host
+    ///   left of the arithmetic;
+    /// - `quiet`: the share over the rounds whose every thread's checks took at most
+    ///   [`QUIET_WITHIN`] times `quiet_median` (the fastest thread's median over all
+    ///   rows of the dtype), and how many rounds those were.
+    fn print(&self, curve: &[(f64, f64)], quiet_median: Duration) {
+        let limit = QUIET_WITHIN * quiet_median.as_secs_f64();
+        let quiet: Vec<usize> = (0..self.slowest.len())
+            .filter(|&i| self.slowest[i].is_some_and(|c| c.as_secs_f64() <= limit))
+            .collect();
+        let of_quiet = (!quiet.is_empty()).then(|| {
+            let pick = |v: &[Duration]| quiet.iter().map(|&i| v[i]).collect::<Vec<_>>();
+            paired_share(&pick(&self.probe), &pick(&self.kernel))
+        });
+        let of_probe = paired_share(&self.probe, &self.kernel);
+        let of_paged = paired_share(&self.paged, &self.kernel);
+        let (k, k_best) = stats(self.kernel.clone());
+        let (p, p_best) = stats(self.probe.clone());
+        let (g, _) = stats(self.paged.clone());
+        let gbs = |d: Duration| self.bytes / d.as_secs_f64() / 1e9;
+        let arithmetic = self.unloaded_rate / 1e9 / gbs(p);
+        let rounds = (0..self.kernel.len()).filter_map(|i| Some((i, self.arithmetic[i]?)));
+        let loaded = median(rounds.clone().map(|(_, a)| a).collect());
+        let of_ceiling = median(
+            rounds
+                .map(|(i, a)| {
+                    let share = self.probe[i].as_secs_f64() / self.kernel[i].as_secs_f64();
+                    share / ceiling_at(curve, a)
+                })
+                .collect(),
+        );
+        let percent = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.1}%", 100.0 * x));
+        println!(
+            "{:<7} {:>7} {:>5} {:>9.1} {:>10.2} {:>9.2} {:>9.2} {:>8.1}% {:>8.1}% {:>9.2} {:>8.1}% {:>10.1}% {:>8.1}% {:>8} {:>8} {:>7} {:>6}",
+            format!("{:?}", self.dtype),
+            self.context,
+            self.seqs,
+            self.bytes / (1 << 20) as f64,
+            k.as_secs_f64() * 1e3,
+            gbs(k),
+            gbs(p),
+            100.0 * of_probe,
+            100.0 * p_best.as_secs_f64() / k_best.as_secs_f64(),
+            gbs(g),
+            100.0 * of_paged,
+            100.0 * arithmetic,
+            100.0 * ceiling_at(curve, arithmetic),
+            percent(loaded),
+            percent(of_ceiling),
+            percent(of_quiet),
+            format!("{}/{}", quiet.len(), self.kernel.len()),
+        );
+    }
 }
 
 /// The median over the rounds of `probe[i] / kernel[i]`: the kernel's share of a probe
@@ -873,7 +1075,7 @@ fn main() {
         return;
     }
     println!(
-        "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9}",
+        "{:<7} {:>7} {:>5} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>8} {:>8} {:>7} {:>6}",
         "dtype",
         "context",
         "seqs",
@@ -886,7 +1088,11 @@ fn main() {
         "paged",
         "of paged",
         "arithmetic",
-        "ceiling"
+        "ceiling",
+        "loaded",
+        "of ceil.",
+        "quiet",
+        "rounds"
     );
     let contexts = numeric_args(0);
     let contexts = if contexts == [0] {
@@ -894,11 +1100,17 @@ fn main() {
     } else {
         contexts
     };
+    let mut rows = Vec::new();
     for context in contexts {
-        row::<f32>(context, &pool, &curve, &mut rng);
-        row::<f16>(context, &pool, &curve, &mut rng);
-        row::<bf16>(context, &pool, &curve, &mut rng);
-        row::<Int8>(context, &pool, &curve, &mut rng);
-        row::<Fp8E4m3>(context, &pool, &curve, &mut rng);
+        rows.push(row::<f32>(context, &pool, &mut rng));
+        rows.push(row::<f16>(context, &pool, &mut rng));
+        rows.push(row::<bf16>(context, &pool, &mut rng));
+        rows.push(row::<Int8>(context, &pool, &mut rng));
+        rows.push(row::<Fp8E4m3>(context, &pool, &mut rng));
+    }
+    for r in &rows {
+        let same = rows.iter().filter(|o| o.dtype == r.dtype);
+        let quiet_median = same.map(|o| o.quiet_median).min().unwrap();
+        r.print(&curve, quiet_median);
     }
 }
