@@ -406,8 +406,9 @@ pub(super) fn run<'s, T, S, F>(
         at: Position::default(),
         primed: None,
     };
-    // Each task prefetches, while it computes its last chunk, the first chunk of its
-    // thread's next task, which would otherwise start on K/V not yet fetched.
+    // Each task prefetches, while it computes its last chunk, the K tiles of the first
+    // chunk of its thread's next task, which would otherwise start on K not yet
+    // fetched.
     for_each_task_ahead(shape.pool, total, init, |c, task, next| {
         let (t, seq) = c.at.locate(task, shape, seqs, q);
         let src = source(seq, t.kv_head, t.heads);

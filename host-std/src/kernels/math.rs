@@ -118,7 +118,7 @@ pub(crate) trait Simd: Copy {
     }
     /// Tokens between two calls of [`Simd::accumulate_runs`]'s `step` for storage `T`
     /// with head dim `hd`, or 0 if it never calls it: the attention loop then
-    /// prefetches the next chunk's values during the scores. O(1).
+    /// prefetches the next chunk's keys during the scores. O(1).
     #[inline(always)]
     fn gathered_step<T: Element>(self, hd: usize) -> usize {
         let _ = hd;
@@ -164,7 +164,8 @@ pub(crate) trait Simd: Copy {
     /// How the attention loop paces the prefetches of a decode task over storage `T`
     /// with head dim `hd`: the tokens per step of the scores and of the value
     /// accumulation (unless [`Simd::gathers_values`]), each step prefetching as many
-    /// lines of the next chunk as it reads, and whether a step's prefetches are split
+    /// lines as it reads (the scores this chunk's values, the accumulation the next
+    /// chunk's keys), and whether a step's prefetches are split
     /// around its arithmetic. Shorter steps mean shorter bursts of prefetches, and more
     /// of the arithmetic's fixed cost per step (loading and storing its accumulators).
     /// By default [`super::online::Schedule::LONGEST`]. O(1).

@@ -122,7 +122,8 @@ impl RowTask<'_> {
 }
 
 /// The task a worker runs after the current one, and its K/V: the current task
-/// prefetches its first chunk while it computes its own last one ([`attend`]).
+/// prefetches its first chunk's K tiles while it computes its own last one
+/// ([`attend`]).
 pub(crate) struct Ahead<'a, S> {
     /// The next task.
     pub task: &'a RowTask<'a>,
@@ -180,9 +181,9 @@ impl Scratch {
 
 /// Runs `task` over `src`, leaving the normalised output rows in `scratch.acc`
 /// (`[task.rows()][task.head_dim]`). Uses the AVX2 + FMA arithmetic when the CPU has it.
-/// With `ahead`, its last chunk also prefetches the first chunk of that next task;
-/// `primed` says that the previous task did so for this one, which then does not
-/// prefetch its own first chunk in one burst.
+/// With `ahead`, its last chunk also prefetches the K tiles of that next task's first
+/// chunk; `primed` says that the previous task did so for this one, which then does
+/// not prefetch them in one burst.
 /// O(rows × limit × head_dim). The caller has validated the task (rows within
 /// `MAX_ROWS`, head dim within `MAX_HEAD_DIM`, query rows inside `q`, `src` covering
 /// `context_len` tokens).
@@ -332,9 +333,10 @@ pub(crate) const VALUE_STEP: usize = 8;
 /// vector ([`Simd::pass_schedule`]), which its arithmetic bounds.
 pub(crate) const PASS_STEP: usize = 16;
 
-/// How the attention loop paces a task's prefetches of the next chunk ([`Simd::schedule`]):
-/// each step of the scores and of the value accumulation prefetches as many lines as it
-/// reads, so the steps set how long each burst of prefetches is.
+/// How the attention loop paces a task's prefetches ([`Simd::schedule`]): each step of
+/// the scores (prefetching the chunk's V tiles) and of the value accumulation (the next
+/// chunk's K tiles) prefetches as many lines as it reads, so the steps set how long
+/// each burst of prefetches is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Schedule {
     /// Tokens per step of the scores, `1..=SCORE_STEP`.
@@ -535,18 +537,17 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     let first_pos = task.context_len - task.queries;
     let end = task.tokens();
 
-    // The first chunk's K and V tiles: each chunk prefetches the next one's while it
+    // The first chunk's K tiles: each chunk prefetches the next one's while it
     // computes, but unless the previous task did (`primed`), nothing has fetched the
     // first. Started in one burst here, they arrive while the queries are loaded
-    // (decode out of cache, paired: 0.99x at 2048 tokens, 0.97-0.98x at 512; over K/V
-    // already in cache the prefetches are wasted instructions: 1.02-1.03x on 1 x 256
-    // tokens).
+    // (decode out of cache, paired: 0.99x at 2048 tokens, 0.97-0.98x at 512, with the
+    // V tiles in the burst too; over K/V already in cache the prefetches are wasted
+    // instructions: 1.02-1.03x on 1 x 256 tokens). Each chunk's V tiles are prefetched
+    // during its own scores.
     if !primed {
-        for kv in 0..2 {
-            let mut first = Prefetch::new::<T>(kv, 0, end.min(MAX_CHUNK), hd, heads);
-            let lines = first.lines();
-            first.advance(src, lines);
-        }
+        let mut first = Prefetch::new::<T>(0, 0, end.min(MAX_CHUNK), hd, heads);
+        let lines = first.lines();
+        first.advance(src, lines);
     }
 
     // A task of more rows per KV head than one pass of the arithmetic takes (decode of
@@ -609,18 +610,22 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         let n = (end - t0).min(chunk_max);
         let next = t0 + n;
         let next_n = (end - next).min(chunk_max);
-        // The next chunk's tiles are prefetched a few lines at a time while this chunk
-        // computes (K during the scores, V during the accumulation): a burst of
-        // prefetches would stall on the line-fill buffers instead of overlapping. The
-        // last chunk prefetches the next task's first, if there is one.
+        // Prefetches, a few lines at a time, each phase of the chunk fetching what the
+        // next phase reads (a burst of prefetches would stall on the line-fill buffers
+        // instead of overlapping): during the scores, this chunk's V tiles; during the
+        // value accumulation, the next chunk's K tiles (the last chunk: the next
+        // task's first, if there is one). Against prefetching the next chunk's K
+        // during the scores and its V during the accumulation (twice the distance),
+        // paired in the same process, calls alternating, median of the ratios,
+        // Emerald Rapids, 2 threads out of cache: f32 0.96 (0.95-0.98 over contexts
+        // 512, 2048 and 8192), f16 0.975 (0.97-0.985), bf16, int8 and FP8 0.99-1.0;
+        // chunked prefill 0.96-1.02.
         let (pf_src, pf_t0, pf_n, pf_heads) = match &ahead {
             Some(a) if next_n == 0 => (a.src, 0, a.task.tokens().min(chunk_max), a.task.heads),
             _ => (src, next, next_n, heads),
         };
-        let (mut pf_k, mut pf_v) = (
-            Prefetch::new::<T>(0, pf_t0, pf_n, hd, pf_heads),
-            Prefetch::new::<T>(1, pf_t0, pf_n, hd, pf_heads),
-        );
+        let mut pf_values = Prefetch::new::<T>(1, t0, n, hd, heads);
+        let mut pf_keys = Prefetch::new::<T>(0, pf_t0, pf_n, hd, pf_heads);
 
         // Scores from the K tiles, four rows at a time (each K vector loaded once for
         // four query rows), `score_step` tokens at a time. Scores past a row's limit
@@ -628,18 +633,19 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // Each run's tiles are taken head after head, the order in which a block
         // stores them.
         let steps = heads * n.div_ceil(score_step);
-        let per_step = pf_k.lines().div_ceil(steps);
+        let per_step = pf_values.lines().div_ceil(steps);
         // An accumulation of few steps (a gathered one takes the chunk in one per
-        // head) would prefetch the next V tiles in one burst: they are spread over the
-        // scores' steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms).
-        let per_step_v = if gather && paced == 0 {
-            pf_v.lines().div_ceil(steps)
+        // head) would prefetch the next K tiles in one burst: they are spread over the
+        // scores' steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms, measured
+        // when these were the next chunk's V tiles).
+        let per_step_k = if gather && paced == 0 {
+            pf_keys.lines().div_ceil(steps)
         } else {
             0
         };
         // Of each step's prefetches, those issued before its arithmetic (the same for
         // every step of the chunk).
-        let (k_before, v_before) = (sched.before(per_step), sched.before(per_step_v));
+        let (v_before, k_before) = (sched.before(per_step), sched.before(per_step_k));
         for (t, len) in runs(src, t0, n) {
             for h in 0..heads {
                 let k = src.tile(h, 0, t, len);
@@ -648,8 +654,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     let m = (len - ts).min(score_step);
                     let kt = &k[ts * hd..(ts + m) * hd];
                     let s = &mut sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                    pf_k.advance(pf_src, k_before);
-                    pf_v.advance(pf_src, v_before);
+                    pf_values.advance(src, v_before);
+                    pf_keys.advance(pf_src, k_before);
                     if widen {
                         simd.widen::<T>(kt, &mut sc.wide[..m * hd]);
                         let wide = &sc.wide[..m * hd];
@@ -657,8 +663,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     } else {
                         score_rows(simd, q, s, limit, hd, t + ts, kt, m, passes);
                     }
-                    pf_k.advance(pf_src, per_step - k_before);
-                    pf_v.advance(pf_src, per_step_v - v_before);
+                    pf_values.advance(src, per_step - v_before);
+                    pf_keys.advance(pf_src, per_step_k - k_before);
                 }
             }
         }
@@ -736,10 +742,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // gathered, the chunk's tokens of one head at a time; else `value_step` tokens
         // at a time, each run's tiles head after head.
         if gather {
-            // Prefetches of the next V tiles: spread over the scores' steps (above), or
+            // Prefetches of the next K tiles: spread over the scores' steps (above), or
             // issued at each of the accumulation's own steps.
             let per_call = if paced > 0 {
-                pf_v.lines()
+                pf_keys
+                    .lines()
                     .div_ceil(heads * hr.div_ceil(4) * n.div_ceil(paced))
             } else {
                 0
@@ -755,11 +762,11 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                 let (acc, s) = (&mut sc.acc[h * hr * hd..], &sc.s[h * hr * MAX_CHUNK..]);
                 let v = Values::Runs(&tiles[..count], n);
                 value_rows(simd, acc, s, limit, hd, t0, v, &mut || {
-                    pf_v.advance(pf_src, per_call)
+                    pf_keys.advance(pf_src, per_call)
                 });
             }
         } else {
-            let per_step = pf_v.lines().div_ceil(heads * n.div_ceil(value_step));
+            let per_step = pf_keys.lines().div_ceil(heads * n.div_ceil(value_step));
             let before = sched.before(per_step);
             for (t, len) in runs(src, t0, n) {
                 for h in 0..heads {
@@ -770,7 +777,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         let vt = &v[ts * hd..(ts + m) * hd];
                         let acc = &mut sc.acc[h * hr * hd..];
                         let s = &sc.s[h * hr * MAX_CHUNK + t - t0 + ts..];
-                        pf_v.advance(pf_src, before);
+                        pf_keys.advance(pf_src, before);
                         if widen {
                             simd.widen::<T>(vt, &mut sc.wide[..m * hd]);
                             let wide = Values::Tile(&sc.wide[..m * hd], m);
@@ -779,7 +786,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                             let vt = Values::Tile(vt, m);
                             value_rows(simd, acc, s, limit, hd, t + ts, vt, &mut || {});
                         }
-                        pf_v.advance(pf_src, per_step - before);
+                        pf_keys.advance(pf_src, per_step - before);
                     }
                 }
             }
