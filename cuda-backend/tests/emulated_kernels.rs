@@ -1,7 +1,8 @@
 //! Every kernel of `kernels/kvpage.cu`, run in emulation (the same CUDA source compiled
 //! as host C++, each CUDA thread a fiber, shuffled scheduling) against the CPU backend
 //! (`kvpage`, host-std) on random inputs: write and copy bit-exact, attention within
-//! 1e-4 relative (f32 accumulation in a different order). Outputs are poisoned with NaN
+//! 1e-4 relative (f32 accumulation in a different order; 3e-4 over int8 storage, see
+//! [`INT8_TOLERANCE`]). Outputs are poisoned with NaN
 //! (0xFF bytes) first, so an element the kernel failed to write fails the comparison.
 //! The launches use the planner's configurations (`kvpage_cuda::launch`), as on a GPU.
 
@@ -332,6 +333,15 @@ fn check_attention(c: &Case) -> Vec<f32> {
     check_attention_scheduled(c, c.seed)
 }
 
+/// Relative tolerance of attention over int8 storage. The CPU reference's int8 scores
+/// take integer products where the CPU has them (VNNI, AVX2's `vpmaddwd`), on queries
+/// rounded to 16-bit fixed point (2^-16 of each row's largest), which host-std's own
+/// tests allow 1e-4 absolute on outputs near 1. A random case of this file's proptest
+/// differed from the emulated kernel by 1.006e-4 relative with the VNNI reference
+/// ([`int8_case_at_the_old_tolerance`]), and by under 1e-4 with the reference capped to
+/// f32 arithmetic (`KVPAGE_CPU_PATH=avx512f`).
+const INT8_TOLERANCE: f32 = 3e-4;
+
 /// [`check_attention`] with the emulator's CTA and thread order drawn from `schedule`.
 fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
     let mut rng = Rng::new(c.seed);
@@ -415,6 +425,11 @@ fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
         _ => {}
     }
     let hd = c.head_dim as usize;
+    let tolerance = if c.dtype == DType::Int8 {
+        INT8_TOLERANCE
+    } else {
+        1e-4
+    };
     for (r, (a, b)) in got.chunks(hd).zip(want.chunks(hd)).enumerate() {
         let err: f32 = a
             .iter()
@@ -424,7 +439,7 @@ fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
             .sqrt();
         let norm: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
         assert!(
-            a.iter().all(|x| x.is_finite()) && err <= 1e-4 * norm,
+            a.iter().all(|x| x.is_finite()) && err <= tolerance * norm,
             "{c:?}: output row {r} (token {}, head {}): error {err} of {norm}; got {:?}.. want {:?}..",
             r / c.q_heads as usize,
             r % c.q_heads as usize,
@@ -806,4 +821,21 @@ fn unknown_dtype_and_head_dim_have_no_kernel() {
             head_dim: 96
         }))
     );
+}
+
+/// The case that failed CI (December 2026) at 1e-4: int8, the reference's 16-bit
+/// queries 1.006e-4 relative off the emulated kernel's f32 ([`INT8_TOLERANCE`]).
+#[test]
+fn int8_case_at_the_old_tolerance() {
+    check_attention(&Case {
+        dtype: DType::Int8,
+        head_dim: 64,
+        block_size: 32,
+        kv_heads: 4,
+        q_heads: 8,
+        seqs: vec![(11, 11), (121, 9)],
+        shared_blocks: 1,
+        partitioning: Partitioning::Tokens(32),
+        seed: 16429788032277744302,
+    });
 }
