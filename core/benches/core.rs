@@ -39,7 +39,41 @@ fn alloc_free(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // The same two, paired: batches of each alternating, the median of the ratios of
+    // neighbouring batches. Criterion times the two seconds apart; on a shared host
+    // whose load on a vCPU swings twice over within seconds (see `decode_bandwidth`),
+    // that alone moved the ratio between 1.34 and 1.71 across runs of unchanged code.
+    let mut ratios: Vec<f64> = (0..201)
+        .map(|_| {
+            let ours = timed_batch(|| {
+                let i = set.pop_first().unwrap();
+                set.insert(black_box(i));
+            });
+            let base = timed_batch(|| {
+                let i = list.pop().unwrap();
+                list.push(black_box(i));
+            });
+            ours / base
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let _ = ALLOC_FREE_PAIRED.set((ratios[50], ratios[100], ratios[150]));
 }
+
+/// Seconds taken by 20000 calls of `f`, inlined into the loop (a `dyn` call per
+/// iteration would add its own nanoseconds to both sides of a ratio).
+#[inline(always)]
+fn timed_batch(mut f: impl FnMut()) -> f64 {
+    let t = Instant::now();
+    for _ in 0..20_000 {
+        f();
+    }
+    t.elapsed().as_secs_f64()
+}
+
+/// [`alloc_free`]'s paired ratio: quartiles of the ratios of neighbouring batches.
+static ALLOC_FREE_PAIRED: std::sync::OnceLock<(f64, f64, f64)> = std::sync::OnceLock::new();
 
 /// Sequences for the append benchmarks: `count` sequences of `len` tokens each.
 fn sequences(kv: &mut BlockManager<'_>, count: usize, len: u32) -> Vec<SeqId> {
@@ -464,6 +498,15 @@ fn report() {
                 println!("{name:<38} {o:>12.2} {b:>12.2} {:>8.2}  {target}", o / b)
             }
             _ => println!("{name:<38} (not measured in this run)"),
+        }
+        if group == "alloc_free" {
+            if let Some((q1, m, q3)) = ALLOC_FREE_PAIRED.get() {
+                let name = "  the same, alternating batches";
+                println!(
+                    "{name:<38} {:>12} {:>12} {m:>8.2}  quartiles {q1:.2}-{q3:.2}",
+                    "", ""
+                );
+            }
         }
     }
 }
