@@ -508,8 +508,8 @@ impl Check {
     /// The in-cache rate of all threads at once, `bytes` per call: the sum over the
     /// threads of `bytes / median`. `None` unless the checks ran apart.
     fn rate(&self, bytes: f64) -> Option<f64> {
-        let sum = self.medians.iter().map(|m| bytes / m.as_secs_f64()).sum();
-        self.apart.then_some(sum)
+        let rates = self.medians.iter().map(|m| bytes / m.as_secs_f64());
+        self.apart.then(|| rates.sum())
     }
 
     /// The slowest thread's median, `None` unless the checks ran apart.
@@ -732,14 +732,10 @@ impl Row {
 /// timed in the same round, right after it. On a shared host whose load drifts over
 /// the run, a slow spell slows both of a round, where the ratio of the two medians
 /// could pair a kernel round and a probe round far apart.
+/// Panics on no rounds (every caller has some).
 fn paired_share(probe: &[Duration], kernel: &[Duration]) -> f64 {
-    let mut r: Vec<f64> = probe
-        .iter()
-        .zip(kernel)
-        .map(|(p, k)| p.as_secs_f64() / k.as_secs_f64())
-        .collect();
-    r.sort_by(f64::total_cmp);
-    r[r.len() / 2]
+    let r = probe.iter().zip(kernel);
+    median(r.map(|(p, k)| p.as_secs_f64() / k.as_secs_f64()).collect()).expect("rounds")
 }
 
 /// The same decode on one thread over K/V that stay in the cache (one sequence of 256
