@@ -76,6 +76,9 @@ proptest! {
                 }
             }
             prop_assert_eq!(set.count() as usize, model.len());
+            for n in [0, 1, 31, 32, 33, model.len() as u32, model.len().saturating_sub(1) as u32] {
+                prop_assert_eq!(set.exceeds(n), model.len() > n as usize);
+            }
         }
         for i in [0, universe / 2, universe.saturating_sub(1), universe, u32::MAX] {
             prop_assert_eq!(set.contains(i), model.contains(&i));

@@ -205,7 +205,7 @@ impl<'a> BlockPool<'a> {
     #[inline]
     pub(crate) fn alloc(&mut self, s: usize, prefix: &mut PrefixCache<'_>) -> u32 {
         let t = &self.tenants;
-        let from_free = !t.at_limit(s) && self.free.count() > t.reserved_for_others(s);
+        let from_free = !t.at_limit(s) && self.free.exceeds(t.reserved_for_others(s));
         let b = match from_free {
             true => self.free.pop_first(),
             false if t.at_limit(s) => prefix.lru_pop(|o| o == s),
@@ -281,7 +281,7 @@ impl<'a> BlockPool<'a> {
         prefix: &mut PrefixCache<'_>,
     ) -> Option<u32> {
         let t = &self.tenants;
-        if t.at_limit(s) || self.free.count() <= t.reserved_for_others(s) {
+        if t.at_limit(s) || !self.free.exceeds(t.reserved_for_others(s)) {
             return None;
         }
         let b = self.free.pop_first()?;
