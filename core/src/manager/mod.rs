@@ -208,6 +208,13 @@ impl<'a> BlockManager<'a> {
     /// Checks that allocations for namespace slot `s` can take `needed` more blocks
     /// after the operation retains `taken` of the cached blocks counted as room.
     fn check_room(&self, s: usize, needed: u32, taken: u32) -> Result<(), SeqError> {
+        // The common case, enough free blocks, without walking the slots for `room`.
+        if needed
+            .checked_add(taken)
+            .is_some_and(|n| self.pool.fits_free(s, n))
+        {
+            return Ok(());
+        }
         let room = self.pool.room(s, &self.prefix);
         let blocks = room.blocks.saturating_sub(taken);
         let allowed = room.quota.saturating_sub(taken);

@@ -89,6 +89,21 @@ impl<'a> BlockPool<'a> {
         self.free.count() + prefix.lru_len() - prefix.lru_pinned()
     }
 
+    /// Whether `n` blocks for slot `s` fit in the free set beside the other slots'
+    /// reservations and under `s`'s limit, counting no cached block: a sufficient
+    /// condition for [`BlockPool::room`] to allow `n` (its two figures only add
+    /// evictable cached blocks to these). O(1), where `room` walks the slots.
+    #[inline]
+    pub(crate) fn fits_free(&self, s: usize, n: u32) -> bool {
+        let t = &self.tenants;
+        t.below_limit(s) >= n
+            && match n.checked_add(t.reserved_for_others(s)) {
+                Some(0) => true,
+                Some(k) => self.free.exceeds(k - 1),
+                None => false,
+            }
+    }
+
     /// How many blocks allocations for slot `s` can take now, following the rule in
     /// the module docs; an allocation of `n` blocks succeeds iff `n <= min(blocks,
     /// quota)`. O(slots).
