@@ -26,34 +26,41 @@ fn alloc_free(c: &mut Criterion) {
         set.remove(i);
     }
     let mut list: Vec<u32> = (N / 2..N).rev().collect();
-    // Each structure is opaque between the two calls and after them, as it is between
-    // the manager's calls: where the compiler sees a pop and a push together, it may
-    // keep the `Vec`'s length in a register and make the baseline one load and one store
-    // of the same element, no LIFO bookkeeping at all (in a stand-alone build such a
-    // loop took 1.0 ns in some minutes and 2.5 ns in others, while the bitset's took
-    // 3.7-4.7 ns in both).
-    let mut ours = || {
-        let i = set.pop_first().unwrap();
-        black_box(&mut set);
-        set.insert(black_box(i));
-        black_box(&mut set);
-    };
-    let mut base = || {
-        let i = list.pop().unwrap();
-        black_box(&mut list);
-        list.push(black_box(i));
-        black_box(&mut list);
-    };
-    g.bench_function("bitset", |b| b.iter(&mut ours));
-    g.bench_function("vec_lifo", |b| b.iter(&mut base));
+    g.bench_function("bitset", |b| b.iter(|| bitset_alloc_free(&mut set)));
+    g.bench_function("vec_lifo", |b| b.iter(|| vec_alloc_free(&mut list)));
     g.finish();
 
     // The same two, paired: batches of each alternating, the median of the ratios of
     // neighbouring batches. Criterion times the two seconds apart; on a shared host
     // whose load on a vCPU swings twice over within seconds (see `decode_bandwidth`),
     // that alone moved the ratio between 1.34 and 1.71 across runs of unchanged code.
-    let paired = paired_ratios(&mut ours, &mut base);
+    let paired = paired_ratios(|| bitset_alloc_free(&mut set), || vec_alloc_free(&mut list));
     let _ = ALLOC_FREE_PAIRED.set(paired);
+}
+
+/// One block taken from the bitset (the lowest free index) and given back. Each
+/// structure is opaque between the two calls and after them, as it is between the
+/// manager's calls: where the compiler sees a pop and a push together, it may keep the
+/// `Vec`'s length in a register and make the baseline one load and one store of the
+/// same element, no LIFO bookkeeping at all (in a stand-alone build such a loop took 1.0
+/// ns in some minutes and 2.5 ns in others, while the bitset's took 3.7-4.7 ns in both).
+/// Inlined into each loop that calls it, as if written out there.
+#[inline(always)]
+fn bitset_alloc_free(set: &mut IndexSet<'_>) {
+    let i = set.pop_first().unwrap();
+    black_box(&mut *set);
+    set.insert(black_box(i));
+    black_box(&mut *set);
+}
+
+/// One index popped from a `Vec` LIFO free list and pushed back, as
+/// [`bitset_alloc_free`] does with the bitset.
+#[inline(always)]
+fn vec_alloc_free(list: &mut Vec<u32>) {
+    let i = list.pop().unwrap();
+    black_box(&mut *list);
+    list.push(black_box(i));
+    black_box(&mut *list);
 }
 
 /// 201 alternating pairs of [`timed_batch`]es of `ours` and `base`: the quartiles of
