@@ -21,9 +21,8 @@
 //!
 //! Invariants: a bit of level `l + 1` is set iff the word it stands for at level `l` is
 //! non-zero; `count_elsewhere` equals the number of set bits at level 0 outside word
-//! `hint`; no level-0 word below
-//! `hint` has a set bit. Level-0 word `hint` is `hint_bits`; the array's entry for it is
-//! stale until the hint moves.
+//! `hint`; no level-0 word below `hint` has a set bit. Level-0 word `hint` is
+//! `hint_bits`; the array's entry for it is stale until the hint moves.
 
 /// Bits per word.
 const BITS: usize = 32;
