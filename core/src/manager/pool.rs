@@ -92,7 +92,10 @@ impl<'a> BlockPool<'a> {
     /// Whether `n` blocks for slot `s` fit in the free set beside the other slots'
     /// reservations and under `s`'s limit, counting no cached block: a sufficient
     /// condition for [`BlockPool::room`] to allow `n` (its two figures only add
-    /// evictable cached blocks to these). O(1), where `room` walks the slots.
+    /// evictable cached blocks to these). O(1), where `room` walks the slots. The same
+    /// as `free_for(s) >= n`, without its population count of the free set's hinted
+    /// word: calling `free_for` here took 0.94 of the old time of a one-token append
+    /// into a new block, against 0.90 this way (paired, same binary).
     #[inline]
     pub(crate) fn fits_free(&self, s: usize, n: u32) -> bool {
         let t = &self.tenants;
