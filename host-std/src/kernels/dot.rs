@@ -9,7 +9,7 @@ use super::avx512::Avx512;
 use super::lanes::{fp8_bf16, int8_vnni, pairs};
 use super::math::{first_tokens, Simd};
 use super::online::MAX_CHUNK;
-use crate::dtype::Element;
+use crate::dtype::{Element, Kind};
 
 /// One dot-product arithmetic for 8-bit codes: the kernels of [`super::lanes`] it
 /// routes to. Implemented by [`Vnni`] and [`Bf16Dot`].
@@ -303,6 +303,11 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         self.avx512.widen(src, dst)
+    }
+    /// Int8: its weights go in 16-bit fixed point.
+    #[inline(always)]
+    fn shifts_weights<T: Element>(self) -> bool {
+        T::KIND == Kind::Int8 || self.avx512.shifts_weights::<T>()
     }
     /// Never: passes over the storage beat widening it (paired, decode of 64 query
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,

@@ -147,6 +147,16 @@ pub(crate) trait Simd: Copy {
     fn code_unit<T: Element>(self) -> f32 {
         1.0
     }
+    /// Whether the attention loop shifts the weights that meet the codes of 8-bit
+    /// storage `T` by a power of two per row ([`super::online`]'s `value_shift`), which
+    /// keeps a weight times its value's scale near 2^55 whatever the values'
+    /// magnitudes: where the unit is not 1 (by default), and for an arithmetic that puts
+    /// the weights in fixed point, whose `32767 / max` overflows for weights below
+    /// about 1e-34 (values of that magnitude). O(1).
+    #[inline(always)]
+    fn shifts_weights<T: Element>(self) -> bool {
+        self.code_unit::<T>() != 1.0
+    }
     /// Whether a task of more than four rows per KV head should widen storage `T` to
     /// f32 once per step, so that its passes of four rows read f32, rather than have
     /// each pass read the storage itself. True for the 8-bit storage types, whose

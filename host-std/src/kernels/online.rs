@@ -579,6 +579,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Load the scaled queries, reset the softmax state.
     let unit = simd.code_unit::<T>();
+    let shifts = simd.shifts_weights::<T>();
     for j in 0..rows {
         let (qi, qh) = task.row(j);
         let src_q = &task.q[(qi * task.q_heads + qh) * hd..][..hd];
@@ -680,7 +681,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     src.scales(h, 0, t, len, &mut sc.scales[0][t - t0..]);
                     src.scales(h, 1, t, len, &mut sc.scales[1][t - t0..]);
                 }
-                if unit != 1.0 {
+                if shifts {
                     shift = value_shift(&sc.scales[1][..n], unit);
                 }
             }
@@ -706,7 +707,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                     sc.l[j] = sc.l[j] * corr + sum;
                     // A larger shift than the row's so far: its accumulator follows (the
                     // first chunk's is the row's, its accumulator being zero).
-                    let rescale = if unit == 1.0 {
+                    let rescale = if !shifts {
                         corr
                     } else if sc.value_shift[j] == NO_SHIFT {
                         sc.value_shift[j] = shift;
@@ -724,7 +725,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
                         // The weights meet codes of V: fold each value's scale into its
                         // weight (after the sum, which is over the weights themselves),
                         // then the arithmetic's unit, less the row's shift.
-                        let (value_unit, more) = if unit == 1.0 {
+                        let (value_unit, more) = if !shifts {
                             (1.0, 1.0)
                         } else {
                             pow2_parts(exponent(unit) - sc.value_shift[j])
@@ -796,7 +797,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Normalise. Every row sees at least one token, whose weight is exp(0) = 1.
     for j in 0..rows {
-        let norm = if unit == 1.0 || sc.value_shift[j] == NO_SHIFT {
+        let norm = if !shifts || sc.value_shift[j] == NO_SHIFT {
             1.0 / sc.l[j]
         } else {
             1.0 / sc.l[j] * pow2(sc.value_shift[j])
@@ -1386,6 +1387,22 @@ mod tests {
                 "skipped: AMX-BF16 absent or not granted by the OS (or capped by the \
                  environment)"
             ),
+        }
+    }
+
+    /// AVX-512 with its dot-product extensions (int8 on VNNI; FP8 on AVX512_BF16, which
+    /// Intel cores do not take), the far magnitudes included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_dot_matches_f64() {
+        use crate::kernels::dot::{Avx512Dot, Bf16Dot, Vnni};
+        match Avx512Dot::<Vnni>::detect() {
+            Some(simd) => check(simd),
+            None => eprintln!("skipped: AVX-512 VNNI absent (or capped by the environment)"),
+        }
+        match Avx512Dot::<Bf16Dot>::detect() {
+            Some(simd) => check(simd),
+            None => eprintln!("skipped: FP8 on AVX512_BF16 not taken on this CPU (or capped)"),
         }
     }
 
