@@ -92,7 +92,7 @@ pub(crate) fn path_ceiling() -> u8 {
 /// 16-bit integer dot products, `+bf16` when FP8 storage takes bf16 dot products
 /// (never on Intel cores, which run them at half rate) and `+amx` when bf16 and FP8
 /// storage take AMX tiles (decode and prefill of groups of 4 or 8 query heads per KV
-/// head);
+/// head; int8 too, decode of groups of 4, where the CPU has AMX-INT8);
 /// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]

@@ -198,6 +198,14 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
     #[cfg(target_arch = "x86_64")]
     {
         if T::KIND == Kind::Int8 {
+            if let Some(simd) = AmxBf16::detect() {
+                if simd.takes_rows::<T>(task.head_dim, task.head_rows) {
+                    // SAFETY: `detect` found AVX-512F, BW and the AMX tiles;
+                    // `takes_rows` that the CPU has AMX-INT8.
+                    unsafe { attend_amx(simd, task, src, ahead, primed, scratch) };
+                    return;
+                }
+            }
             if let Some(simd) = Avx512Dot::<Vnni>::detect() {
                 // SAFETY: `detect` found AVX-512F, BW, VNNI, AVX2, FMA and F16C.
                 unsafe { attend_avx512_vnni(simd, task, src, ahead, primed, scratch) };
@@ -1370,10 +1378,11 @@ mod tests {
         }
     }
 
-    /// AMX tiles for bf16 and FP8 (the other types go to AVX-512 unchanged), on the
-    /// shapes of four or eight rows per KV head that the tiles take; FP8 at the far
-    /// magnitudes too, where the tiles' flushing of subnormals would lose the values
-    /// but for the weights' shift ([`value_shift`]).
+    /// AMX tiles for bf16, FP8 and (where the CPU has AMX-INT8) int8 (the other types
+    /// go to AVX-512 unchanged), on the shapes of four or eight rows per KV head that
+    /// the tiles take; FP8 and int8 at the far magnitudes too, where the tiles'
+    /// flushing of subnormals (FP8) or the weights' fixed point (int8) would lose the
+    /// values but for the weights' shift ([`value_shift`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn amx_matches_f64() {

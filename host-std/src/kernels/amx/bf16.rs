@@ -25,15 +25,13 @@
 
 use core::arch::x86_64::*;
 
+use super::runs::{self, StoredTile, CHUNK_TILES, TOKENS};
 use super::tiles::{self, tmm};
 use crate::dtype::Element;
-use crate::kernels::math::first_tokens;
 use crate::kernels::MAX_HEAD_DIM;
 
 /// Dimensions per tile of keys or values (64 bytes of bf16).
 pub(in crate::kernels) const GROUP: usize = 32;
-/// Tokens per tile.
-pub(in crate::kernels) const TOKENS: usize = 16;
 /// Query rows per call.
 pub(in crate::kernels) const ROWS: usize = 4;
 /// 32-bit words of one group's query tile: 16 dimension pairs × 8 columns.
@@ -98,28 +96,7 @@ pub(in crate::kernels) unsafe fn to_query_tiles(rows: &mut [f32], hd: usize) {
 
 /// 16 rows of 64 bytes, aligned to a cache line: a tile's worth of memory.
 #[repr(C, align(64))]
-struct TileRows([[u32; 16]; TOKENS]);
-
-/// 16 stored vectors of up to `MAX_HEAD_DIM` bf16.
-type Padded = [[u16; MAX_HEAD_DIM]; TOKENS];
-
-/// The `n < 16` stored vectors at `p` (`hd` bf16 each) copied into the first rows of
-/// `out`, which arrives zeroed, so that a tile of 16 rows reads only memory of the
-/// call's own, zero past the `n` vectors: the rows' start and their stride (`2 *
-/// MAX_HEAD_DIM` bytes). O(n × hd).
-///
-/// # Safety
-/// `p` points to `n * hd` readable bf16; `hd <= MAX_HEAD_DIM`; `n <= 16`.
-#[inline(never)]
-unsafe fn padded(p: *const u8, n: usize, hd: usize, out: &mut Padded) -> (*const u8, usize) {
-    for (t, row) in out.iter_mut().take(n).enumerate() {
-        // SAFETY: vector `t < n` is readable (caller); `row` holds `hd` elements.
-        unsafe {
-            core::ptr::copy_nonoverlapping(p.add(2 * t * hd), row.as_mut_ptr().cast(), 2 * hd)
-        };
-    }
-    (out.as_ptr().cast(), 2 * MAX_HEAD_DIM)
-}
+pub(super) struct TileRows(pub(super) [[u32; 16]; TOKENS]);
 
 /// The sums of the parts of tokens `2i` and `2i + 1` of the scores tile `c` (eight
 /// columns: rows 0-3's high parts, then their low parts): a vector of blocks [token
@@ -176,60 +153,63 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     // The memory the tiles and vectors below touch (checked: a few comparisons a call).
     assert!((1..=TOKENS).contains(&n) && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
     assert!(q.len() >= ROWS * hd && k.len() >= n * hd && s.len() >= 3 * stride + n);
-    let mut pad: Padded;
-    let (keys, key_stride): (*const u8, usize) = if n == TOKENS {
-        (k.as_ptr().cast(), 2 * hd)
-    } else {
-        pad = [[0; MAX_HEAD_DIM]; TOKENS];
-        // SAFETY: `k` holds `n` keys (caller).
-        unsafe { padded(k.as_ptr().cast(), n, hd, &mut pad) }
-    };
+    let mut copy = core::mem::MaybeUninit::uninit();
+    let StoredTile {
+        start: keys,
+        stride: key_stride,
+    } = runs::one_run(k, n, hd, &mut copy);
     let groups = hd / GROUP;
     let mut c = core::mem::MaybeUninit::<TileRows>::uninit();
     // SAFETY: configured (caller). Key tile `g`: 16 rows of 64 bytes at `keys + 64 g`,
-    // inside the keys (or the padded copy); query tile `g`: 16 rows of 32 bytes, inside
-    // the four rows' `4 * hd` floats (`hd / 32` tiles of 512 bytes); `c` is 16 rows of
-    // 32 bytes at a stride of 64. Even groups' keys go to the first stored register,
-    // odd groups' to the second.
+    // inside the keys (or the copy); query tile `g`: 16 rows of 32 bytes at `q + 512
+    // g`, inside the four rows' `4 * hd` floats (`hd / 32` tiles of 512 bytes); `c` is
+    // 16 rows of 32 bytes at a stride of 64.
     unsafe {
-        let qb: *const u8 = q.as_ptr().cast();
-        tiles::zero::<{ tmm::SCORES }>();
-        for g in 0..groups {
-            let (k, q) = (keys.add(64 * g), qb.add(4 * QUERY_TILE_WORDS * g));
-            if g.is_multiple_of(2) {
-                tiles::load::<{ tmm::STORED[0] }>(k, key_stride);
-                tiles::load::<{ tmm::QUERIES }>(q, 32);
-                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[0] }, { tmm::QUERIES }>();
-            } else {
-                tiles::load::<{ tmm::STORED[1] }>(k, key_stride);
-                tiles::load::<{ tmm::QUERIES }>(q, 32);
-                tiles::dot_bf16::<{ tmm::SCORES }, { tmm::STORED[1] }, { tmm::QUERIES }>();
-            }
-        }
-        tiles::store::<{ tmm::SCORES }>(c.as_mut_ptr().cast(), 64);
+        let (q, c) = (q.as_ptr().cast(), c.as_mut_ptr().cast());
+        tiles::scores_tile::<false>(keys, key_stride, q, groups, c);
     }
     // SAFETY: the tile store wrote the first 32 bytes of each of `c`'s rows, the only
     // ones read below (integers and floats have no invalid bit patterns).
     let c = unsafe { c.assume_init_ref() };
-    // `c[t]`: token `t`'s eight columns (rows 0-3 high parts, then low parts). Two
-    // tokens a vector: the parts summed, tokens gathered four to a vector (a row per
-    // lane of each 128-bit block), then each row's 16 tokens picked out.
-    let mut sums = [_mm512_setzero_ps(); 4];
-    for (j, sum) in sums.iter_mut().enumerate() {
-        // Tokens 4j .. 4j + 4, a block each.
-        // SAFETY: AVX-512F (caller); `2j + 1 < 8`.
-        *sum = unsafe {
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(pair_sums(c, 2 * j), pair_sums(c, 2 * j + 1))
-        };
-    }
+    // `c[t]`: token `t`'s eight columns (rows 0-3 high parts, then low parts), the
+    // parts summed two tokens a vector.
+    // SAFETY: AVX-512F (caller); `i < 8`.
+    let pairs = core::array::from_fn(|i| unsafe { pair_sums(c, i) });
+    // SAFETY: AVX-512F (caller); `s` holds `3 * stride + n` floats (checked).
+    unsafe { store_score_rows(&pairs, [1.0; ROWS], n, s, stride) };
+}
+
+/// Stores the scores of four rows over `n <= 16` tokens, row `r` times `scale[r]`,
+/// into `s[r * stride..][..n]`, from `pairs[i]`: tokens `2i` and `2i + 1`'s four rows,
+/// as 128-bit blocks [token `2i`, any, token `2i + 1`, any], a row per lane. The
+/// tokens are gathered four to a vector (a row per lane of each block), then each
+/// row's 16 picked out. O(1).
+///
+/// # Safety
+/// AVX-512F; `s` holds `3 * stride + n` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn store_score_rows(
+    pairs: &[__m512; 8],
+    scale: [f32; ROWS],
+    n: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!(n <= TOKENS && s.len() >= 3 * stride + n);
+    // Tokens 4j .. 4j + 4, a block each.
+    let sums: [__m512; 4] = core::array::from_fn(|j| {
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(pairs[2 * j], pairs[2 * j + 1])
+    });
     let mask: __mmask16 = if n == TOKENS { 0xFFFF } else { (1 << n) - 1 };
     // Lane `r` of each block of two vectors: eight tokens (the two halves the same).
     let lanes = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    for r in 0..ROWS {
+    for (r, scale) in scale.into_iter().enumerate() {
         let pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(r as i32));
         let low = _mm512_permutex2var_ps(sums[0], pick, sums[1]);
         let high = _mm512_permutex2var_ps(sums[2], pick, sums[3]);
         let row = _mm512_shuffle_f32x4::<0b01_00_01_00>(low, high);
+        let row = _mm512_mul_ps(row, _mm512_set1_ps(scale));
         // SAFETY: `s` holds `r * stride + n` floats (caller); lanes past `n` are masked.
         unsafe { _mm512_mask_storeu_ps(s.as_mut_ptr().add(r * stride), mask, row) };
     }
@@ -314,14 +294,11 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
     let mut w = core::mem::MaybeUninit::<TileRows>::uninit();
     // SAFETY: AVX-512F (caller); `n` weights a row (checked).
     unsafe { weights_tile(p, n, &mut w) };
-    let mut pad: Padded;
-    let (values, stride): (*const u8, usize) = if n == TOKENS {
-        (v.as_ptr().cast(), 2 * hd)
-    } else {
-        pad = [[0; MAX_HEAD_DIM]; TOKENS];
-        // SAFETY: `v` holds `n` values (caller).
-        unsafe { padded(v.as_ptr().cast(), n, hd, &mut pad) }
-    };
+    let mut copy = core::mem::MaybeUninit::uninit();
+    let StoredTile {
+        start: values,
+        stride,
+    } = runs::one_run(v, n, hd, &mut copy);
     let mut c = [const { core::mem::MaybeUninit::<TileRows>::uninit() }; 2];
     let sums: [*mut f32; 2] = [c[0].as_mut_ptr().cast(), c[1].as_mut_ptr().cast()];
     // The product of group `g` into `sums[g % 2]`, through the registers of its parity.
@@ -355,16 +332,6 @@ pub(in crate::kernels) unsafe fn accumulate4<T: Element>(
         // `acc` holds four rows of `hd` (checked); AVX-512F (caller).
         unsafe { add_sums(acc, sums[g % 2], hd, g) };
     }
-}
-
-/// Tiles of 16 tokens in one call of [`accumulate_runs4`]: a chunk's.
-const CHUNK_TILES: usize = crate::kernels::online::MAX_CHUNK / TOKENS;
-
-/// One tile of a chunk's values: rows `stride` bytes apart from `start`.
-#[derive(Clone, Copy)]
-struct ValueTile {
-    start: *const u8,
-    stride: usize,
 }
 
 /// `acc_r[d] += Σ_{t<n} p[r][t] · v_t[d]` for the four rows `acc_r = acc[r * hd..]`, in
@@ -402,62 +369,13 @@ pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
     // The memory the tiles and vectors below touch (checked: a few comparisons a call).
     assert!(n <= CHUNK_TILES * TOKENS && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
     assert!(acc.len() >= ROWS * hd && p.iter().all(|p| p.len() >= n));
-    let mut copies = [const { core::mem::MaybeUninit::<Padded>::uninit() }; CHUNK_TILES];
-    let mut tiles = [ValueTile {
-        start: core::ptr::null(),
-        stride: 0,
-    }; CHUNK_TILES];
-    // Tiles, and tokens, that the runs hold (all `n` unless they hold fewer).
-    let (mut count, mut tokens) = (0, 0);
-    // Each run's tokens, tile by tile: whole tiles inside the run as they are, the rest
-    // into the copy of the tile they fall in.
-    for (t, run, len) in first_tokens(runs, n, hd) {
-        let mut at = 0;
-        while at < len {
-            let (tile, row) = ((t + at) / TOKENS, (t + at) % TOKENS);
-            if row == 0 && len - at >= TOKENS {
-                tiles[tile] = ValueTile {
-                    start: run[at * hd..].as_ptr().cast(),
-                    stride: 2 * hd,
-                };
-                at += TOKENS;
-            } else {
-                let m = (len - at).min(TOKENS - row);
-                let copy = copies[tile].as_mut_ptr().cast::<[u16; MAX_HEAD_DIM]>();
-                for (i, x) in run[at * hd..(at + m) * hd].chunks_exact(hd).enumerate() {
-                    // SAFETY: row `row + i < 16` of the copy holds `MAX_HEAD_DIM >= hd`
-                    // elements; `x` holds `hd`.
-                    unsafe {
-                        core::ptr::copy_nonoverlapping(
-                            x.as_ptr().cast::<u8>(),
-                            copy.add(row + i).cast(),
-                            2 * hd,
-                        )
-                    };
-                }
-                tiles[tile] = ValueTile {
-                    start: copy.cast_const().cast(),
-                    stride: 2 * MAX_HEAD_DIM,
-                };
-                at += m;
-            }
-            count = tile + 1;
-        }
-        tokens = t + len;
-    }
+    let mut copies = [const { core::mem::MaybeUninit::uninit() }; CHUNK_TILES];
+    let mut tiles = [StoredTile::NONE; CHUNK_TILES];
+    let tokens = runs::chunk_tiles(runs, n, hd, &mut copies, &mut tiles);
     if tokens == 0 {
         return;
     }
-    let last = tokens - (count - 1) * TOKENS;
-    if last < TOKENS {
-        // The last tile's rows past the tokens: zero, so that their zero weights
-        // multiply numbers (a copy's rows are those of the tokens only).
-        let copy = copies[count - 1].as_mut_ptr().cast::<[u16; MAX_HEAD_DIM]>();
-        for row in last..TOKENS {
-            // SAFETY: row `row < 16` of the copy, its first `hd` elements.
-            unsafe { copy.add(row).cast::<u16>().write_bytes(0, hd) };
-        }
-    }
+    let count = tokens.div_ceil(TOKENS);
     let mut w = [const { core::mem::MaybeUninit::<TileRows>::uninit() }; CHUNK_TILES];
     for (i, w) in w.iter_mut().enumerate().take(count) {
         let m = (tokens - i * TOKENS).min(TOKENS);
@@ -547,56 +465,12 @@ mod tests {
     //! class (one group of 32, an odd number of groups, the largest) and tile fill (one
     //! token, a partial tile, a whole one), on CPUs that have the tiles.
     use super::*;
-    use crate::kernels::amx::AmxBf16;
+    use crate::kernels::amx::check::{
+        accumulation_error, begun, chunk_runs, token_of, worst, CHUNK_SHAPES,
+    };
     use half::bf16;
     use rand::rngs::StdRng;
     use rand::{RngExt, SeedableRng};
-
-    /// The worst error of `got` against `want`, relative to `scale` (the sum of the
-    /// terms' magnitudes). The operands' two bf16 parts bound it by about 2^-16 =
-    /// 1.5e-5 plus the f32 sums' rounding; seen: 1.7e-6 (scores), 6.3e-6
-    /// (accumulation). Dropping either low part makes it 1e-3 to 1e-2.
-    fn worst(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
-        got.iter()
-            .zip(want)
-            .zip(scale)
-            .map(|((&g, &w), &s)| (f64::from(g) - w).abs() / s.max(f64::MIN_POSITIVE))
-            .fold(0.0, f64::max)
-    }
-
-    /// The worst error ([`worst`]) of the four accumulator rows `acc` (dimension order)
-    /// against `acc0 + Σ_t p[r][t] · v_t` over the `n` tokens `token(t)`, relative to
-    /// `|acc0| + Σ |p · v|`; every output must be finite (`worst` passes NaN over).
-    fn accumulation_error<'a>(
-        acc: &[f32],
-        acc0: &[f32],
-        p: &[Vec<f32>],
-        token: impl Fn(usize) -> &'a [bf16],
-        n: usize,
-        hd: usize,
-    ) -> f64 {
-        assert!(acc.iter().all(|x| x.is_finite()), "a non-finite output");
-        let (mut want, mut scale) = (vec![], vec![]);
-        for r in 0..ROWS {
-            for d in 0..hd {
-                let terms = (0..n).map(|t| f64::from(p[r][t]) * f64::from(token(t)[d]));
-                want.push(f64::from(acc0[r * hd + d]) + terms.clone().sum::<f64>());
-                scale.push(f64::from(acc0[r * hd + d].abs()) + terms.map(f64::abs).sum::<f64>());
-            }
-        }
-        worst(acc, &want, &scale)
-    }
-
-    /// The tiles, configured on this thread; `None` (said on stderr) where the CPU or
-    /// the OS does not give them, or a cap rules them out.
-    fn begun() -> Option<AmxBf16> {
-        let amx = AmxBf16::detect();
-        match amx {
-            Some(amx) => amx.begin(),
-            None => eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)"),
-        }
-        amx
-    }
 
     #[test]
     fn tiles_match_f64_sums() {
@@ -654,62 +528,26 @@ mod tests {
                 // SAFETY: configured above; the shapes are the kernel's.
                 unsafe { accumulate4(&mut acc, rows, &v, hd, n) };
                 crate::kernels::lanes::from_split_order::<GROUP, 2>(&mut acc);
-                let err = accumulation_error(&acc, &acc0, &p, |t| &v[t * hd..], n, hd);
+                let value = |t: usize, d: usize| f64::from(v[t * hd + d]);
+                let err = accumulation_error(&acc, &acc0, &p, value, n, hd, |r, t| p[r][t].into());
                 assert!(err < 4e-5, "accumulation hd {hd} n {n}: {err:e}");
             }
         }
         amx.end();
     }
 
-    /// The chained accumulation over runs of every shape a chunk can have (whole tiles
-    /// in blocks of 16 and 48, blocks of 8 and 5 copied, a block boundary inside a tile
-    /// or one token short of a tile's end, a last partial tile, fewer tokens asked for
-    /// than the runs hold, their vectors past those NaN) at head dims of one, three,
-    /// four and eight groups, against f64 sums; and one `step` per tile.
+    /// The chained accumulation over runs of every shape a chunk can have
+    /// ([`CHUNK_SHAPES`], the vectors past the tokens asked for NaN) at head dims of
+    /// one, three, four and eight groups, against f64 sums; and one `step` per tile.
     #[test]
     fn chained_runs_match_f64_sums() {
         let Some(amx) = begun() else { return };
         let mut rng = StdRng::seed_from_u64(12);
-        let shapes: [(&[usize], usize); 9] = [
-            (&[16, 16, 16, 16], 64),
-            (&[48, 16], 64),
-            (&[20, 44], 64),
-            (&[31, 33], 64),
-            (&[15, 49], 64),
-            (&[8, 8, 8, 8, 8], 40),
-            (&[5, 5, 5, 5, 5, 5, 5], 33),
-            (&[16, 16, 16], 37),
-            (&[1], 1),
-        ];
         for hd in [32, 96, 128, 256] {
-            for (lens, n) in shapes {
-                let total: usize = lens.iter().sum();
-                // Each run in its own allocation, the vectors past the `n`th NaN.
-                let mut runs: Vec<Vec<bf16>> = vec![];
-                let mut t = 0;
-                for &len in lens {
-                    runs.push(
-                        (0..len * hd)
-                            .map(|i| {
-                                if t + i / hd < n {
-                                    bf16::from_f32(rng.random_range(-3.0..3.0))
-                                } else {
-                                    bf16::NAN
-                                }
-                            })
-                            .collect(),
-                    );
-                    t += len;
-                }
-                assert!(total >= n);
-                let token = |t: usize| {
-                    let (mut r, mut at) = (0, t);
-                    while at >= lens[r] {
-                        at -= lens[r];
-                        r += 1;
-                    }
-                    &runs[r][at * hd..(at + 1) * hd]
-                };
+            for (lens, n) in CHUNK_SHAPES {
+                // The vectors past the `n`th NaN.
+                let fresh = || bf16::from_f32(rng.random_range(-3.0..3.0));
+                let runs = chunk_runs(lens, n, hd, fresh, bf16::NAN);
                 let p: Vec<Vec<f32>> = (0..ROWS)
                     .map(|_| (0..n).map(|_| rng.random_range(0.0..1.0)).collect())
                     .collect();
@@ -725,7 +563,8 @@ mod tests {
                 unsafe { accumulate_runs4(&mut acc, rows, &slices, n, hd, &mut || steps += 1) };
                 assert_eq!(steps, n.div_ceil(TOKENS), "hd {hd} runs {lens:?}");
                 crate::kernels::lanes::from_split_order::<GROUP, 2>(&mut acc);
-                let err = accumulation_error(&acc, &acc0, &p, token, n, hd);
+                let value = |t: usize, d: usize| f64::from(token_of(&runs, t, hd)[d]);
+                let err = accumulation_error(&acc, &acc0, &p, value, n, hd, |r, t| p[r][t].into());
                 assert!(err < 4e-5, "hd {hd} runs {lens:?} n {n}: {err:e}");
             }
         }

@@ -22,7 +22,8 @@
 use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
-use super::bf16::{self, TOKENS};
+use super::bf16;
+use super::runs::TOKENS;
 use crate::kernels::MAX_HEAD_DIM;
 
 /// The unit of the decoded codes, 2^120 ([`crate::kernels::avx2::FP8_UNIT`]).

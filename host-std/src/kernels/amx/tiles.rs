@@ -32,6 +32,13 @@ pub(super) mod tmm {
     pub(in crate::kernels::amx) const GROUP_SUMS: [u8; 4] = [2, 3, 4, 5];
     /// Chained accumulation: 16 values × 32 bf16 dimensions.
     pub(in crate::kernels::amx) const VALUES: u8 = 7;
+    /// Int8 accumulation ([`super::super::int8`]): the sums of the weights' high and
+    /// low bytes (16 rows × 16 words), a group of dimensions at a time.
+    pub(in crate::kernels::amx) const PART_SUMS: [u8; 2] = [2, 3];
+    /// Int8 accumulation: the weights' high and low bytes (16 rows × 64).
+    pub(in crate::kernels::amx) const PART_WEIGHTS: [u8; 2] = [4, 5];
+    /// Int8 accumulation: 16 values × 64 codes, for alternate tiles of tokens.
+    pub(in crate::kernels::amx) const PART_VALUES: [u8; 2] = [6, 7];
 }
 
 /// `[rows, bytes per row]` of each tile register of the configuration.
@@ -71,21 +78,33 @@ pub(super) fn permitted() -> bool {
     *PERMITTED.get_or_init(|| !cfg!(miri) && cpu_has_amx_bf16() && request_tile_data())
 }
 
-/// CPUID's AMX-TILE and AMX-BF16 flags. O(1).
-fn cpu_has_amx_bf16() -> bool {
+/// CPUID leaf 7's EDX, where the AMX flags are (0 on a CPU without leaf 7). O(1).
+fn leaf7_edx() -> u32 {
     use core::arch::x86_64::{__cpuid, __cpuid_count};
     // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is read only where leaf 0 says
     // it exists (`__cpuid` is unsafe in Rust 1.89, the minimum supported).
     #[allow(unused_unsafe)]
-    let edx = unsafe {
+    unsafe {
         if __cpuid(0).eax < 7 {
-            return false;
+            return 0;
         }
         __cpuid_count(7, 0).edx
-    };
+    }
+}
+
+/// CPUID's AMX-TILE and AMX-BF16 flags. O(1).
+fn cpu_has_amx_bf16() -> bool {
     const AMX_BF16: u32 = 1 << 22;
     const AMX_TILE: u32 = 1 << 24;
-    edx & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
+    leaf7_edx() & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
+}
+
+/// Whether the CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25): [`dot_u8i8`] and
+/// [`dot_i8i8`]. Read once; O(1) after the first call.
+pub(super) fn has_int8() -> bool {
+    static INT8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    const AMX_INT8: u32 = 1 << 25;
+    *INT8.get_or_init(|| leaf7_edx() & AMX_INT8 != 0)
 }
 
 /// Asks Linux for the AMX tile data state; true when granted. O(1).
@@ -218,4 +237,90 @@ pub(super) unsafe fn dot_bf16<const C: u8, const A: u8, const B: u8>() {
             options(nostack, nomem),
         )
     };
+}
+
+/// `C += A · B` in bytes with 32-bit integer sums, A unsigned and B signed
+/// (`tdpbusd`): `C[m][n] += Σ_{i<4} A[m][4k + i] · B[k][4n + i]` over `k` (A's rows of
+/// four bytes, B's rows). Exact while the sums stay within 32 bits (they wrap).
+/// O(rows × quads × columns).
+///
+/// # Safety
+/// [`configure`] ran on this thread, the CPU has AMX-INT8, and the three shapes agree.
+#[inline(always)]
+pub(super) unsafe fn dot_u8i8<const C: u8, const A: u8, const B: u8>() {
+    // SAFETY: configured, AMX-INT8 (caller); registers only.
+    unsafe {
+        asm!(
+            "tdpbusd tmm{c}, tmm{a}, tmm{b}",
+            c = const C,
+            a = const A,
+            b = const B,
+            options(nostack, nomem),
+        )
+    };
+}
+
+/// [`dot_u8i8`] with both operands signed (`tdpbssd`). O(rows × quads × columns).
+///
+/// # Safety
+/// As [`dot_u8i8`].
+#[inline(always)]
+pub(super) unsafe fn dot_i8i8<const C: u8, const A: u8, const B: u8>() {
+    // SAFETY: configured, AMX-INT8 (caller); registers only.
+    unsafe {
+        asm!(
+            "tdpbssd tmm{c}, tmm{a}, tmm{b}",
+            c = const C,
+            a = const A,
+            b = const B,
+            options(nostack, nomem),
+        )
+    };
+}
+
+/// Stores at `c` (16 rows of 32 bytes, 64 bytes apart) the scores tile of 16 stored
+/// keys against four query rows, `Σ_g K_g · Q_g` over `groups` groups of dimensions:
+/// `K_g` 16 rows of 64 bytes at `keys + 64 g`, `stride` apart; `Q_g` the query tile of
+/// 16 rows of 32 bytes at `queries + 512 g`. The products are [`dot_i8i8`] (`INT8`) or
+/// [`dot_bf16`]. Even groups' keys go to the first stored register, odd groups' to
+/// the second. O(groups).
+///
+/// # Safety
+/// [`configure`] ran on this thread; the CPU has AMX-INT8 if `INT8`; the rows named
+/// are readable, and `c`'s writable.
+#[inline(always)]
+pub(super) unsafe fn scores_tile<const INT8: bool>(
+    keys: *const u8,
+    stride: usize,
+    queries: *const u8,
+    groups: usize,
+    c: *mut u8,
+) {
+    /// One group's product, its keys through register `K`.
+    #[inline(always)]
+    unsafe fn group<const INT8: bool, const K: u8>(k: *const u8, stride: usize, q: *const u8) {
+        // SAFETY: the caller's.
+        unsafe {
+            load::<K>(k, stride);
+            load::<{ tmm::QUERIES }>(q, 32);
+            if INT8 {
+                dot_i8i8::<{ tmm::SCORES }, K, { tmm::QUERIES }>();
+            } else {
+                dot_bf16::<{ tmm::SCORES }, K, { tmm::QUERIES }>();
+            }
+        }
+    }
+    // SAFETY: the caller's.
+    unsafe {
+        zero::<{ tmm::SCORES }>();
+        for g in 0..groups {
+            let (k, q) = (keys.add(64 * g), queries.add(512 * g));
+            if g.is_multiple_of(2) {
+                group::<INT8, { tmm::STORED[0] }>(k, stride, q);
+            } else {
+                group::<INT8, { tmm::STORED[1] }>(k, stride, q);
+            }
+        }
+        store::<{ tmm::SCORES }>(c, 64);
+    }
 }

@@ -12,10 +12,17 @@ pub(super) const ONE: f32 = 32767.0;
 /// would be. O(1).
 #[inline(always)]
 pub(super) fn fixed_point(max: f32, finite: bool) -> (f32, f32) {
+    fixed_point_to(max, finite, ONE)
+}
+
+/// [`fixed_point`] with `max` coded `one` instead of 32767 (AMX's query codes, whose
+/// two bytes must each be signed: [`crate::kernels::amx`]). O(1).
+#[inline(always)]
+pub(in crate::kernels) fn fixed_point_to(max: f32, finite: bool, one: f32) -> (f32, f32) {
     if !finite || !max.is_finite() {
         (f32::NAN, 0.0)
     } else if max > 0.0 {
-        (max / ONE, ONE / max)
+        (max / one, one / max)
     } else {
         (0.0, 0.0)
     }

@@ -20,7 +20,7 @@
 pub(super) mod bf16_avx2;
 pub(super) mod bf16_avx512;
 pub(super) mod byte_avx512;
-mod fixed16;
+pub(super) mod fixed16;
 pub(super) mod fp8_bf16;
 pub(super) mod int8_avx2;
 pub(super) mod int8_vnni;

@@ -1,0 +1,139 @@
+//! Where the tiles of stored keys and values are loaded from: 16 vectors of one
+//! storage type, whose rows a tile load reads from one start at one stride. Vectors
+//! stored one after another (a run: the tokens of one block) are loaded where they
+//! are; fewer than 16, or 16 across runs, are first copied onto the stack, rows past
+//! the tokens zero. Shared by the bf16 ([`super::bf16`]) and int8 ([`super::int8`])
+//! tiles, whose vectors are `hd` elements of 2 and 1 bytes.
+
+use crate::dtype::Element;
+use crate::kernels::math::first_tokens;
+use crate::kernels::MAX_HEAD_DIM;
+
+/// Vectors (tokens) per tile.
+pub(in crate::kernels) const TOKENS: usize = 16;
+
+/// Tiles of 16 tokens in a chunk.
+pub(super) const CHUNK_TILES: usize = crate::kernels::online::MAX_CHUNK / TOKENS;
+
+/// Bytes of a copied row: room for the widest vector (`MAX_HEAD_DIM` bf16).
+pub(super) const COPY_ROW: usize = 2 * MAX_HEAD_DIM;
+
+/// 16 copied vectors, a row each.
+pub(super) type Copy = [[u8; COPY_ROW]; TOKENS];
+
+/// One tile of stored vectors: rows `stride` bytes apart from `start`.
+#[derive(Clone, Copy)]
+pub(super) struct StoredTile {
+    /// The first row.
+    pub(super) start: *const u8,
+    /// Bytes from one row to the next.
+    pub(super) stride: usize,
+}
+
+impl StoredTile {
+    /// No tile yet (a placeholder in an array of them).
+    pub(super) const NONE: Self = Self {
+        start: core::ptr::null(),
+        stride: 0,
+    };
+}
+
+/// The bytes of `n` vectors of `hd` elements `T`, checked against [`COPY_ROW`]. O(1).
+#[inline(always)]
+fn vector_bytes<T: Element>(hd: usize) -> usize {
+    let bytes = hd * core::mem::size_of::<T>();
+    assert!(bytes <= COPY_ROW, "a vector wider than a copied row");
+    bytes
+}
+
+/// The tile of the `n <= 16` vectors of `hd` elements at the start of `v`: where they
+/// are when `n == 16`, otherwise copied into `copy`, zero past them. O(n × hd).
+#[inline(always)]
+pub(super) fn one_run<T: Element>(
+    v: &[T],
+    n: usize,
+    hd: usize,
+    copy: &mut core::mem::MaybeUninit<Copy>,
+) -> StoredTile {
+    let bytes = vector_bytes::<T>(hd);
+    assert!(n <= TOKENS && v.len() >= n * hd);
+    if n == TOKENS {
+        return StoredTile {
+            start: v.as_ptr().cast(),
+            stride: bytes,
+        };
+    }
+    let rows = copy.write([[0; COPY_ROW]; TOKENS]);
+    for (row, x) in rows.iter_mut().zip(v[..n * hd].chunks_exact(hd)) {
+        // SAFETY: `x` is `hd` elements, `bytes` bytes (plain data), inside `v`.
+        let x = unsafe { core::slice::from_raw_parts(x.as_ptr().cast::<u8>(), bytes) };
+        row[..bytes].copy_from_slice(x);
+    }
+    StoredTile {
+        start: rows.as_ptr().cast(),
+        stride: COPY_ROW,
+    }
+}
+
+/// The tiles of the first `n <= 64` tokens of `runs` (each run whole vectors of `hd`
+/// elements stored one after another, the runs in token order: a chunk's of one KV
+/// head) into `tiles`: a tile inside one run where it is stored, the others (across
+/// runs, or the last partial one) copied into `copies`, rows past the tokens zero.
+/// Returns the tokens the runs hold (`n` unless they hold fewer); the tiles are its
+/// `div_ceil(16)`. O(n × hd).
+pub(super) fn chunk_tiles<T: Element>(
+    runs: &[&[T]],
+    n: usize,
+    hd: usize,
+    copies: &mut [core::mem::MaybeUninit<Copy>; CHUNK_TILES],
+    tiles: &mut [StoredTile; CHUNK_TILES],
+) -> usize {
+    let bytes = vector_bytes::<T>(hd);
+    assert!(n <= CHUNK_TILES * TOKENS);
+    let (mut count, mut tokens) = (0, 0);
+    for (t, run, len) in first_tokens(runs, n, hd) {
+        let mut at = 0;
+        while at < len {
+            let (tile, row) = ((t + at) / TOKENS, (t + at) % TOKENS);
+            if row == 0 && len - at >= TOKENS {
+                tiles[tile] = StoredTile {
+                    start: run[at * hd..].as_ptr().cast(),
+                    stride: bytes,
+                };
+                at += TOKENS;
+            } else {
+                let m = (len - at).min(TOKENS - row);
+                let copy = copies[tile].as_mut_ptr().cast::<[u8; COPY_ROW]>();
+                for (i, x) in run[at * hd..(at + m) * hd].chunks_exact(hd).enumerate() {
+                    // SAFETY: row `row + i < 16` of the copy holds `COPY_ROW >= bytes`
+                    // bytes; `x` holds `bytes`.
+                    unsafe {
+                        core::ptr::copy_nonoverlapping(
+                            x.as_ptr().cast::<u8>(),
+                            copy.add(row + i).cast(),
+                            bytes,
+                        )
+                    };
+                }
+                tiles[tile] = StoredTile {
+                    start: copy.cast_const().cast(),
+                    stride: COPY_ROW,
+                };
+                at += m;
+            }
+            count = tile + 1;
+        }
+        tokens = t + len;
+    }
+    let last = tokens.saturating_sub(count.saturating_sub(1) * TOKENS);
+    if tokens > 0 && last < TOKENS {
+        // The last tile's rows past the tokens: zero, so that their zero weights
+        // multiply numbers (a copy's rows are those of the tokens only).
+        let copy = copies[count - 1].as_mut_ptr().cast::<[u8; COPY_ROW]>();
+        for row in last..TOKENS {
+            // SAFETY: row `row < 16` of the copy, its first `bytes` bytes.
+            unsafe { copy.add(row).cast::<u8>().write_bytes(0, bytes) };
+        }
+    }
+    tokens
+}
