@@ -43,8 +43,9 @@ use super::math::Simd;
 use super::online::{Schedule, MAX_CHUNK};
 use crate::dtype::{bytes_of, Element, Kind};
 
-/// AMX-BF16 over AVX-512F. Only [`AmxBf16::detect`] makes one, so holding a value
-/// proves the CPU has both and this process may use the tiles.
+/// AMX-BF16 over AVX-512F, with AMX-INT8 where the CPU has it (`int8`). Only
+/// [`AmxBf16::detect`] makes one, so holding a value proves the CPU has AMX-BF16 and
+/// AVX-512F and this process may use the tiles.
 #[derive(Clone, Copy)]
 pub(crate) struct AmxBf16 {
     avx512: Avx512,
@@ -214,7 +215,8 @@ impl Simd for AmxBf16 {
         debug_assert!(T::KIND != Kind::Fp8E4m3, "FP8 rows come four at a time");
         self.avx512.accumulate1(acc, p, v, hd, n)
     }
-    /// bf16 and FP8: each four rows as their query tiles ([`bf16::to_query_tiles`]).
+    /// bf16 and FP8: each four rows as their query tiles ([`bf16::to_query_tiles`]);
+    /// int8 in the tiles: as its byte tiles ([`int8::to_query_tiles`]).
     #[inline(always)]
     fn enter_kernel_order<T: Element>(self, rows: &mut [f32], hd: usize) {
         if self.int8_tiled::<T>(hd) {
@@ -305,6 +307,9 @@ impl Simd for AmxBf16 {
     fn shifts_weights<T: Element>(self) -> bool {
         T::KIND == Kind::Int8 || self.code_unit::<T>() != 1.0
     }
+    /// Never for FP8, whose passes decode their own tiles ([`fp8`]), nor for int8,
+    /// whose tasks of several passes the tiles do not take ([`Simd::takes_rows`]: they
+    /// go to VNNI, which does not widen either).
     #[inline(always)]
     fn widens_for_passes<T: Element>(self) -> bool {
         T::KIND != Kind::Fp8E4m3 && T::KIND != Kind::Int8 && self.avx512.widens_for_passes::<T>()
@@ -314,6 +319,7 @@ impl Simd for AmxBf16 {
     /// lines). Measured on Emerald Rapids, decode of 32 × 2048 tokens out of cache, two
     /// threads, 15 rounds of three alternating runs, time over the same build capped at
     /// `avx512dot`: 1.12 with the bursts whole, 1.02 split (quartiles 0.91 and 1.08).
+    /// Int8 in the tiles takes the same (not measured against another).
     #[inline(always)]
     fn schedule<T: Element>(self, hd: usize) -> Schedule {
         if tiled::<T>(hd) || self.int8_tiled::<T>(hd) {
