@@ -21,12 +21,17 @@
 //!   ([`crate::kernels::lanes::to_split_order`] `<64, 4>`). The weights' high and low
 //!   bytes (both unsigned: codes up to 32767) are two tiles and two products.
 //!   Three quarters of A's bytes are zero, which costs tile-product time only: the
-//!   values need no reordering.
+//!   values need no reordering. (That time is small: a build without the low parts'
+//!   products, half of them, took 0.97-1.0 of the time in cache.)
 //!
-//! The sums of a chunk's tiles (up to 64 tokens) stay in four sums tiles (two groups
-//! of 64 dimensions × the two parts), stored and scaled into the accumulators once a
-//! chunk, as bf16's chained sums ([`super::bf16::accumulate_runs4`]). Within 32 bits:
-//! a high part's sum is at most `64 · 127 · 128 < 2^20`, times 256 under `2^28`.
+//! The sums of a chunk's tiles (up to 64 tokens) stay in two sums tiles (the two
+//! parts of one group of 64 dimensions, a group after another), stored and scaled into
+//! the accumulators once a chunk, as bf16's chained sums
+//! ([`super::bf16::accumulate_runs4`]). The two weight tiles and the values have
+//! registers of their own ([`tmm::PART_WEIGHTS`], [`tmm::PART_VALUES`], alternating):
+//! with one weights register for both parts, its loads waited on the products before
+//! them, and took a fifth of the in-cache time. Within 32 bits: a high part's sum is
+//! at most `64 · 127 · 128 < 2^20`, times 256 under `2^28`.
 
 use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
@@ -68,16 +73,9 @@ pub(in crate::kernels) unsafe fn to_query_tiles(rows: &mut [f32], hd: usize) {
         let mut words = [0u32; MAX_HEAD_DIM / 4 * 8];
         let mut scales = [0.0f32; ROWS];
         for (r, x) in four.chunks_exact(hd).enumerate() {
-            let (mut max, mut poison) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for d in x.chunks_exact(16) {
-                // SAFETY: `d` holds 16 floats; AVX-512F (caller).
-                let v = unsafe { _mm512_loadu_ps(d.as_ptr()) };
-                max = _mm512_max_ps(max, _mm512_abs_ps(v));
-                // Stays 0 unless an element is NaN or infinite.
-                poison = _mm512_fmadd_ps(v, _mm512_setzero_ps(), poison);
-            }
-            let finite = _mm512_reduce_add_ps(poison) == 0.0;
-            let (scale, inv) = fixed_point_to(_mm512_reduce_max_ps(max), finite, QUERY_ONE);
+            // SAFETY: AVX-512F (caller).
+            let (max, finite) = unsafe { largest::<true>(x) };
+            let (scale, inv) = fixed_point_to(max, finite, QUERY_ONE);
             scales[r] = scale;
             let inv = _mm512_set1_ps(inv);
             for (at, d) in x.chunks_exact(16).enumerate() {
@@ -189,6 +187,31 @@ pub(in crate::kernels) unsafe fn scores4<T: Element>(
     unsafe { store_score_rows(&pairs, scale, n, s, stride) };
 }
 
+/// The largest of `p` (of their magnitudes with `ABS`; without, none may be
+/// negative), and whether all are finite. O(p.len()).
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[inline]
+unsafe fn largest<const ABS: bool>(p: &[f32]) -> (f32, bool) {
+    let zero = _mm512_setzero_ps();
+    let (mut max, mut poison) = (zero, zero);
+    for c in (0..p.len()).step_by(16) {
+        let left = p.len() - c;
+        let mask: __mmask16 = if left >= 16 { 0xFFFF } else { (1 << left) - 1 };
+        // SAFETY: the lanes loaded are `p[c..]`'s, the rest masked.
+        let x = unsafe { _mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)) };
+        max = _mm512_max_ps(max, if ABS { _mm512_abs_ps(x) } else { x });
+        // Stays 0 unless an element is NaN or infinite.
+        poison = _mm512_fmadd_ps(x, zero, poison);
+    }
+    (
+        _mm512_reduce_max_ps(max),
+        _mm512_reduce_add_ps(poison) == 0.0,
+    )
+}
+
 /// Writes row `r`'s weights of tile `i` (`m <= 16` tokens from `p`, times `inv`, as
 /// codes) into the four rows `4 · phase + r` of `w[0]` (high bytes) and `w[1]` (low
 /// bytes): each token's byte at `4t + phase`, zero elsewhere and past `m`. O(1).
@@ -254,8 +277,8 @@ pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
     let mut scale = [0.0f32; ROWS];
     for (r, pr) in p.iter().enumerate() {
         let pr = &pr[..tokens];
-        let max = pr.iter().fold(0.0f32, |m, &x| m.max(x));
-        let finite = pr.iter().all(|x| x.is_finite());
+        // SAFETY: AVX-512F (caller).
+        let (max, finite) = unsafe { largest::<false>(pr) };
         let inv;
         (scale[r], inv) = fixed_point_to(max, finite, WEIGHT_ONE);
         for i in 0..count {
