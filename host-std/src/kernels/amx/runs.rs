@@ -137,3 +137,87 @@ pub(super) fn chunk_tiles<T: Element>(
     }
     tokens
 }
+
+#[cfg(test)]
+mod tests {
+    //! Where the tiles' rows point, checked byte by byte (no tile instruction: this
+    //! runs under Miri too, which checks that every row read is inside its run or its
+    //! copy).
+    use super::*;
+    use crate::dtype::Int8;
+    use crate::kernels::amx::check::{chunk_runs, token_of, CHUNK_SHAPES};
+
+    /// The 16 rows of `tile`, `bytes` each.
+    fn rows(tile: StoredTile, bytes: usize) -> Vec<Vec<u8>> {
+        (0..TOKENS)
+            .map(|j| {
+                // SAFETY: the function under test promises 16 readable rows.
+                unsafe { core::slice::from_raw_parts(tile.start.add(j * tile.stride), bytes) }
+                    .to_vec()
+            })
+            .collect()
+    }
+
+    /// Token `t`'s bytes in `runs` (vectors of `hd` elements `E`).
+    fn token_bytes<E: Element>(runs: &[Vec<E>], t: usize, hd: usize) -> Vec<u8> {
+        let v = token_of(runs, t, hd);
+        // SAFETY: `v` is `hd` plain-data elements.
+        unsafe { core::slice::from_raw_parts(v.as_ptr().cast::<u8>(), core::mem::size_of_val(v)) }
+            .to_vec()
+    }
+
+    fn check_type<E: Element>(code: impl Fn(u32) -> E) {
+        for hd in [3, 64] {
+            let bytes = hd * core::mem::size_of::<E>();
+            for (lens, n) in CHUNK_SHAPES {
+                let mut next = 0u32;
+                let runs = chunk_runs(
+                    lens,
+                    n,
+                    hd,
+                    || {
+                        next += 1;
+                        code(next)
+                    },
+                    code(0),
+                );
+                let slices: Vec<&[E]> = runs.iter().map(|r| &r[..]).collect();
+                let mut copies = [const { core::mem::MaybeUninit::uninit() }; CHUNK_TILES];
+                let mut tiles = [StoredTile::NONE; CHUNK_TILES];
+                let tokens = chunk_tiles(&slices, n, hd, &mut copies, &mut tiles);
+                assert_eq!(tokens, n, "runs {lens:?}");
+                for (i, tile) in tiles.iter().enumerate().take(n.div_ceil(TOKENS)) {
+                    for (j, row) in rows(*tile, bytes).iter().enumerate() {
+                        let t = i * TOKENS + j;
+                        let want = if t < n {
+                            token_bytes(&runs, t, hd)
+                        } else {
+                            vec![0; bytes]
+                        };
+                        assert_eq!(*row, want, "hd {hd} runs {lens:?} token {t}");
+                    }
+                }
+            }
+            // One run of fewer than 16 vectors, or 16.
+            for n in [1, 7, 16] {
+                let v: Vec<E> = (0..n * hd).map(|i| code(i as u32 + 1)).collect();
+                let mut copy = core::mem::MaybeUninit::uninit();
+                let tile = one_run(&v, n, hd, &mut copy);
+                for (t, row) in rows(tile, bytes).iter().enumerate() {
+                    let want = if t < n {
+                        token_bytes(core::slice::from_ref(&v), t, hd)
+                    } else {
+                        vec![0; bytes]
+                    };
+                    assert_eq!(*row, want, "hd {hd} n {n} token {t}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_point_at_their_tokens_and_zero_past_them() {
+        check_type(|x| half::bf16::from_bits(x as u16 | 0x100));
+        check_type(|x| Int8((x % 251) as i8 | 1));
+    }
+}
