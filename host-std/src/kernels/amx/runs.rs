@@ -90,6 +90,11 @@ pub(super) fn chunk_tiles<T: Element>(
 ) -> usize {
     let bytes = vector_bytes::<T>(hd);
     assert!(n <= CHUNK_TILES * TOKENS);
+    // Every copied row's pointer, those the tiles keep included, derives from this one
+    // (another borrow of `copies` would invalidate the pointers taken before it:
+    // Miri's Stacked Borrows found that in the first version). Copy `i`'s row `r` is
+    // row `16 i + r`.
+    let copy_rows: *mut [u8; COPY_ROW] = copies.as_mut_ptr().cast();
     let (mut count, mut tokens) = (0, 0);
     for (t, run, len) in first_tokens(runs, n, hd) {
         let mut at = 0;
@@ -103,7 +108,8 @@ pub(super) fn chunk_tiles<T: Element>(
                 at += TOKENS;
             } else {
                 let m = (len - at).min(TOKENS - row);
-                let copy = copies[tile].as_mut_ptr().cast::<[u8; COPY_ROW]>();
+                // SAFETY: copy `tile < CHUNK_TILES` is inside `copies`.
+                let copy = unsafe { copy_rows.add(tile * TOKENS) };
                 for (i, x) in run[at * hd..(at + m) * hd].chunks_exact(hd).enumerate() {
                     // SAFETY: row `row + i < 16` of the copy holds `COPY_ROW >= bytes`
                     // bytes; `x` holds `bytes`.
@@ -129,7 +135,8 @@ pub(super) fn chunk_tiles<T: Element>(
     if tokens > 0 && last < TOKENS {
         // The last tile's rows past the tokens: zero, so that their zero weights
         // multiply numbers (a copy's rows are those of the tokens only).
-        let copy = copies[count - 1].as_mut_ptr().cast::<[u8; COPY_ROW]>();
+        // SAFETY: copy `count - 1 < CHUNK_TILES` is inside `copies`.
+        let copy = unsafe { copy_rows.add((count - 1) * TOKENS) };
         for row in last..TOKENS {
             // SAFETY: row `row < 16` of the copy, its first `bytes` bytes.
             unsafe { copy.add(row).cast::<u8>().write_bytes(0, bytes) };
