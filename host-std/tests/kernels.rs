@@ -956,6 +956,10 @@ fn instruction_path_stays_within_the_cap() {
         "portable",
     ];
     const ANY: &[&str] = &[
+        "avx512f+vnni+bf16+amx+amx-int8",
+        "avx512f+vnni+amx+amx-int8",
+        "avx512f+bf16+amx+amx-int8",
+        "avx512f+amx+amx-int8",
         "avx512f+vnni+bf16+amx",
         "avx512f+vnni+amx",
         "avx512f+bf16+amx",

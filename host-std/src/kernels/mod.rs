@@ -90,26 +90,32 @@ pub(crate) fn path_ceiling() -> u8 {
 /// The arithmetic the attention kernels take on this CPU (chosen at run time, the widest
 /// it has, within [`CPU_PATH_ENV`]): `"avx512f"`, with `+vnni` when int8 storage takes
 /// 16-bit integer dot products, `+bf16` when FP8 storage takes bf16 dot products
-/// (never on Intel cores, which run them at half rate) and `+amx` when bf16 and FP8
+/// (never on Intel cores, which run them at half rate), `+amx` when bf16 and FP8
 /// storage take AMX tiles (decode and prefill of groups of 4 or 8 query heads per KV
-/// head; int8 too, decode of groups of 4, where the CPU has AMX-INT8);
-/// `"avx2+fma"`; or `"portable"`. O(1) after the first call.
+/// head) and `+amx-int8` when int8 storage does too (decode of groups of 4, where the
+/// CPU has AMX-INT8); `"avx2+fma"`; or `"portable"`. O(1) after the first call.
 pub fn instruction_path() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
+        let amx = amx::AmxBf16::detect();
         match (
             dot::Avx512Dot::<dot::Vnni>::detect().is_some(),
             dot::Avx512Dot::<dot::Bf16Dot>::detect().is_some(),
-            amx::AmxBf16::detect().is_some(),
+            amx.is_some(),
+            amx.is_some_and(|amx| amx.takes_int8()),
         ) {
-            (true, true, true) => return "avx512f+vnni+bf16+amx",
-            (true, true, false) => return "avx512f+vnni+bf16",
-            (true, false, true) => return "avx512f+vnni+amx",
-            (true, false, false) => return "avx512f+vnni",
-            (false, true, true) => return "avx512f+bf16+amx",
-            (false, true, false) => return "avx512f+bf16",
-            (false, false, true) => return "avx512f+amx",
-            (false, false, false) => {}
+            (true, true, true, true) => return "avx512f+vnni+bf16+amx+amx-int8",
+            (true, true, true, false) => return "avx512f+vnni+bf16+amx",
+            (true, true, false, _) => return "avx512f+vnni+bf16",
+            (true, false, true, true) => return "avx512f+vnni+amx+amx-int8",
+            (true, false, true, false) => return "avx512f+vnni+amx",
+            (true, false, false, _) => return "avx512f+vnni",
+            (false, true, true, true) => return "avx512f+bf16+amx+amx-int8",
+            (false, true, true, false) => return "avx512f+bf16+amx",
+            (false, true, false, _) => return "avx512f+bf16",
+            (false, false, true, true) => return "avx512f+amx+amx-int8",
+            (false, false, true, false) => return "avx512f+amx",
+            (false, false, false, _) => {}
         }
         if avx512::Avx512::detect().is_some() {
             return "avx512f";

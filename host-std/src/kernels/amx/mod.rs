@@ -77,6 +77,13 @@ impl AmxBf16 {
         unsafe { tiles::configure() }
     }
 
+    /// Whether int8 storage takes the tiles at all (the CPU has AMX-INT8), at head dims
+    /// that are a multiple of 64. O(1).
+    #[inline]
+    pub(crate) fn takes_int8(self) -> bool {
+        self.int8
+    }
+
     /// Whether int8 storage `T` with head dim `hd` takes the tiles ([`int8`]): the CPU
     /// has AMX-INT8 and `hd` is a non-zero multiple of 64. O(1).
     #[inline(always)]
