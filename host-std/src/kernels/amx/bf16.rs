@@ -25,7 +25,7 @@
 
 use core::arch::x86_64::*;
 
-use super::runs::{self, StoredTile, CHUNK_TILES, TOKENS};
+use super::runs::{self, ChunkTiles, StoredTile, CHUNK_TILES, TOKENS};
 use super::tiles::{self, tmm};
 use crate::dtype::Element;
 use crate::kernels::MAX_HEAD_DIM;
@@ -369,13 +369,12 @@ pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
     // The memory the tiles and vectors below touch (checked: a few comparisons a call).
     assert!(n <= CHUNK_TILES * TOKENS && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
     assert!(acc.len() >= ROWS * hd && p.iter().all(|p| p.len() >= n));
-    let mut copies = [const { core::mem::MaybeUninit::uninit() }; CHUNK_TILES];
-    let mut tiles = [StoredTile::NONE; CHUNK_TILES];
-    let tokens = runs::chunk_tiles(runs, n, hd, &mut copies, &mut tiles);
+    let mut chunk = ChunkTiles::new();
+    let (tiles, tokens) = chunk.gather(runs, n, hd);
     if tokens == 0 {
         return;
     }
-    let count = tokens.div_ceil(TOKENS);
+    let count = tiles.len();
     let mut w = [const { core::mem::MaybeUninit::<TileRows>::uninit() }; CHUNK_TILES];
     for (i, w) in w.iter_mut().enumerate().take(count) {
         let m = (tokens - i * TOKENS).min(TOKENS);

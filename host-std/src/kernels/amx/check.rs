@@ -49,7 +49,7 @@ pub(super) fn begun() -> Option<AmxBf16> {
     let amx = AmxBf16::detect();
     match amx {
         Some(amx) => amx.begin(),
-        None => eprintln!("skipped: AMX-BF16 absent or not granted by the OS (or capped)"),
+        None => eprintln!("skipped: AMX tiles absent or not granted by the OS (or capped)"),
     }
     amx
 }

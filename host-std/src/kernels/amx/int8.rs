@@ -37,7 +37,7 @@ use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
 use super::bf16::{store_score_rows, TileRows, ROWS};
-use super::runs::{self, StoredTile, CHUNK_TILES, TOKENS};
+use super::runs::{self, ChunkTiles, StoredTile, CHUNK_TILES, TOKENS};
 use super::tiles::{self, tmm};
 use crate::dtype::Element;
 use crate::kernels::lanes::fixed16::fixed_point_to;
@@ -265,13 +265,12 @@ pub(in crate::kernels) unsafe fn accumulate_runs4<T: Element, F: FnMut()>(
     assert!(n <= CHUNK_TILES * TOKENS && hd.is_multiple_of(GROUP) && hd <= MAX_HEAD_DIM);
     assert!(acc.len() >= ROWS * hd && p.iter().all(|p| p.len() >= n));
     assert!(core::mem::size_of::<T>() == 1);
-    let mut copies = [const { MaybeUninit::uninit() }; CHUNK_TILES];
-    let mut tiles = [StoredTile::NONE; CHUNK_TILES];
-    let tokens = runs::chunk_tiles(runs, n, hd, &mut copies, &mut tiles);
+    let mut chunk = ChunkTiles::new();
+    let (tiles, tokens) = chunk.gather(runs, n, hd);
     if tokens == 0 {
         return;
     }
-    let count = tokens.div_ceil(TOKENS);
+    let count = tiles.len();
     // `w[part][i]`: tile `i`'s high (0) and low (1) weight bytes.
     let mut w = [const { [const { MaybeUninit::<TileRows>::uninit() }; CHUNK_TILES] }; 2];
     let mut scale = [0.0f32; ROWS];

@@ -19,7 +19,7 @@ pub(super) const CHUNK_TILES: usize = crate::kernels::online::MAX_CHUNK / TOKENS
 pub(super) const COPY_ROW: usize = 2 * MAX_HEAD_DIM;
 
 /// 16 copied vectors, a row each.
-pub(super) type Copy = [[u8; COPY_ROW]; TOKENS];
+pub(super) type TileCopy = [[u8; COPY_ROW]; TOKENS];
 
 /// One tile of stored vectors: rows `stride` bytes apart from `start`.
 #[derive(Clone, Copy)]
@@ -53,7 +53,7 @@ pub(super) fn one_run<T: Element>(
     v: &[T],
     n: usize,
     hd: usize,
-    copy: &mut core::mem::MaybeUninit<Copy>,
+    copy: &mut core::mem::MaybeUninit<TileCopy>,
 ) -> StoredTile {
     let bytes = vector_bytes::<T>(hd);
     assert!(n <= TOKENS && v.len() >= n * hd);
@@ -75,17 +75,48 @@ pub(super) fn one_run<T: Element>(
     }
 }
 
-/// The tiles of the first `n <= 64` tokens of `runs` (each run whole vectors of `hd`
-/// elements stored one after another, the runs in token order: a chunk's of one KV
-/// head) into `tiles`: a tile inside one run where it is stored, the others (across
-/// runs, or the last partial one) copied into `copies`, rows past the tokens zero.
-/// Returns the tokens the runs hold (`n` unless they hold fewer); the tiles are its
-/// `div_ceil(16)`. O(n × hd).
-pub(super) fn chunk_tiles<T: Element>(
+/// The tiles of a chunk's tokens ([`ChunkTiles::gather`]), and the stack copies that
+/// some of them point into: the tiles are valid while this value is borrowed by the
+/// slice `gather` returns (it cannot move meanwhile).
+pub(super) struct ChunkTiles {
+    /// Copies of the tiles that do not lie inside one run.
+    copies: [core::mem::MaybeUninit<TileCopy>; CHUNK_TILES],
+    /// Where each tile's rows are.
+    tiles: [StoredTile; CHUNK_TILES],
+}
+
+impl ChunkTiles {
+    /// Room for a chunk's tiles, nothing gathered (the copies uninitialised). O(1).
+    pub(super) const fn new() -> Self {
+        Self {
+            copies: [const { core::mem::MaybeUninit::uninit() }; CHUNK_TILES],
+            tiles: [StoredTile::NONE; CHUNK_TILES],
+        }
+    }
+
+    /// The tiles of the first `n <= 64` tokens of `runs` (each run whole vectors of
+    /// `hd` elements stored one after another, the runs in token order: a chunk's of
+    /// one KV head): a tile inside one run where it is stored, the others (across
+    /// runs, or the last partial one) copied, rows past the tokens zero. Returns the
+    /// tiles, `div_ceil(tokens, 16)` of them, and the tokens the runs hold (`n` unless
+    /// they hold fewer). O(n × hd).
+    pub(super) fn gather<T: Element>(
+        &mut self,
+        runs: &[&[T]],
+        n: usize,
+        hd: usize,
+    ) -> (&[StoredTile], usize) {
+        let tokens = chunk_tiles(runs, n, hd, &mut self.copies, &mut self.tiles);
+        (&self.tiles[..tokens.div_ceil(TOKENS)], tokens)
+    }
+}
+
+/// [`ChunkTiles::gather`] into `copies` and `tiles`; returns the tokens. O(n × hd).
+fn chunk_tiles<T: Element>(
     runs: &[&[T]],
     n: usize,
     hd: usize,
-    copies: &mut [core::mem::MaybeUninit<Copy>; CHUNK_TILES],
+    copies: &mut [core::mem::MaybeUninit<TileCopy>; CHUNK_TILES],
     tiles: &mut [StoredTile; CHUNK_TILES],
 ) -> usize {
     let bytes = vector_bytes::<T>(hd);
@@ -189,11 +220,14 @@ mod tests {
                     code(0),
                 );
                 let slices: Vec<&[E]> = runs.iter().map(|r| &r[..]).collect();
-                let mut copies = [const { core::mem::MaybeUninit::uninit() }; CHUNK_TILES];
-                let mut tiles = [StoredTile::NONE; CHUNK_TILES];
-                let tokens = chunk_tiles(&slices, n, hd, &mut copies, &mut tiles);
-                assert_eq!(tokens, n, "runs {lens:?}");
-                for (i, tile) in tiles.iter().enumerate().take(n.div_ceil(TOKENS)) {
+                let mut chunk = ChunkTiles::new();
+                let (tiles, tokens) = chunk.gather(&slices, n, hd);
+                assert_eq!(
+                    (tokens, tiles.len()),
+                    (n, n.div_ceil(TOKENS)),
+                    "runs {lens:?}"
+                );
+                for (i, tile) in tiles.iter().enumerate() {
                     for (j, row) in rows(*tile, bytes).iter().enumerate() {
                         let t = i * TOKENS + j;
                         let want = if t < n {
