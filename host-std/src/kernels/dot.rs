@@ -19,6 +19,12 @@ pub(crate) trait DotKernels: Copy {
     fn detect() -> bool;
     /// Whether storage `T` with head dimension `hd` takes the arithmetic. O(1).
     fn applies<T: Element>(hd: usize) -> bool;
+    /// The unit in which the arithmetic reads storage `T`'s codes
+    /// ([`Simd::code_unit`]) and the exponent the loop lifts its query rows to
+    /// ([`Simd::query_exponent`]), where they differ from [`Avx512`]'s: then a task
+    /// over `T` at a head dim the arithmetic does not take goes elsewhere whole
+    /// ([`Simd::takes_rows`]). O(1).
+    fn code_unit<T: Element>() -> Option<(f32, i32)>;
     /// Puts one scaled query row into the arithmetic's form. O(hd).
     ///
     /// # Safety
@@ -77,6 +83,10 @@ macro_rules! dot_kernels {
             #[inline(always)]
             fn applies<T: Element>(hd: usize) -> bool {
                 $module::applies::<T>(hd)
+            }
+            #[inline(always)]
+            fn code_unit<T: Element>() -> Option<(f32, i32)> {
+                $module::code_unit(T::KIND)
             }
             #[inline(always)]
             unsafe fn encode_query(row: &mut [f32], hd: usize) {
@@ -183,6 +193,14 @@ impl<K: DotKernels> Avx512Dot<K> {
 // SAFETY (every method): an `Avx512Dot<K>` value exists only when `detect` found the
 // CPU features `K` needs; `K::applies` is checked before each `K` call.
 impl<K: DotKernels> Simd for Avx512Dot<K> {
+    /// Every task but one over storage that `K` reads in its own unit
+    /// ([`DotKernels::code_unit`]: FP8 with AVX512_BF16) at a head dim `K` does not
+    /// take: [`Avx512`] would read those codes in another unit.
+    #[inline(always)]
+    fn takes_rows<T: Element>(self, hd: usize, head_rows: usize) -> bool {
+        (K::applies::<T>(hd) || K::code_unit::<T>().is_none())
+            && self.avx512.takes_rows::<T>(hd, head_rows)
+    }
     #[inline(always)]
     fn scores4<T: Element>(
         self,
@@ -300,14 +318,32 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
         }
     }
     super::avx512::elementwise_of_avx512!();
+    /// In `K`'s unit ([`DotKernels::code_unit`]), exact: FP8's largest code over 2^120
+    /// is an f32 normal, its smallest a subnormal with bits to spare.
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
-        self.avx512.widen(src, dst)
+        match K::code_unit::<T>() {
+            Some((unit, _)) => {
+                for (d, x) in dst.iter_mut().zip(src) {
+                    *d = x.to_f32() * (1.0 / unit);
+                }
+            }
+            None => self.avx512.widen(src, dst),
+        }
     }
-    /// Int8: its weights go in 16-bit fixed point.
+    #[inline(always)]
+    fn code_unit<T: Element>(self) -> f32 {
+        K::code_unit::<T>().map_or_else(|| self.avx512.code_unit::<T>(), |(unit, _)| unit)
+    }
+    #[inline(always)]
+    fn query_exponent<T: Element>(self) -> i32 {
+        K::code_unit::<T>().map_or_else(|| self.avx512.query_exponent::<T>(), |(_, e)| e)
+    }
+    /// Int8: its weights go in 16-bit fixed point. FP8 with AVX512_BF16: its unit is
+    /// not 1 (the default's rule).
     #[inline(always)]
     fn shifts_weights<T: Element>(self) -> bool {
-        T::KIND == Kind::Int8 || self.avx512.shifts_weights::<T>()
+        T::KIND == Kind::Int8 || self.code_unit::<T>() != 1.0
     }
     /// Never: passes over the storage beat widening it (paired, decode of 64 query
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,

@@ -147,6 +147,15 @@ pub(crate) trait Simd: Copy {
     fn code_unit<T: Element>(self) -> f32 {
         1.0
     }
+    /// Where the attention loop lifts a query row whose codes' unit is not 1: a row
+    /// whose largest magnitude is below `2^e` is multiplied by the power of two that
+    /// brings it into `[2^e, 2^(e + 1))`, by at most the unit (see [`super::online`]'s
+    /// `lift_query`). 0 by default: the row into `[1, 2)`. An arithmetic whose products
+    /// of the query with the codes flush subnormals to zero may ask for more. O(1).
+    #[inline(always)]
+    fn query_exponent<T: Element>(self) -> i32 {
+        0
+    }
     /// Whether the attention loop shifts the weights that meet the codes of 8-bit
     /// storage `T` by a power of two per row ([`super::online`]'s `value_shift`), which
     /// keeps a weight times its value's scale near 2^55 whatever the values'

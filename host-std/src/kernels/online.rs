@@ -214,9 +214,11 @@ pub(crate) fn attend<T: Element, S: KvSource<T>>(
         }
         if T::KIND == Kind::Fp8E4m3 {
             if let Some(simd) = Avx512Dot::<Bf16Dot>::detect() {
-                // SAFETY: `detect` found AVX-512F, BW, BF16, AVX2, FMA and F16C.
-                unsafe { attend_avx512_bf16(simd, task, src, ahead, primed, scratch) };
-                return;
+                if simd.takes_rows::<T>(task.head_dim, task.head_rows) {
+                    // SAFETY: `detect` found AVX-512F, BW, BF16, AVX2, FMA and F16C.
+                    unsafe { attend_avx512_bf16(simd, task, src, ahead, primed, scratch) };
+                    return;
+                }
             }
         }
         if T::KIND == Kind::Bf16 || T::KIND == Kind::Fp8E4m3 {
@@ -587,6 +589,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 
     // Load the scaled queries, reset the softmax state.
     let unit = simd.code_unit::<T>();
+    let query_exponent = simd.query_exponent::<T>();
     let shifts = simd.shifts_weights::<T>();
     for j in 0..rows {
         let (qi, qh) = task.row(j);
@@ -597,7 +600,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         sc.key_unit[j] = if unit == 1.0 {
             1.0
         } else {
-            lift_query(&mut sc.q[j * hd..(j + 1) * hd], unit)
+            lift_query(&mut sc.q[j * hd..(j + 1) * hd], unit, query_exponent)
         };
         sc.value_shift[j] = NO_SHIFT;
         sc.limit[j] = first_pos + qi + 1;
@@ -817,25 +820,27 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     }
 }
 
-/// Multiplies a query row whose largest magnitude is below 1 by the power of two `2^e`
-/// that brings it to `[1, 2)` (`2^e` at most `unit`, a power of two), and returns
-/// `unit / 2^e`: what the row's scores are multiplied by after their keys' scales.
-/// A row of larger (or no finite nonzero) magnitude is left alone: `unit` itself.
-/// O(q.len()).
+/// Multiplies a query row whose largest magnitude is below `2^top` (`0 <= top <= 126`)
+/// by the power of two `2^e` that brings it to `[2^top, 2^(top + 1))` (`2^e` at most
+/// `unit`, a power of two), and returns `unit / 2^e`: what the row's scores are
+/// multiplied by after their keys' scales. A row of larger (or no finite nonzero)
+/// magnitude is left alone: `unit` itself. O(q.len()).
 ///
-/// For an arithmetic whose codes decode in a large unit ([`Simd::code_unit`]: AVX2's
-/// FP8, 2^-120 of their values): a product of a small query and a small decoded
-/// key falls among the f32 subnormals, or to zero, where the lifted one keeps its
-/// precision. Exact: both factors are powers of two, and the lifted row stays below 2.
+/// For an arithmetic whose codes decode in a large unit ([`Simd::code_unit`]: FP8 in
+/// AVX2, AVX512_BF16 or the AMX tiles, 2^-120 of their values): a product of a small
+/// query and a small decoded key falls among the f32 subnormals, or to zero, where the
+/// lifted one keeps its precision ([`Simd::query_exponent`] says how far). Exact: both
+/// factors are powers of two, and the lifted row stays below `2^(top + 1)`.
 #[inline]
-fn lift_query(q: &mut [f32], unit: f32) -> f32 {
+fn lift_query(q: &mut [f32], unit: f32, top: i32) -> f32 {
+    debug_assert!((0..=126).contains(&top));
     let max = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    if !(max > 0.0 && max < 1.0) {
+    if !(max > 0.0 && max < pow2(top)) {
         return unit;
     }
     // `max` is `1.m · 2^e` for its exponent `e` (-127 for a subnormal, where the
-    // largest lift applies), so `2^-e` brings it to `[1, 2)`.
-    let lift = (-exponent(max)).min(exponent(unit));
+    // largest lift applies), so `2^(top - e)` brings it to `[2^top, 2^(top + 1))`.
+    let lift = (top - exponent(max)).min(exponent(unit));
     let factor = pow2(lift);
     for x in q.iter_mut() {
         *x *= factor;
@@ -1248,7 +1253,8 @@ mod tests {
                         let got = f64::from(sc.acc[j * hd + d]);
                         assert!(
                             (got - want).abs() < tolerance,
-                            "hd {hd} heads {heads} row {j} dim {d}: {got} vs {want}"
+                            "{} {mag:?} hd {hd} heads {heads} row {j} dim {d}: {got} vs {want}",
+                            core::any::type_name::<T>()
                         );
                     }
                 }
@@ -1266,22 +1272,32 @@ mod tests {
         assert!(size <= 64 << 10, "{size} bytes");
     }
 
-    /// The two ranges a large code unit needs: a query row below 1 lifted into [1, 2)
-    /// by at most the unit, with what is left of the unit returned; a shift from 0 up
+    /// The two ranges a large code unit needs: a query row below 1 (or `2^top`) lifted
+    /// into [1, 2) (or `[2^top, 2^(top + 1))`) by at most the unit, with what is left of the unit returned; a shift from 0 up
     /// to what keeps the largest scale finite, NaN scales left out.
     #[test]
     fn large_code_units_stay_in_range() {
         let unit = pow2(120);
         let mut row = [0.3f32, -0.1, 0.0];
-        assert_eq!(lift_query(&mut row, unit), pow2(118));
+        assert_eq!(lift_query(&mut row, unit, 0), pow2(118));
         assert_eq!(row, [1.2, -0.4, 0.0]);
         let mut row = [3.0f32, 0.001];
-        assert_eq!(lift_query(&mut row, unit), unit);
+        assert_eq!(lift_query(&mut row, unit, 0), unit);
         assert_eq!(row, [3.0, 0.001]);
         let tiny = f32::from_bits(1);
         let mut row = [tiny, f32::NAN];
-        assert_eq!(lift_query(&mut row, unit), 1.0);
+        assert_eq!(lift_query(&mut row, unit, 0), 1.0);
         assert_eq!(row[0], tiny * unit);
+        // Lifted higher (FP8 with AVX512_BF16: 2^64), by at most the unit.
+        let mut row = [0.3f32, -0.1];
+        assert_eq!(lift_query(&mut row, unit, 64), pow2(54));
+        assert_eq!(row, [0.3 * pow2(66), -0.1 * pow2(66)]);
+        let mut row = [pow2(64), 1.0];
+        assert_eq!(lift_query(&mut row, unit, 64), unit);
+        assert_eq!(row, [pow2(64), 1.0]);
+        let mut row = [1e-30f32, 3e-31];
+        assert_eq!(lift_query(&mut row, unit, 64), 1.0);
+        assert_eq!(row, [1e-30 * unit, 3e-31 * unit]);
 
         assert_eq!(value_shift(&[63.9, 1.0, 0.0], unit), 0);
         assert_eq!(value_shift(&[64.0], unit), 1);

@@ -4,14 +4,21 @@
 //!
 //! An E4M3 code is a bf16 whose exponent is 120 short: its bits `s eeee mmm` moved to
 //! `s 0000 eeee mmm 0000` (two or three shifts and a mask for 32 codes) are a bf16 worth
-//! `2^-120` times the code's value. The missing `2^120` is applied once per score and
-//! once per accumulated vector, with the fixed factors below.
+//! `2^-120` times the code's value: the codes are read in the unit [`UNIT`], which the
+//! attention loop applies ([`crate::kernels::math::Simd::code_unit`]), as for AVX2's
+//! FP8 and the AMX tiles'. `vdpbf16ps` flushes denormal inputs and products to zero,
+//! so the loop keeps the f32 side in range whatever the magnitudes of the stored
+//! values: it lifts each query row whose largest magnitude is below `2^64` into
+//! `[2^64, 2^65)` ([`QUERY_EXPONENT`]; by at most the unit), so that its products with
+//! the smallest normal code, `2^-126` in the unit, stay far above the denormals; and it
+//! shifts each chunk's weights (times their values' scales) by a power of two that
+//! keeps their products with the codes near `2^16`. Before (fixed factors in the
+//! kernel, unit 1), queries near 1e-30 against keys near 1e30, or values near 1e-34,
+//! lost every product.
 //!
-//! The f32 side (queries, once per task; softmax weights, once per block of tokens)
-//! is first multiplied by `2^64`, so that its products with the codes stay far above
-//! the f32 denormals (which `vdpbf16ps` flushes to zero), then split into two bf16,
-//! `hi = bf16(x)` and `lo = bf16(x - hi)`: 16 bits of mantissa, a relative error below
-//! `2^-17`, against the 4 bits of mantissa of the codes themselves.
+//! The f32 side is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`: 16 bits
+//! of mantissa, a relative error below `2^-17`, against the 4 bits of mantissa of the
+//! codes themselves.
 //!
 //! Where the result differs from the f32 arithmetic's: that rounding (at most 4.7e-6
 //! of the output in the kernel tests); subnormal codes (values below `2^-6`, under
@@ -29,10 +36,19 @@ use super::pairs::{self, BLOCK, GROUP};
 use crate::dtype::{Element, Kind};
 use crate::kernels::MAX_HEAD_DIM;
 
-/// The factor the f32 side is multiplied by before it is rounded to bf16.
-const UP: f32 = (1u64 << 63) as f32 * 2.0;
-/// What a bf16 dot product of the codes is multiplied by: `2^120 / 2^64`.
-const DOWN: f32 = (1u64 << 56) as f32;
+/// The unit of the decoded codes, 2^120 ([`crate::kernels::avx2::FP8_UNIT`]).
+pub(in crate::kernels) const UNIT: f32 = crate::kernels::avx2::FP8_UNIT;
+
+/// Where the loop lifts the query rows ([`crate::kernels::math::Simd::query_exponent`]).
+pub(in crate::kernels) const QUERY_EXPONENT: i32 = 64;
+
+/// The unit in which this arithmetic reads the codes of storage of kind `kind`, and the
+/// exponent its query rows are lifted to: [`UNIT`] and [`QUERY_EXPONENT`] for FP8,
+/// `None` for the storage types it does not take. O(1).
+#[inline(always)]
+pub(in crate::kernels) fn code_unit(kind: Kind) -> Option<(f32, i32)> {
+    (kind == Kind::Fp8E4m3).then_some((UNIT, QUERY_EXPONENT))
+}
 
 /// Whether storage `T` with head dimension `hd` takes this arithmetic. O(1).
 #[inline(always)]
@@ -65,8 +81,8 @@ fn split(x: __m512) -> (__m256i, __m256i) {
 
 /// Puts a scaled query row (`row[..hd]`, dimension order) into the form
 /// [`pairs::scores4`] and [`pairs::scores1`] read: per group of 64 dimensions, the bf16
-/// `hi` of its even dimensions, of its odd ones, then their `lo`, of the row times
-/// `2^64` (see the module). O(hd).
+/// `hi` of its even dimensions, of its odd ones, then their `lo` (the row as the loop
+/// lifted it: see the module). O(hd).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `applies` holds for `hd`, and `row.len() >= hd`.
@@ -76,13 +92,11 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
     assert!(row.len() >= hd && hd <= MAX_HEAD_DIM);
     let mut out = [0u16; 2 * MAX_HEAD_DIM];
     let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
-    let up = _mm512_set1_ps(UP);
     // SAFETY: loads of `row[d..+32]` with `d + 32 <= hd`; stores of 16 bf16 at
     // `out[2 group + half + 32 j..]`, inside `out[..2 hd]`.
     unsafe {
         for d in (0..hd).step_by(32) {
-            let a = _mm512_mul_ps(_mm512_loadu_ps(rp.add(d)), up);
-            let b = _mm512_mul_ps(_mm512_loadu_ps(rp.add(d + 16)), up);
+            let (a, b) = (_mm512_loadu_ps(rp.add(d)), _mm512_loadu_ps(rp.add(d + 16)));
             let (group, half) = (d / GROUP * GROUP, d % GROUP / 2);
             let (even, odd) = pairs::even_odd_ps(a, b);
             let ((even_hi, even_lo), (odd_hi, odd_lo)) = (split(even), split(odd));
@@ -109,8 +123,8 @@ fn even_odd(x: __m512i) -> (__m512i, __m512i) {
     )
 }
 
-/// The weights `p[..m]` (`m <= BLOCK`) times `2^64` as `hi` and `lo` bf16, two tokens to
-/// a word (the first in the low half; an odd last token pairs with 0). O(m).
+/// The weights `p[..m]` (`m <= BLOCK`, in the unit's range: see the module) as `hi` and
+/// `lo` bf16, two tokens to a word (the first in the low half; an odd last token pairs with 0). O(m).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `p.len() >= m`.
@@ -123,7 +137,6 @@ unsafe fn encode_weights(
     lo: &mut [u32; BLOCK / 2],
 ) {
     assert!(p.len() >= m && m <= BLOCK);
-    let up = _mm512_set1_ps(UP);
     for c in (0..m).step_by(16) {
         let left = m - c;
         let mask: __mmask16 = if left >= 16 {
@@ -134,8 +147,7 @@ unsafe fn encode_weights(
         // SAFETY: the masked load reads only `p[c..m]`; the stores write 8 words at
         // `[c / 2..]`, `c < m <= BLOCK`.
         unsafe {
-            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)), up);
-            let (h, l) = split(x);
+            let (h, l) = split(_mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)));
             _mm256_storeu_si256(hi.as_mut_ptr().add(c / 2).cast(), h);
             _mm256_storeu_si256(lo.as_mut_ptr().add(c / 2).cast(), l);
         }
@@ -187,13 +199,13 @@ impl pairs::PairDots for Fp8Pairs {
     }
     #[inline(always)]
     unsafe fn score_factor(_q: *const f32, _hd: usize) -> f32 {
-        DOWN
+        1.0
     }
     #[inline(always)]
     unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32 {
         let [hi, lo] = words;
         unsafe { encode_weights(p, m, hi, lo) };
-        DOWN
+        1.0
     }
     #[inline(always)]
     unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]) {
@@ -267,6 +279,7 @@ mod tests {
                 |x| Fp8E4m3(fp8::encode(x * 400.0 + 0.5f32.copysign(x))),
                 |c| f64::from(fp8::decode(c.0)),
                 encode_query,
+                UNIT,
             );
         }
     }

@@ -42,6 +42,14 @@ pub(in crate::kernels) fn applies<T: Element>(hd: usize) -> bool {
     T::KIND == Kind::Int8 && hd.is_multiple_of(GROUP) && hd > 0
 }
 
+/// The unit in which this arithmetic reads the codes of storage of kind `_kind`, and
+/// the exponent its query rows are lifted to: none other than the plain arithmetic's
+/// (the scores and sums are scaled in the kernels). O(1).
+#[inline(always)]
+pub(in crate::kernels) fn code_unit(_kind: Kind) -> Option<(f32, i32)> {
+    None
+}
+
 /// Puts a scaled query row (`row[..hd]`, dimension order) into the form
 /// [`pairs::scores4`] and [`pairs::scores1`] read: per group of 64 dimensions, its first
 /// 32 floats hold the group's 16-bit codes as bits (two per float: the even dimensions,
@@ -306,6 +314,7 @@ mod tests {
                 |x| Int8((x * 127.0).round() as i8),
                 |c| f64::from(c.0),
                 encode_query,
+                1.0,
             );
         }
     }

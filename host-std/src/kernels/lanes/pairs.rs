@@ -355,11 +355,14 @@ pub(super) fn test_values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-/// Checks [`scores4`], [`scores1`] and [`accumulate`] (its tokens out of storage order) over `K` against f64 on the codes
-/// `codes` (`value` of each), for head dims 64, 128 and 256 and an odd token count:
-/// every score and every accumulated dimension within `1e-4` of the sum of its terms'
-/// magnitudes (the arithmetics round the f32 side to 16 bits or so; an indexing or
-/// reduction mistake is off by the order of the terms themselves).
+/// Checks [`scores4`], [`scores1`] and [`accumulate`] (its tokens out of storage
+/// order) over `K` against f64 on the codes (`value` of each), for head dims 64, 128
+/// and 256 and an odd token count: every score and every accumulated dimension within
+/// `1e-4` of the sum of its terms' magnitudes (the arithmetics round the f32 side to 16
+/// bits or so; an indexing or reduction mistake is off by the order of the terms
+/// themselves). `unit`: the unit `K` reads the codes in
+/// ([`crate::kernels::math::Simd::code_unit`]), which the scores are multiplied by and
+/// the weights divided by, as the attention loop does.
 ///
 /// # Safety
 /// The CPU has `K`'s extension; `encode_query` is `K`'s, `T` its code type.
@@ -368,6 +371,7 @@ pub(super) unsafe fn check_loops<K: PairDots, T: Element>(
     code_of: impl Fn(f32) -> T,
     value: impl Fn(T) -> f64,
     encode_query: unsafe fn(&mut [f32], usize),
+    unit: f32,
 ) {
     const N: usize = 11;
     let close = |got: f64, want: f64, size: f64| (got - want).abs() <= 1e-4 * size + 1e-9;
@@ -391,13 +395,14 @@ pub(super) unsafe fn check_loops<K: PairDots, T: Element>(
             for t in 0..N {
                 let terms = (0..hd).map(|d| f64::from(q[r * hd + d]) * code(t, d));
                 let (want, size) = (terms.clone().sum(), terms.map(f64::abs).sum());
-                let got = f64::from(s[r * stride + t]);
+                let got = f64::from(s[r * stride + t]) * f64::from(unit);
                 assert!(
                     close(got, want, size),
                     "hd {hd} row {r} token {t}: {got} vs {want}"
                 );
                 if r == 1 {
-                    assert!(close(f64::from(s1[t]), want, size), "scores1, token {t}");
+                    let got = f64::from(s1[t]) * f64::from(unit);
+                    assert!(close(got, want, size), "scores1, token {t}");
                 }
             }
         }
@@ -411,8 +416,11 @@ pub(super) unsafe fn check_loops<K: PairDots, T: Element>(
         // The tokens stored in reverse order: the accumulation follows the slices.
         let reversed: Vec<T> = codes.chunks_exact(hd).rev().flatten().copied().collect();
         let tokens: Vec<&[T]> = reversed.chunks_exact(hd).rev().collect();
+        // In the unit's range (exact: a power of two).
+        let p_unit: Vec<f32> = p.iter().map(|x| x * unit).collect();
         // SAFETY: the caller's; `R == 4`, the lengths fit.
         unsafe {
+            let p = &p_unit;
             let rows = [&p[..N], &p[N..2 * N], &p[2 * N..3 * N], &p[3 * N..]];
             accumulate::<K, T, 4>(&mut acc, rows, &tokens, hd);
         }
