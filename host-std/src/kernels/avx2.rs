@@ -46,6 +46,14 @@ impl Avx2 {
         })
     }
 
+    /// The same arithmetic with FP8's route given (`half`: through f16) rather than
+    /// chosen by CPU vendor, so that the tests check both routes on any CPU with AVX2.
+    /// O(1).
+    #[cfg(test)]
+    pub(crate) fn with_fp8_route(self, half: bool) -> Self {
+        Self { fp8_half: half }
+    }
+
     /// Whether FP8 decodes through f16 on this CPU (Intel cores), decided once by
     /// [`Avx2::detect`]; [`super::avx512::Avx512`] takes the same route from it. O(1).
     #[inline(always)]

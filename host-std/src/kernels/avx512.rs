@@ -29,6 +29,14 @@ impl Avx512 {
             .then_some(Self { avx2 })
     }
 
+    /// The same arithmetic with FP8's route given ([`Avx2::with_fp8_route`]). O(1).
+    #[cfg(test)]
+    pub(crate) fn with_fp8_route(self, half: bool) -> Self {
+        Self {
+            avx2: self.avx2.with_fp8_route(half),
+        }
+    }
+
     /// Whether storage `T` with head dim `hd` takes the in-lane 8-bit route
     /// ([`lanes::applies_bytes`]), FP8's route as the held [`Avx2`] decided it (no
     /// CPUID read per call). O(1).

@@ -16,6 +16,10 @@ use crate::dtype::{Element, Kind};
 pub(crate) trait DotKernels: Copy {
     /// Whether the CPU has the extension (and [`super::CPU_PATH_ENV`] allows it). O(1)
     /// after the first call.
+    fn supported() -> bool;
+    /// Whether the kernels take the arithmetic on this CPU: it is
+    /// [`DotKernels::supported`] and, on this CPU's vendor, faster than the route
+    /// without it. O(1) after the first call.
     fn detect() -> bool;
     /// Whether storage `T` with head dimension `hd` takes the arithmetic. O(1).
     fn applies<T: Element>(hd: usize) -> bool;
@@ -74,11 +78,13 @@ pub(crate) struct Bf16Dot;
 macro_rules! dot_kernels {
     ($marker:ty, $module:ident, $pairs:ty, [$($feature:tt),+], $worth:expr) => {
         impl DotKernels for $marker {
-            fn detect() -> bool {
+            fn supported() -> bool {
                 super::path_ceiling() >= 3
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     $(&& std::arch::is_x86_feature_detected!($feature))+
-                    && $worth
+            }
+            fn detect() -> bool {
+                Self::supported() && $worth
             }
             #[inline(always)]
             fn applies<T: Element>(hd: usize) -> bool {
@@ -184,6 +190,18 @@ impl<K: DotKernels> Avx512Dot<K> {
     pub(crate) fn detect() -> Option<Self> {
         let avx512 = Avx512::detect()?;
         K::detect().then_some(Self {
+            avx512,
+            kernels: PhantomData,
+        })
+    }
+
+    /// `Some` wherever the CPU has the instructions ([`DotKernels::supported`]), even
+    /// where the kernels do not take them (FP8 in bf16 dot products on Intel cores), so
+    /// that the tests check the arithmetic on every CPU that can run it. O(1).
+    #[cfg(test)]
+    pub(crate) fn supported() -> Option<Self> {
+        let avx512 = Avx512::detect()?;
+        K::supported().then_some(Self {
             avx512,
             kernels: PhantomData,
         })

@@ -1385,11 +1385,16 @@ mod tests {
         check(math::Portable);
     }
 
+    /// AVX2 with both of FP8's routes, whichever this CPU's vendor takes: through f16
+    /// (in units of 2^8) and by moving a code's bits into an f32 (2^120).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_matches_f64() {
         match crate::kernels::avx2::Avx2::detect() {
-            Some(simd) => check(simd),
+            Some(simd) => {
+                check(simd.with_fp8_route(true));
+                check(simd.with_fp8_route(false));
+            }
             None => eprintln!("skipped: AVX2 + FMA + F16C absent (or capped by the environment)"),
         }
     }
@@ -1415,27 +1420,31 @@ mod tests {
         }
     }
 
-    /// AVX-512 with its dot-product extensions (int8 on VNNI; FP8 on AVX512_BF16, which
-    /// Intel cores do not take), the far magnitudes included.
+    /// AVX-512 with its dot-product extensions (int8 on VNNI; FP8 on AVX512_BF16, also
+    /// on Intel cores, whose kernels do not take it), the far magnitudes included.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx512_dot_matches_f64() {
         use crate::kernels::dot::{Avx512Dot, Bf16Dot, Vnni};
-        match Avx512Dot::<Vnni>::detect() {
+        match Avx512Dot::<Vnni>::supported() {
             Some(simd) => check(simd),
             None => eprintln!("skipped: AVX-512 VNNI absent (or capped by the environment)"),
         }
-        match Avx512Dot::<Bf16Dot>::detect() {
+        match Avx512Dot::<Bf16Dot>::supported() {
             Some(simd) => check(simd),
-            None => eprintln!("skipped: FP8 on AVX512_BF16 not taken on this CPU (or capped)"),
+            None => eprintln!("skipped: AVX512_BF16 absent (or capped by the environment)"),
         }
     }
 
+    /// AVX-512F with both of FP8's routes, as [`avx2_matches_f64`].
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx512_matches_f64() {
         match crate::kernels::avx512::Avx512::detect() {
-            Some(simd) => check(simd),
+            Some(simd) => {
+                check(simd.with_fp8_route(true));
+                check(simd.with_fp8_route(false));
+            }
             None => eprintln!("skipped: AVX-512F absent (or capped by the environment)"),
         }
     }
