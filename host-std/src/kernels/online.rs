@@ -1273,8 +1273,9 @@ mod tests {
     }
 
     /// The two ranges a large code unit needs: a query row below 1 (or `2^top`) lifted
-    /// into [1, 2) (or `[2^top, 2^(top + 1))`) by at most the unit, with what is left of the unit returned; a shift from 0 up
-    /// to what keeps the largest scale finite, NaN scales left out.
+    /// into [1, 2) (or `[2^top, 2^(top + 1))`) by at most the unit, with what is left
+    /// of the unit returned; a shift from 0 up to what keeps the largest scale finite,
+    /// NaN scales left out.
     #[test]
     fn large_code_units_stay_in_range() {
         let unit = pow2(120);

@@ -12,9 +12,9 @@
 //! `[2^64, 2^65)` ([`QUERY_EXPONENT`]; by at most the unit), so that its products with
 //! the smallest normal code, `2^-126` in the unit, stay far above the denormals; and it
 //! shifts each chunk's weights (times their values' scales) by a power of two that
-//! keeps their products with the codes near `2^16`. Before (fixed factors in the
-//! kernel, unit 1), queries near 1e-30 against keys near 1e30, or values near 1e-34,
-//! lost every product.
+//! keeps their products with the codes near `2^16`. Before (fixed factors of 2^64 in
+//! the kernel, unit 1), queries near 1e-30 against keys near 1e30 lost every product,
+//! and queries near 1e30 overflowed.
 //!
 //! The f32 side is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`: 16 bits
 //! of mantissa, a relative error below `2^-17`, against the 4 bits of mantissa of the
