@@ -834,7 +834,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
 #[inline]
 fn lift_query(q: &mut [f32], unit: f32, top: i32) -> f32 {
     debug_assert!((0..=126).contains(&top));
-    let max = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    // The largest magnitude but NaN's, infinity included: an integer maximum, as
+    // `value_shift`'s. With the float fold, the FP8 decode of 1 x 256 tokens in cache
+    // on Zen 4 (bf16 dot products, whose rows are lifted since December 2026) read at
+    // 0.95 of its rate before the lift (best rates, 6 alternating pairs); with this,
+    // 1.00 (median of 12 pairs).
+    let max = largest_magnitude(q, INFINITY_BITS + 1);
     if !(max > 0.0 && max < pow2(top)) {
         return unit;
     }
@@ -881,19 +886,29 @@ const PRODUCT_EXPONENT: i32 = 64;
 /// there, next to values at least 2^(126 - g) times larger.
 #[inline]
 fn value_shift(scales: &[f32], unit: f32) -> i32 {
-    // The largest finite magnitude, as bits (which order as the magnitudes do): an
-    // integer maximum, which vectorises (the float one with its NaN test did not: 4%
-    // of an FP8 decode in cache).
-    let max = scales
-        .iter()
-        .map(|x| x.to_bits() & 0x7FFF_FFFF)
-        .map(|b| if b < 0x7F80_0000 { b } else { 0 })
-        .max()
-        .unwrap_or(0);
-    let e = exponent(f32::from_bits(max)) + 1;
+    // The largest finite magnitude (an integer maximum, which vectorises: the float
+    // one with its NaN test did not, 4% of an FP8 decode in cache).
+    let e = exponent(largest_magnitude(scales, INFINITY_BITS)) + 1;
     (e + exponent(unit) - 126)
         .max(e + 9 - PRODUCT_EXPONENT)
         .clamp(-126, 126)
+}
+
+/// The bits of an f32 infinity's magnitude; a magnitude's bits above them are a NaN's.
+const INFINITY_BITS: u32 = 0x7F80_0000;
+
+/// The largest magnitude in `xs` among those whose bits (sign cleared) are below
+/// `below` (`INFINITY_BITS`: the finite ones; one more: infinity too), 0 if none: the
+/// bits order as the magnitudes do, so an integer maximum, which vectorises. O(xs.len()).
+#[inline]
+fn largest_magnitude(xs: &[f32], below: u32) -> f32 {
+    let max = xs
+        .iter()
+        .map(|x| x.to_bits() & 0x7FFF_FFFF)
+        .map(|b| if b < below { b } else { 0 })
+        .max()
+        .unwrap_or(0);
+    f32::from_bits(max)
 }
 
 /// `2^e` as two factors, each within `2^-126..=2^127`, for `-252 <= e <= 254`. O(1).
