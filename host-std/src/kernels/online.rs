@@ -837,8 +837,8 @@ fn lift_query(q: &mut [f32], unit: f32, top: i32) -> f32 {
     // The largest magnitude but NaN's, infinity included: an integer maximum, as
     // `value_shift`'s. With the float fold, the FP8 decode of 1 x 256 tokens in cache
     // on Zen 4 (bf16 dot products, whose rows are lifted since December 2026) read at
-    // 0.95 of its rate before the lift (best rates, 6 alternating pairs); with this,
-    // 1.00 (median of 12 pairs).
+    // 0.93-0.97 of its rate before the lift (median 0.96; best rates, 6 alternating
+    // pairs); with this, 1.00 (median of 12 pairs).
     let max = largest_magnitude(q, INFINITY_BITS + 1);
     if !(max > 0.0 && max < pow2(top)) {
         return unit;
