@@ -341,11 +341,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         match K::code_unit::<T>() {
-            Some((unit, _)) => {
-                for (d, x) in dst.iter_mut().zip(src) {
-                    *d = x.to_f32() * (1.0 / unit);
-                }
-            }
+            Some((unit, _)) => super::math::widen_in_unit(src, dst, unit),
             None => self.avx512.widen(src, dst),
         }
     }

@@ -202,6 +202,17 @@ pub(crate) trait Simd: Copy {
     }
 }
 
+/// Widens `src` into `dst` (as far as the shorter goes) as each element's value over
+/// `unit` (a power of two, so exact unless the quotient is subnormal): the
+/// [`Simd::widen`] of an arithmetic that reads 8-bit codes in a unit other than 1.
+/// O(src.len()).
+pub(super) fn widen_in_unit<T: Element>(src: &[T], dst: &mut [f32], unit: f32) {
+    let inverse = 1.0 / unit;
+    for (d, x) in dst.iter_mut().zip(src) {
+        *d = x.to_f32() * inverse;
+    }
+}
+
 /// `q[from..] · k[from..]` in scalar f32 arithmetic: the dimensions past a vector
 /// loop's last whole vector. Out of line, and called only where such dimensions exist:
 /// inlined as a closure per score, its environment was rebuilt on the stack for every

@@ -294,9 +294,7 @@ impl Simd for AmxBf16 {
     #[inline(always)]
     fn widen<T: Element>(self, src: &[T], dst: &mut [f32]) {
         if T::KIND == Kind::Fp8E4m3 {
-            for (d, x) in dst.iter_mut().zip(src) {
-                *d = x.to_f32() * (1.0 / fp8::UNIT);
-            }
+            super::math::widen_in_unit(src, dst, fp8::UNIT);
         } else {
             self.avx512.widen(src, dst)
         }

@@ -124,7 +124,8 @@ fn even_odd(x: __m512i) -> (__m512i, __m512i) {
 }
 
 /// The weights `p[..m]` (`m <= BLOCK`, in the unit's range: see the module) as `hi` and
-/// `lo` bf16, two tokens to a word (the first in the low half; an odd last token pairs with 0). O(m).
+/// `lo` bf16, two tokens to a word (the first in the low half; an odd last token pairs
+/// with 0). O(m).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `p.len() >= m`.
