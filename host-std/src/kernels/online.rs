@@ -335,6 +335,18 @@ unsafe fn attend_amx<T: Element, S: KvSource<T>>(
 
 /// Most tokens per step of the scores loop (between two prefetch bursts), and the
 /// default ([`Schedule::LONGEST`]).
+///
+/// Measured again on a 2-vCPU AMD EPYC Zen 4 (AVX-512 decode of 32 query heads over 8
+/// KV heads, head dim 128, 32 x 2048 tokens, two threads, out of cache; separate
+/// builds, processes alternating, ratios of median times): steps of 16 tokens for both
+/// loops (bursts of 64 lines of f16) took 1.11-1.18 of the time for bf16 and 1.04-1.33
+/// for f16 (`decode_bandwidth`: 1.12-1.30 and 0.99-1.34), although in cache they took
+/// 0.93-0.96; steps of 2 and 4 tokens took 1.2-1.4 for the 16-bit and 8-bit types
+/// (0.97 for f32); each step's prefetches split around its arithmetic, 0.95 for f32
+/// and bf16 but 1.11 for f16. The same steps chosen at run time within one binary had
+/// shown the longer steps 4-10% faster: that binary's baseline was not the shipped
+/// code (its steps were not constants, and its prefetch loop read the knob), so only
+/// separate builds measure this.
 pub(crate) const SCORE_STEP: usize = 4;
 /// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
 /// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
