@@ -284,6 +284,8 @@ impl Bench {
                 slots: slots_dev.ptr(),
                 tokens,
                 layer: i % 32,
+                k_scale: 0.0,
+                v_scale: 0.0,
             };
             // SAFETY: planned for these buffers (every layer has the same shape).
             unsafe { self.kernels.launch(self.s(), &cfg, &params) }?;

@@ -13,8 +13,8 @@
  *   grid  (tokens, ceil(2 * kv_heads / KVP_WRITE_WARPS), 1)
  *   block (32 * KVP_WRITE_WARPS, 1, 1), no dynamic shared memory.
  *   One warp per (token, kv head, K|V) row: slot -> (block, offset), f32 -> storage dtype
- *   (RNE for f16/bf16; 8-bit: per-row scale = absmax / code max, stored little-endian
- *   after the tile's codes). Slots must be < num_blocks * block_size and distinct (with a
+ *   (RNE for f16/bf16; 8-bit: per-row scale = absmax / code max, or the fixed k_scale /
+ *   v_scale where nonzero (codes saturate), stored little-endian after the tile's codes). Slots must be < num_blocks * block_size and distinct (with a
  *   duplicate slot it is unspecified which token ends up there).
  *
  * kvp_write_kv_stored(KvpWriteParams)
@@ -134,7 +134,7 @@ typedef struct KvpGeometry {
 } KvpGeometry;
 
 /* kvp_write_kv, kvp_write_kv_stored. k and v: [tokens][kv_heads][head_dim], f32 (or the
- * storage dtype for _stored); slots: [tokens]. 80 bytes. */
+ * storage dtype for _stored); slots: [tokens]. 88 bytes. */
 typedef struct KvpWriteParams {
     KvpGeometry geo;
     void *arena;
@@ -143,6 +143,8 @@ typedef struct KvpWriteParams {
     const uint32_t *slots;
     uint32_t tokens;
     uint32_t layer;
+    float k_scale; /* 8-bit storage: the keys' fixed scale, 0 for a scale per row */
+    float v_scale; /* the values', as k_scale */
 } KvpWriteParams;
 
 /* kvp_copy_blocks. pairs: [num_pairs][2] block ids (src, dst). 32 bytes. */

@@ -74,7 +74,10 @@ __device__ __forceinline__ void write_row(const KvpWriteParams &p) {
         }
         absmax = warp_max(absmax);
         nan = warp_max(nan);
-        const float s = scale_for(g.dtype, absmax);
+        // A fixed scale (the caller's, nonzero) in place of the row's own; the codes
+        // saturate beyond it (host-std's quantize_row_at).
+        const float fixed = r.kv == 0 ? p.k_scale : p.v_scale;
+        const float s = fixed != 0.0f ? fixed : scale_for(g.dtype, absmax);
         for (uint32_t d = lane; d < hd; d += 32u) bytes[at + d] = encode8(g.dtype, __ldg(src + d), s);
         if (lane < 4u) {
             // Little-endian f32, byte by byte (the row's scale need not be 4-aligned).

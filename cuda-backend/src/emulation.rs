@@ -14,7 +14,7 @@ use core::fmt;
 use kvpage_core::{BlockCopy, Geometry};
 
 use crate::launch::{
-    plan_attention, plan_copy, plan_write, plan_write_stored, AttentionBuffers, AttentionCall,
+    plan_attention, plan_copy, plan_f32_write, plan_write_stored, AttentionBuffers, AttentionCall,
     AttentionPlan, Buffer, LaunchConfig, LaunchError, Partitioning,
 };
 use crate::params::{KvpCopyParams, KvpGeometry, KvpWriteParams};
@@ -179,16 +179,18 @@ fn write_params<K>(
         slots: slots.as_ptr() as u64,
         tokens: cfg.grid[0],
         layer,
+        k_scale: 0.0,
+        v_scale: 0.0,
     }
 }
 
 /// `kvp_write_kv` in emulation: the K/V of `slots.len()` new tokens of `layer` into
-/// `arena` (`num_blocks` blocks), as [`plan_write`] plans it. O(tokens × kv_heads ×
+/// `arena` (`num_blocks` blocks), as [`crate::launch::plan_write`] plans it. O(tokens × kv_heads ×
 /// head_dim) emulated threads' work.
 ///
 /// # Errors
-/// [`plan_write`]'s errors, a wrong arena length, [`EmuError::Misaligned`], or the
-/// emulator's.
+/// [`crate::launch::plan_write`]'s errors, a wrong arena length,
+/// [`EmuError::Misaligned`], or the emulator's.
 pub fn write_kv(
     geometry: &Geometry,
     num_blocks: u32,
@@ -198,10 +200,49 @@ pub fn write_kv(
     k: &[f32],
     v: &[f32],
 ) -> Result<(), EmuError> {
-    let plan = plan_write(geometry, num_blocks, layer, slots, k.len(), v.len())?;
+    write_f32(geometry, num_blocks, arena, layer, slots, (k, v), None)
+}
+
+/// [`write_kv`] with the 8-bit rows at the fixed `scales` (`[k, v]`), as
+/// [`crate::launch::plan_write_at_scales`] plans it.
+///
+/// # Errors
+/// That planner's errors; otherwise as [`write_kv`].
+pub fn write_kv_at_scales(
+    geometry: &Geometry,
+    num_blocks: u32,
+    arena: &mut [u8],
+    layer: u32,
+    slots: &[u32],
+    (k, v): (&[f32], &[f32]),
+    scales: [f32; 2],
+) -> Result<(), EmuError> {
+    write_f32(
+        geometry,
+        num_blocks,
+        arena,
+        layer,
+        slots,
+        (k, v),
+        Some(scales),
+    )
+}
+
+/// [`write_kv`] or [`write_kv_at_scales`], by `scales`.
+fn write_f32(
+    geometry: &Geometry,
+    num_blocks: u32,
+    arena: &mut [u8],
+    layer: u32,
+    slots: &[u32],
+    (k, v): (&[f32], &[f32]),
+    scales: Option<[f32; 2]>,
+) -> Result<(), EmuError> {
+    let lens = (k.len(), v.len());
+    let plan = plan_f32_write(geometry, num_blocks, layer, slots, lens, scales)?;
     check_arena(geometry, num_blocks, arena)?;
     let Some(cfg) = plan else { return Ok(()) };
-    let p = write_params(
+    let mut p = write_params(
         geometry,
         num_blocks,
         arena,
@@ -210,6 +251,7 @@ pub fn write_kv(
         &cfg,
         layer,
     );
+    [p.k_scale, p.v_scale] = scales.unwrap_or([0.0; 2]);
     // SAFETY: the plan validated slots, layer and the k / v lengths against the geometry,
     // and the arena length was checked: every access is inside the slices.
     unsafe { run(&cfg, &p) }

@@ -258,6 +258,13 @@ pub enum LaunchError {
         /// Storage dtype of the geometry.
         dtype: DType,
     },
+    /// Fixed scales for storage that keeps none (the float dtypes).
+    UnscaledStorage {
+        /// Storage dtype of the geometry.
+        dtype: DType,
+    },
+    /// A fixed K or V scale that is not finite and positive.
+    BadKvScale,
     /// 8-bit storage with an odd block size: its tiles (`block_size * (head_dim + 4)`
     /// bytes) would not keep the attention kernels' 8-byte loads aligned.
     OddBlockSize {
@@ -348,6 +355,10 @@ impl fmt::Display for LaunchError {
                 f,
                 "values in the storage dtype cannot be written to {dtype:?} storage (no scale)"
             ),
+            Self::UnscaledStorage { dtype } => {
+                write!(f, "{dtype:?} storage keeps no scales to fix")
+            }
+            Self::BadKvScale => f.write_str("a fixed K/V scale must be finite and positive"),
             Self::OddBlockSize { block_size } => write!(
                 f,
                 "8-bit attention needs an even block size (got {block_size})"
@@ -442,6 +453,47 @@ pub fn plan_write(
         k_len,
         v_len,
     )
+}
+
+/// Plans `kvp_write_kv` with the 8-bit rows at fixed scales (`[k, v]`: the codes are
+/// those of the values over their side's scale, saturating; the rows store that scale):
+/// as [`plan_write`]. O(tokens).
+///
+/// # Errors
+/// [`LaunchError::UnscaledStorage`] for the float dtypes, [`LaunchError::BadKvScale`]
+/// unless both scales are finite and positive; otherwise as [`plan_write`].
+pub fn plan_write_at_scales(
+    geometry: &Geometry,
+    num_blocks: u32,
+    layer: u32,
+    slots: &[u32],
+    (k_len, v_len): (usize, usize),
+    scales: [f32; 2],
+) -> Result<Option<LaunchConfig>, LaunchError> {
+    if !geometry.dtype().is_scaled() {
+        return Err(LaunchError::UnscaledStorage {
+            dtype: geometry.dtype(),
+        });
+    }
+    if !scales.iter().all(|&s| s > 0.0 && s.is_finite()) {
+        return Err(LaunchError::BadKvScale);
+    }
+    plan_write(geometry, num_blocks, layer, slots, k_len, v_len)
+}
+
+/// [`plan_write`], or [`plan_write_at_scales`] where `scales` are given. O(tokens).
+pub(crate) fn plan_f32_write(
+    geometry: &Geometry,
+    num_blocks: u32,
+    layer: u32,
+    slots: &[u32],
+    (k_len, v_len): (usize, usize),
+    scales: Option<[f32; 2]>,
+) -> Result<Option<LaunchConfig>, LaunchError> {
+    match scales {
+        None => plan_write(geometry, num_blocks, layer, slots, k_len, v_len),
+        Some(s) => plan_write_at_scales(geometry, num_blocks, layer, slots, (k_len, v_len), s),
+    }
 }
 
 /// Plans `kvp_write_kv_stored`: as [`plan_write`], with `k` and `v` holding `k_len` and

@@ -54,7 +54,7 @@ impl KvpGeometry {
 
 /// `KvpWriteParams` of `kvp_write_kv`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct KvpWriteParams {
     /// Geometry of the arena.
     pub geo: KvpGeometry,
@@ -70,6 +70,11 @@ pub struct KvpWriteParams {
     pub tokens: u32,
     /// Layer written.
     pub layer: u32,
+    /// 8-bit storage: the fixed scale of the keys' codes, or 0 for a scale per row
+    /// from its largest magnitude.
+    pub k_scale: f32,
+    /// As `k_scale`, for the values.
+    pub v_scale: f32,
 }
 
 /// `KvpCopyParams` of `kvp_copy_blocks`.
@@ -151,7 +156,7 @@ mod tests {
     #[test]
     fn sizes_match_the_header_comments() {
         assert_eq!(size_of::<KvpGeometry>(), 40);
-        assert_eq!(size_of::<KvpWriteParams>(), 80);
+        assert_eq!(size_of::<KvpWriteParams>(), 88);
         assert_eq!(size_of::<KvpCopyParams>(), 32);
         assert_eq!(size_of::<KvpSeqDesc>(), 16);
         assert_eq!(size_of::<KvpAttentionParams>(), 128);

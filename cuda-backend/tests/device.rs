@@ -177,7 +177,7 @@ fn the_on_variants_queue_on_a_callers_stream_and_match_the_synchronous_ones() {
     let row = 2 * 128;
     let (k, v) = (rng.fill(300 * row), rng.fill(300 * row));
     // Layer 0 from host slices, layer 1 from device buffers on the caller's stream.
-    kv.write_kv(0, &slots, &k, &v).unwrap();
+    kv.write_kv(0, &slots, &k, &v, None).unwrap();
     let mut pinned = PinnedMemory::new(&ctx, 2 * k.len() * 4).unwrap();
     for (d, x) in pinned
         .as_mut_slice()
@@ -201,7 +201,7 @@ fn the_on_variants_queue_on_a_callers_stream_and_match_the_synchronous_ones() {
             ptr: kvd.ptr() + bytes,
             len: v.len(),
         };
-        kv.write_kv_on(s, 1, &slots, ks, vs).unwrap();
+        kv.write_kv_on(s, 1, &slots, ks, vs, None).unwrap();
     }
     let span = || {
         [SeqSpan {

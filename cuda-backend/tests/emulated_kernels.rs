@@ -8,7 +8,7 @@
 
 use kvpage::kernels::{self, AttentionParams, BlockTable, SeqQuery};
 use kvpage::quant::Code;
-use kvpage::{bf16, f16, Arena, Element, Fp8E4m3, Int8, KvLayout};
+use kvpage::{bf16, f16, Arena, Element, Fp8E4m3, Int8, KvLayout, KvScales};
 use kvpage_core::{BlockCopy, DType, Geometry};
 use kvpage_cuda::emulation::{self as emu, convert, index, EmuError};
 use kvpage_cuda::launch::{pack_seqs, AttentionCall, LaunchError, Partitioning};
@@ -98,6 +98,11 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 // ---------------------------------------------------------------------------- write
 
 fn check_write(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
+    check_write_at(g, num_blocks, tokens, seed, None);
+}
+
+/// [`check_write`], 8-bit rows at the fixed `scales` (`[k, v]`) where given.
+fn check_write_at(g: Geometry, num_blocks: u32, tokens: u32, seed: u64, scales: Option<[f32; 2]>) {
     let mut rng = Rng::new(seed);
     let layout = KvLayout::new(g, num_blocks).unwrap();
     let mut slots: Vec<u32> = (0..num_blocks * g.block_size()).collect();
@@ -118,11 +123,20 @@ fn check_write(g: Geometry, num_blocks: u32, tokens: u32, seed: u64) {
     }
     let layer = rng.below(g.layers());
     let mut cpu = poisoned(&layout);
-    with_element!(g.dtype(), T => kernels::write_kv::<T>(
-        &layout, cpu.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap());
     let mut gpu = poisoned(&layout);
     emu::set_seed(seed);
-    emu::write_kv(&g, num_blocks, gpu.as_bytes_mut(), layer, &slots, &k, &v).unwrap();
+    if let Some([ks, vs]) = scales {
+        let fixed = KvScales::new(ks, vs).unwrap();
+        with_element!(g.dtype(), T => kernels::write_kv_at_scales::<T>(
+            &layout, cpu.as_mut_slice::<T>(), layer, &slots, &k, &v, fixed).unwrap());
+        let kv = (&k[..], &v[..]);
+        let arena = gpu.as_bytes_mut();
+        emu::write_kv_at_scales(&g, num_blocks, arena, layer, &slots, kv, [ks, vs]).unwrap();
+    } else {
+        with_element!(g.dtype(), T => kernels::write_kv::<T>(
+            &layout, cpu.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap());
+        emu::write_kv(&g, num_blocks, gpu.as_bytes_mut(), layer, &slots, &k, &v).unwrap();
+    }
     if let Some(i) = first_difference(cpu.as_bytes(), gpu.as_bytes()) {
         panic!("{g:?} tokens {tokens}: byte {i} differs");
     }
@@ -139,6 +153,45 @@ fn write_is_bit_exact_for_every_dtype() {
                 seed += 1;
             }
         }
+    }
+}
+
+/// Fixed scales: small ones (most values saturate), mixed, and large ones.
+#[test]
+fn fixed_scale_write_is_bit_exact() {
+    let mut seed = 100;
+    for dtype in [DType::Int8, DType::Fp8E4m3] {
+        for scales in [[0.01, 0.002], [0.05, 3.0], [1e-30, 1e30]] {
+            for (hd, bs, kv_heads, tokens) in [(64, 8, 2, 13), (128, 16, 3, 40), (20, 3, 1, 5)] {
+                let g = Geometry::new(2, kv_heads, hd, bs, dtype).unwrap();
+                check_write_at(g, 7, tokens, seed, Some(scales));
+                seed += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn fixed_scale_write_rejects_bad_calls_before_running() {
+    let row = vec![1.0f32; 128];
+    for (dtype, scales, want) in [
+        (
+            DType::F16,
+            [1.0, 1.0],
+            LaunchError::UnscaledStorage { dtype: DType::F16 },
+        ),
+        (DType::Int8, [0.0, 1.0], LaunchError::BadKvScale),
+        (DType::Fp8E4m3, [1.0, f32::NAN], LaunchError::BadKvScale),
+        (DType::Int8, [-1.0, 1.0], LaunchError::BadKvScale),
+        (DType::Int8, [1.0, f32::INFINITY], LaunchError::BadKvScale),
+    ] {
+        let g = Geometry::new(1, 2, 64, 8, dtype).unwrap();
+        let layout = KvLayout::new(g, 2).unwrap();
+        let mut a = poisoned(&layout);
+        let arena = a.as_bytes_mut();
+        let got = emu::write_kv_at_scales(&g, 2, arena, 0, &[3], (&row, &row), scales);
+        assert_eq!(got, Err(EmuError::Launch(want)), "{dtype:?} {scales:?}");
+        assert!(a.as_bytes().iter().all(|&b| b == 0xFF), "nothing written");
     }
 }
 

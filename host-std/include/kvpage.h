@@ -214,9 +214,10 @@ enum kvpage_result
   KVPAGE_ERR_BAD_HEADS = 19,
   // The storage dtype of the cache is not the dtype of the call, or the call writes
   // values as they are into 8-bit storage, whose per-token scales only a write from
-  // `float` sets.
+  // `float` sets, or it fixes scales of float storage, which keeps none.
   KVPAGE_ERR_DTYPE_MISMATCH = 20,
-  // The softmax scale is not finite.
+  // The softmax scale is not finite, or a fixed K/V scale is not finite and
+  // positive.
   KVPAGE_ERR_BAD_SCALE = 21,
   // More sequences in one call than `max_seqs` (`needed`, `available`).
   KVPAGE_ERR_BATCH_TOO_LARGE = 22,
@@ -1754,6 +1755,92 @@ kvpage_result kvpage_engine_stats(const kvpage_engine *engine,
                                   struct kvpage_engine_counters *out_stats,
                                   struct kvpage_stats *cache_stats,
                                   struct kvpage_error *err);
+
+// Fixes the scales of layer `layer`'s 8-bit codes in `cache` for the rows written from
+// now on: a key `x` is stored as the code of `x / k_scale` (a value: `/ v_scale`),
+// saturating at the code's largest magnitude (127 for int8, 448 for FP8 E4M3), as
+// engines do with a checkpoint's calibrated scales. By default each row takes the scale
+// of its own largest magnitude and nothing saturates. Rows written before keep theirs.
+// The setting is the cache's: `kvpage_cache_prefix_save` and `kvpage_cache_seq_save`
+// do not carry it (the rows they save carry their scales). O(1).
+//
+// # Errors
+// `KVPAGE_ERR_NULL_POINTER`, `KVPAGE_ERR_MISALIGNED`, `KVPAGE_ERR_INVALID_ARGUMENT`
+// (not a cache), `KVPAGE_ERR_DTYPE_MISMATCH` (float storage keeps no scales; `value` is
+// its `KVPAGE_DTYPE_*`), `KVPAGE_ERR_BAD_LAYER`, `KVPAGE_ERR_BAD_SCALE` (a scale not
+// finite and positive). Nothing changes on error.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_set_kv_scales(kvpage_cache *cache,
+                                         uint32_t layer,
+                                         float k_scale,
+                                         float v_scale,
+                                         struct kvpage_error *err);
+
+// Takes layer `layer` of `cache` back to the default: each 8-bit row written from now
+// on at the scale of its own largest magnitude. O(1).
+//
+// # Errors
+// As `kvpage_cache_set_kv_scales`, but for the scales.
+//
+// # Safety
+// `cache` is null or a live cache.
+kvpage_result kvpage_cache_clear_kv_scales(kvpage_cache *cache,
+                                           uint32_t layer,
+                                           struct kvpage_error *err);
+
+// Writes layer `layer`'s fixed scales in `cache` to `*out_k_scale` and `*out_v_scale`,
+// or 0 and 0 where each row takes its own scale. O(1).
+//
+// # Errors
+// As `kvpage_cache_clear_kv_scales`; `KVPAGE_ERR_NULL_POINTER` for the outputs.
+//
+// # Safety
+// `cache` is null or a live cache; the outputs are null or writable.
+kvpage_result kvpage_cache_kv_scales(const kvpage_cache *cache,
+                                     uint32_t layer,
+                                     float *out_k_scale,
+                                     float *out_v_scale,
+                                     struct kvpage_error *err);
+
+// `kvpage_cache_set_kv_scales` for the cache of `engine` (its `kvpage_engine_write_kv`
+// from then on). O(1).
+//
+// # Errors
+// As `kvpage_cache_set_kv_scales` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+//
+// # Safety
+// `engine` is null or a live engine.
+kvpage_result kvpage_engine_set_kv_scales(kvpage_engine *engine,
+                                          uint32_t layer,
+                                          float k_scale,
+                                          float v_scale,
+                                          struct kvpage_error *err);
+
+// `kvpage_cache_clear_kv_scales` for the cache of `engine`. O(1).
+//
+// # Errors
+// As `kvpage_cache_clear_kv_scales` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+//
+// # Safety
+// `engine` is null or a live engine.
+kvpage_result kvpage_engine_clear_kv_scales(kvpage_engine *engine,
+                                            uint32_t layer,
+                                            struct kvpage_error *err);
+
+// `kvpage_cache_kv_scales` for the cache of `engine`. O(1).
+//
+// # Errors
+// As `kvpage_cache_kv_scales` (`KVPAGE_ERR_INVALID_ARGUMENT`: not an engine).
+//
+// # Safety
+// `engine` is null or a live engine; the outputs are null or writable.
+kvpage_result kvpage_engine_kv_scales(const kvpage_engine *engine,
+                                      uint32_t layer,
+                                      float *out_k_scale,
+                                      float *out_v_scale,
+                                      struct kvpage_error *err);
 
 // The configuration of a model's manager: `geometry`'s block size, `num_blocks`
 // blocks, `max_seqs` sequences of up to `max_seq_len` tokens, prefix cache on,

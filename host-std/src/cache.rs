@@ -42,6 +42,7 @@ use crate::dtype::Element;
 use crate::error::KernelError;
 use crate::kernels::{BlockTable, KeyShift, RopeParams, SeqQuery, WorkerPool};
 use crate::persist::PersistError;
+use crate::quant::KvScales;
 use crate::storage::{Backend, DeviceFault, Storage};
 use crate::tables::{try_filled, try_with_capacity, EngineParts, Tables};
 
@@ -331,6 +332,9 @@ pub struct KvCache {
     edit_moves: Vec<RowMove>,
     /// Sequence number of the next event [`KvCache::drain_events`] reads.
     event_cursor: u64,
+    /// Per layer: the fixed scales of its 8-bit rows ([`KvCache::set_kv_scales`]), or
+    /// `None` for a scale per row.
+    kv_scales: Vec<Option<KvScales>>,
 }
 
 impl core::fmt::Debug for KvCache {
@@ -439,6 +443,7 @@ impl KvCache {
         )?;
         let max_moves = usize::try_from(core_config.max_row_moves()).unwrap_or(usize::MAX);
         let edit_moves = try_filled(max_moves, RowMove::default())?;
+        let kv_scales = try_filled(g.layers() as usize, None)?;
         // Last: no thread is started for a construction that fails; a device cache
         // runs no CPU kernel.
         let threads = match storage {
@@ -458,6 +463,7 @@ impl KvCache {
             edit_copies,
             edit_moves,
             event_cursor: 0,
+            kv_scales,
         })
     }
 
@@ -715,7 +721,60 @@ impl KvCache {
     ) -> Result<(), CacheError> {
         let tokens = self.writable_slots(seq, first, k.len())?;
         let (layout, slots) = (&self.layout, &self.slots[..tokens]);
-        self.storage.write_kv(layout, layer, slots, k, v)
+        let scales = self.kv_scales_of(layer);
+        self.storage.write_kv(layout, layer, slots, k, v, scales)
+    }
+
+    /// Fixes the scales of layer `layer`'s 8-bit K and V codes for the rows written from
+    /// now on ([`KvCache::write_kv`], and an engine's writes), or with `None` goes back
+    /// to the default, a scale per (token, head) row from its largest magnitude. With
+    /// fixed scales, values beyond `scale × 127` (int8) or `scale × 448` (FP8) saturate:
+    /// a checkpoint's calibrated `k_scale` / `v_scale` give the numerics of engines that
+    /// use them; the default never clips. Rows already written keep the scale stored
+    /// beside their codes, so nothing written before changes, and copies, edits, swaps,
+    /// saves and the kernels treat every row alike. The setting is the cache's, not its
+    /// data's: [`crate::persist`] files do not carry it. O(1).
+    ///
+    /// # Errors
+    /// [`KernelError::UnscaledStorage`] for the float dtypes,
+    /// [`KernelError::LayerOutOfRange`]. Nothing changes on error.
+    pub fn set_kv_scales(
+        &mut self,
+        layer: u32,
+        scales: Option<KvScales>,
+    ) -> Result<(), CacheError> {
+        let at = self.kv_scales_index(layer)?;
+        self.kv_scales[at] = scales;
+        Ok(())
+    }
+
+    /// The fixed scales of layer `layer` ([`KvCache::set_kv_scales`]), `None` for a
+    /// scale per row. O(1).
+    ///
+    /// # Errors
+    /// As [`KvCache::set_kv_scales`].
+    pub fn kv_scales(&self, layer: u32) -> Result<Option<KvScales>, CacheError> {
+        Ok(self.kv_scales[self.kv_scales_index(layer)?])
+    }
+
+    /// The index of `layer`'s setting, checked: 8-bit storage and a layer in range.
+    /// O(1).
+    fn kv_scales_index(&self, layer: u32) -> Result<usize, KernelError> {
+        let g = self.layout.geometry();
+        if !g.dtype().is_scaled() {
+            return Err(KernelError::UnscaledStorage { dtype: g.dtype() });
+        }
+        let layers = g.layers();
+        if layer >= layers {
+            return Err(KernelError::LayerOutOfRange { layer, layers });
+        }
+        Ok(layer as usize)
+    }
+
+    /// The scales writes of `layer` take: its fixed ones, or `None` (a layer out of
+    /// range: the kernel refuses it). O(1).
+    pub(crate) fn kv_scales_of(&self, layer: u32) -> Option<KvScales> {
+        self.kv_scales.get(layer as usize).copied().flatten()
     }
 
     /// [`KvCache::write_kv`] with `k` and `v` already in the storage dtype `T` (e.g. an

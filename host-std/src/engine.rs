@@ -22,6 +22,7 @@ use kvpage_core::{
 
 use crate::cache::{CacheConfig, CacheError, Capacity, KvCache};
 use crate::kernels::SeqQuery;
+use crate::quant::KvScales;
 use crate::storage::Backend;
 use crate::tables::{EngineParts, Tables};
 
@@ -219,9 +220,32 @@ impl Engine {
         let step = core_engine(&cache.tables)
             .pending_step()
             .ok_or(EngineError::NoStepInProgress)?;
+        let scales = cache.kv_scales_of(layer);
         cache
             .storage
-            .write_kv(&cache.layout, layer, step.slots(), k, v)
+            .write_kv(&cache.layout, layer, step.slots(), k, v, scales)
+    }
+
+    /// Fixes the scales of layer `layer`'s 8-bit K and V codes for the rows written
+    /// from now on, or goes back to a scale per row (see [`KvCache::set_kv_scales`]).
+    /// O(1).
+    ///
+    /// # Errors
+    /// As [`KvCache::set_kv_scales`]. Nothing changes on error.
+    pub fn set_kv_scales(
+        &mut self,
+        layer: u32,
+        scales: Option<KvScales>,
+    ) -> Result<(), CacheError> {
+        self.cache.set_kv_scales(layer, scales)
+    }
+
+    /// The fixed scales of layer `layer` (see [`KvCache::kv_scales`]). O(1).
+    ///
+    /// # Errors
+    /// As [`KvCache::set_kv_scales`].
+    pub fn kv_scales(&self, layer: u32) -> Result<Option<KvScales>, CacheError> {
+        self.cache.kv_scales(layer)
     }
 
     /// Attention of layer `layer` for every sequence of the pending step: its new tokens

@@ -154,6 +154,15 @@ pub enum KernelError {
         /// The storage dtype.
         dtype: DType,
     },
+    /// Fixed scales ([`crate::quant::KvScales`]) for storage that keeps no scales (the
+    /// float dtypes).
+    UnscaledStorage {
+        /// The storage dtype.
+        dtype: DType,
+    },
+    /// A fixed K or V scale ([`crate::quant::KvScales::new`]) that is not finite and
+    /// positive.
+    BadKvScale,
 }
 
 impl fmt::Display for KernelError {
@@ -233,6 +242,10 @@ impl fmt::Display for KernelError {
             Self::BadTokenRange { first, end } => {
                 write!(f, "token range {first}..{end} is reversed")
             }
+            Self::UnscaledStorage { dtype } => {
+                write!(f, "{dtype:?} storage keeps no scales to fix")
+            }
+            Self::BadKvScale => f.write_str("a fixed K/V scale must be finite and positive"),
         }
     }
 }

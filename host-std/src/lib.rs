@@ -95,5 +95,6 @@ pub use kvpage_core::{
 pub use persist::{
     ModelFingerprint, PersistError, PrefixLoadReport, RestoredInfo, SavedPrefixCache, SeqBlob,
 };
+pub use quant::KvScales;
 pub use shared::SharedManager;
 pub use storage::{Backend, CudaOptions, DeviceFault};

@@ -22,6 +22,7 @@ use crate::kernels::{
 };
 use crate::persist::format::copy_elems_from_le;
 use crate::persist::{PersistError, Section};
+use crate::quant::KvScales;
 
 // The device's arena is little-endian; the persistence code reads block bytes as the
 // host's native elements, which are the same bytes only on a little-endian host.
@@ -179,6 +180,8 @@ fn kernel_error_of(e: kvpage_cuda::launch::LaunchError) -> Option<KernelError> {
             KernelError::HeadsNotDivisible { q_heads, kv_heads }
         }
         L::ScaledStorage { dtype } => KernelError::ScaledStorage { dtype },
+        L::UnscaledStorage { dtype } => KernelError::UnscaledStorage { dtype },
+        L::BadKvScale => KernelError::BadKvScale,
         L::BadScale => KernelError::BadScale,
         L::ContextTooLong {
             context_len,
@@ -456,7 +459,9 @@ impl Storage {
         Ok(())
     }
 
-    /// Writes f32 K/V of `layer` into `slots`. O(tokens × kv_heads × head_dim).
+    /// Writes f32 K/V of `layer` into `slots`, 8-bit rows at the fixed `scales` where
+    /// given (the caller passes them for 8-bit storage only). O(tokens × kv_heads ×
+    /// head_dim).
     ///
     /// # Errors
     /// The kernel's (lengths, layer, slots) or the device's; nothing is written.
@@ -467,13 +472,21 @@ impl Storage {
         slots: &[u32],
         k: &[f32],
         v: &[f32],
+        scales: Option<KvScales>,
     ) -> Result<(), CacheError> {
         match self {
             Self::Cpu { arena, .. } => for_dtype!(layout.geometry().dtype(), T => {
-                kernels::write_kv(layout, arena.as_mut_slice::<T>(), layer, slots, k, v)
+                let arena = arena.as_mut_slice::<T>();
+                match scales {
+                    None => kernels::write_kv(layout, arena, layer, slots, k, v),
+                    Some(s) => kernels::write_kv_at_scales(layout, arena, layer, slots, k, v, s),
+                }
             })?,
             #[cfg(feature = "cuda")]
-            Self::Cuda { kv, .. } => kv.write_kv(layer, slots, k, v)?,
+            Self::Cuda { kv, .. } => {
+                let fixed = scales.map(|s| [s.k(), s.v()]);
+                kv.write_kv(layer, slots, k, v, fixed)?
+            }
         }
         Ok(())
     }

@@ -1753,3 +1753,108 @@ fn backend_selection_is_checked() {
     p.backend = KVPAGE_BACKEND_CPU;
     free(new_cache(&p));
 }
+
+/// Fixed K/V scales set through C and through Rust: the same writes give the same
+/// attention outputs, bit for bit; reading, clearing and every refusal through C.
+fn c_kv_scales_equal_rust<T: Element>() {
+    let mut rng = rng(u64::from(T::DTYPE as u8) + 90);
+    let mut t = Twin::new(T::DTYPE, 40);
+    let (k_scale, v_scale) = (0.004, 0.002);
+    let fixed = kvpage::KvScales::new(k_scale, v_scale).unwrap();
+    t.rust.set_kv_scales(1, Some(fixed)).unwrap();
+    let (mut e, mut k, mut v) = (err(), f32::NAN, f32::NAN);
+    // SAFETY: a live cache and writable locals throughout.
+    unsafe {
+        ok(kvpage_cache_set_kv_scales(t.c, 1, k_scale, v_scale, &mut e));
+        ok(kvpage_cache_kv_scales(t.c, 1, &mut k, &mut v, &mut e));
+        assert_eq!((k, v), (k_scale, v_scale));
+        ok(kvpage_cache_kv_scales(t.c, 0, &mut k, &mut v, &mut e));
+        assert_eq!((k, v), (0.0, 0.0), "layer 0: a scale per row");
+        // Refused, and the setting stays.
+        let refusals = [
+            (
+                kvpage_cache_set_kv_scales(t.c, LAYERS, 1.0, 1.0, &mut e),
+                KVPAGE_ERR_BAD_LAYER,
+            ),
+            (
+                kvpage_cache_set_kv_scales(t.c, 1, 0.0, 1.0, &mut e),
+                KVPAGE_ERR_BAD_SCALE,
+            ),
+            (
+                kvpage_cache_set_kv_scales(t.c, 1, 1.0, f32::NAN, &mut e),
+                KVPAGE_ERR_BAD_SCALE,
+            ),
+            (
+                kvpage_cache_set_kv_scales(t.c, 1, -2.0, 1.0, &mut e),
+                KVPAGE_ERR_BAD_SCALE,
+            ),
+            (
+                kvpage_cache_clear_kv_scales(t.c, LAYERS, &mut e),
+                KVPAGE_ERR_BAD_LAYER,
+            ),
+            (
+                kvpage_cache_kv_scales(t.c, 1, null_mut(), &mut v, &mut e),
+                KVPAGE_ERR_NULL_POINTER,
+            ),
+            (
+                kvpage_cache_kv_scales(t.c, 1, &mut k, null_mut(), &mut e),
+                KVPAGE_ERR_NULL_POINTER,
+            ),
+            (
+                kvpage_cache_set_kv_scales(null_mut(), 1, 1.0, 1.0, &mut e),
+                KVPAGE_ERR_NULL_POINTER,
+            ),
+        ];
+        for (i, (got, want)) in refusals.into_iter().enumerate() {
+            assert_eq!(got, want, "refusal {i}");
+        }
+        ok(kvpage_cache_kv_scales(t.c, 1, &mut k, &mut v, &mut e));
+        assert_eq!((k, v), (k_scale, v_scale));
+    }
+    let prompt: Vec<u32> = (0..9).collect();
+    let (a, _) = t.create_with_prompt(1, &prompt);
+    t.write::<T>(a, 0, false, &mut rng);
+    for layer in 0..LAYERS {
+        t.decode(layer, &[a], &mut rng);
+    }
+    // Cleared on both sides: later rows take their own scales again.
+    t.rust.set_kv_scales(1, None).unwrap();
+    // SAFETY: as above.
+    unsafe {
+        ok(kvpage_cache_clear_kv_scales(t.c, 1, &mut e));
+        ok(kvpage_cache_kv_scales(t.c, 1, &mut k, &mut v, &mut e));
+    }
+    assert_eq!((k, v), (0.0, 0.0));
+    t.append(a, 3);
+    t.write::<T>(a, 9, false, &mut rng);
+    for layer in 0..LAYERS {
+        t.decode(layer, &[a], &mut rng);
+    }
+}
+
+#[test]
+fn c_kv_scales_equal_rust_for_8_bit_storage() {
+    c_kv_scales_equal_rust::<kvpage::Int8>();
+    c_kv_scales_equal_rust::<kvpage::Fp8E4m3>();
+}
+
+#[test]
+fn c_kv_scales_are_refused_for_float_storage() {
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let c = new_cache(&params(dtype, 8));
+        let (mut e, mut k, mut v) = (err(), 5.0f32, 5.0f32);
+        // SAFETY: a live cache and writable locals.
+        unsafe {
+            let code = kvpage_cache_set_kv_scales(c, 0, 1.0, 1.0, &mut e);
+            assert_eq!(code, KVPAGE_ERR_DTYPE_MISMATCH);
+            assert_eq!(e.value, u64::from(dtype_code(dtype)));
+            assert!(message(&e).contains("no scales"), "{}", message(&e));
+            let code = kvpage_cache_clear_kv_scales(c, 0, &mut e);
+            assert_eq!(code, KVPAGE_ERR_DTYPE_MISMATCH);
+            let code = kvpage_cache_kv_scales(c, 0, &mut k, &mut v, &mut e);
+            assert_eq!(code, KVPAGE_ERR_DTYPE_MISMATCH);
+        }
+        assert_eq!((k, v), (5.0, 5.0), "outputs untouched");
+        free(c);
+    }
+}

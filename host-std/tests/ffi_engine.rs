@@ -1473,3 +1473,42 @@ fn tier3_bad_input_and_a_foreign_manager_are_refused_and_change_nothing() {
         Some(kvpage::EngineError::ForeignManager)
     );
 }
+
+/// An engine's fixed K/V scales through C: set, read and cleared on an int8 engine,
+/// refused on an f32 one and for a bad layer or scale (the setting then stays).
+#[test]
+fn engine_kv_scales_through_c() {
+    let mut p = engine_params();
+    p.cache.geometry.dtype = KVPAGE_DTYPE_INT8;
+    let e = new_c_engine(&p);
+    let floats = new_c_engine(&engine_params());
+    let (mut k, mut v) = (f32::NAN, f32::NAN);
+    // SAFETY: live engines and writable locals.
+    unsafe {
+        ok(kvpage_engine_set_kv_scales(e, 1, 0.5, 0.25, null_mut()));
+        ok(kvpage_engine_kv_scales(e, 1, &mut k, &mut v, null_mut()));
+        assert_eq!((k, v), (0.5, 0.25));
+        let set = |layer, k, v| code(|err| kvpage_engine_set_kv_scales(e, layer, k, v, err));
+        assert_eq!(set(LAYERS, 1.0, 1.0), KVPAGE_ERR_BAD_LAYER);
+        assert_eq!(set(0, f32::INFINITY, 1.0), KVPAGE_ERR_BAD_SCALE);
+        assert_eq!(
+            code(|err| kvpage_engine_set_kv_scales(floats, 0, 1.0, 1.0, err)),
+            KVPAGE_ERR_DTYPE_MISMATCH
+        );
+        assert_eq!(
+            code(|err| kvpage_engine_kv_scales(floats, 0, &mut k, &mut v, err)),
+            KVPAGE_ERR_DTYPE_MISMATCH
+        );
+        ok(kvpage_engine_kv_scales(e, 1, &mut k, &mut v, null_mut()));
+        assert_eq!((k, v), (0.5, 0.25));
+        ok(kvpage_engine_clear_kv_scales(e, 1, null_mut()));
+        ok(kvpage_engine_kv_scales(e, 1, &mut k, &mut v, null_mut()));
+        assert_eq!((k, v), (0.0, 0.0));
+        assert_eq!(
+            code(|err| kvpage_engine_clear_kv_scales(e, LAYERS, err)),
+            KVPAGE_ERR_BAD_LAYER
+        );
+        ok(kvpage_engine_free(e, null_mut()));
+        ok(kvpage_engine_free(floats, null_mut()));
+    }
+}

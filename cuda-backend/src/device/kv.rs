@@ -29,7 +29,7 @@ use super::{
 };
 use crate::driver::{CuDevicePtr, CuStream, DriverError};
 use crate::launch::{
-    plan_attention, plan_copy, plan_write, plan_write_stored, AttentionBuffers, AttentionCall,
+    plan_attention, plan_copy, plan_f32_write, plan_write_stored, AttentionBuffers, AttentionCall,
     AttentionPlan, Buffer, LaunchConfig, LaunchError, Partitioning, MIN_PARTITION_TOKENS,
 };
 use crate::params::{KvpCopyParams, KvpGeometry, KvpSeqDesc, KvpWriteParams};
@@ -405,19 +405,27 @@ impl DeviceKv {
     /// in launches of at most the step's token limit. Synchronous.
     /// O(tokens × kv_heads × head_dim).
     ///
+    /// 8-bit storage: each row at the scale of its largest magnitude, or with `scales`
+    /// (`[k, v]`) at those fixed scales, its codes saturating
+    /// ([`crate::launch::plan_write_at_scales`]).
+    ///
     /// # Errors
     /// Nothing is written on error: the planner's ([`LaunchError::BufferLength`],
-    /// [`LaunchError::LayerOutOfRange`], [`LaunchError::SlotOutOfRange`]); driver errors.
+    /// [`LaunchError::LayerOutOfRange`], [`LaunchError::SlotOutOfRange`], and with
+    /// `scales` [`LaunchError::UnscaledStorage`], [`LaunchError::BadKvScale`]); driver
+    /// errors.
     pub fn write_kv(
         &mut self,
         layer: u32,
         slots: &[u32],
         k: &[f32],
         v: &[f32],
+        scales: Option<[f32; 2]>,
     ) -> Result<(), DeviceKvError> {
         let (g, n) = (self.geometry, self.num_blocks);
-        plan_write(&g, n, layer, slots, k.len(), v.len())?;
-        self.write_chunks(layer, slots, [KvBytes::F32(k), KvBytes::F32(v)], 4, false)
+        plan_f32_write(&g, n, layer, slots, (k.len(), v.len()), scales)?;
+        let kv = [KvBytes::F32(k), KvBytes::F32(v)];
+        self.write_chunks(layer, slots, kv, 4, WriteKind::F32(scales))
     }
 
     /// [`DeviceKv::write_kv`] with `k` and `v` already in the storage dtype (f32, f16 or
@@ -452,7 +460,7 @@ impl DeviceKv {
             slots,
             [KvBytes::Raw(k), KvBytes::Raw(v)],
             esize,
-            true,
+            WriteKind::Stored,
         )
     }
 
@@ -465,7 +473,7 @@ impl DeviceKv {
         slots: &[u32],
         [k, v]: [KvBytes<'_>; 2],
         esize: usize,
-        stored: bool,
+        kind: WriteKind,
     ) -> Result<(), DeviceKvError> {
         let g = self.geometry;
         let row = g.kv_heads() as usize * g.head_dim() as usize * esize;
@@ -484,12 +492,18 @@ impl DeviceKv {
             unsafe { stream.copy_to_device(self.io.kv.ptr(), &self.io.pinned, 0, 2 * bytes) }?;
             let (kd, vd) = (self.io.kv.ptr(), self.io.kv.ptr() + bytes as u64);
             let elems = bytes / esize;
-            let plan = if stored {
-                plan_write_stored(&g, self.num_blocks, layer, chunk, elems, elems)?
-            } else {
-                plan_write(&g, self.num_blocks, layer, chunk, elems, elems)?
+            let (plan, scales) = match kind {
+                WriteKind::Stored => (
+                    plan_write_stored(&g, self.num_blocks, layer, chunk, elems, elems)?,
+                    None,
+                ),
+                WriteKind::F32(scales) => {
+                    let n = self.num_blocks;
+                    let plan = plan_f32_write(&g, n, layer, chunk, (elems, elems), scales)?;
+                    (plan, scales)
+                }
             };
-            self.launch_write(stream, plan, chunk, layer, [kd, vd])?;
+            self.launch_write(stream, plan, chunk, layer, [kd, vd], scales)?;
             stream.synchronize()?;
         }
         Ok(())
@@ -514,10 +528,12 @@ impl DeviceKv {
         slots: &[u32],
         k: DeviceSlice,
         v: DeviceSlice,
+        scales: Option<[f32; 2]>,
     ) -> Result<(), DeviceKvError> {
         self.check_tokens(slots.len())?;
-        let plan = plan_write(&self.geometry, self.num_blocks, layer, slots, k.len, v.len)?;
-        self.launch_write(stream, plan, slots, layer, [k.ptr, v.ptr])
+        let (g, n) = (&self.geometry, self.num_blocks);
+        let plan = plan_f32_write(g, n, layer, slots, (k.len, v.len), scales)?;
+        self.launch_write(stream, plan, slots, layer, [k.ptr, v.ptr], scales)
     }
 
     fn check_tokens(&self, tokens: usize) -> Result<(), DeviceKvError> {
@@ -539,10 +555,12 @@ impl DeviceKv {
         slots: &[u32],
         layer: u32,
         [k, v]: [CuDevicePtr; 2],
+        scales: Option<[f32; 2]>,
     ) -> Result<(), DeviceKvError> {
         let Some(cfg) = plan else {
             return Ok(());
         };
+        let [k_scale, v_scale] = scales.unwrap_or([0.0; 2]);
         let steps = &mut self.steps;
         steps.begin()?;
         steps.stage_slots(slots)?;
@@ -555,6 +573,8 @@ impl DeviceKv {
             slots: steps.device_ptr(steps.layout().slots),
             tokens: cfg.grid[0],
             layer,
+            k_scale,
+            v_scale,
         };
         // SAFETY: the planner checked the shapes, the layer and every slot; the slots
         // were uploaded before on the same stream; the inputs are the callers' (see
@@ -898,6 +918,14 @@ fn check_out(q: usize, out: usize) -> Result<(), DeviceKvError> {
         .into());
     }
     Ok(())
+}
+
+/// What a write launches: `kvp_write_kv` from f32 (8-bit rows at the fixed `[k, v]`
+/// scales where given), or `kvp_write_kv_stored`.
+#[derive(Clone, Copy)]
+enum WriteKind {
+    F32(Option<[f32; 2]>),
+    Stored,
 }
 
 /// K or V of a write: f32 to convert to little-endian bytes, or bytes as they are.

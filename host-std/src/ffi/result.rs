@@ -68,9 +68,10 @@ pub enum kvpage_result {
     KVPAGE_ERR_BAD_HEADS = 19,
     /// The storage dtype of the cache is not the dtype of the call, or the call writes
     /// values as they are into 8-bit storage, whose per-token scales only a write from
-    /// `float` sets.
+    /// `float` sets, or it fixes scales of float storage, which keeps none.
     KVPAGE_ERR_DTYPE_MISMATCH = 20,
-    /// The softmax scale is not finite.
+    /// The softmax scale is not finite, or a fixed K/V scale is not finite and
+    /// positive.
     KVPAGE_ERR_BAD_SCALE = 21,
     /// More sequences in one call than `max_seqs` (`needed`, `available`).
     KVPAGE_ERR_BATCH_TOO_LARGE = 22,
@@ -630,7 +631,13 @@ fn classify_kernel(e: KernelError) -> (kvpage_result, u64, u64, u64) {
             0,
             u64::from(super::geometry::dtype_to_c(dtype)),
         ),
-        KernelError::BadScale => (KVPAGE_ERR_BAD_SCALE, 0, 0, 0),
+        KernelError::BadScale | KernelError::BadKvScale => (KVPAGE_ERR_BAD_SCALE, 0, 0, 0),
+        KernelError::UnscaledStorage { dtype } => (
+            KVPAGE_ERR_DTYPE_MISMATCH,
+            0,
+            0,
+            u64::from(super::geometry::dtype_to_c(dtype)),
+        ),
         KernelError::SlotOutOfRange { slot, slots } => {
             (KVPAGE_ERR_OUT_OF_RANGE, 0, slots, u64::from(slot))
         }

@@ -6,7 +6,8 @@
 //! participating thread's stack, and the threads are those of a [`WorkerPool`], started
 //! once when it is made and parked between calls.
 //!
-//! - [`write_kv`]: store the K and V of new tokens of one layer at their slots.
+//! - [`write_kv`]: store the K and V of new tokens of one layer at their slots
+//!   ([`write_kv_at_scales`]: 8-bit storage at fixed scales).
 //! - [`paged_attention`]: chunked-prefill attention (causal, over the cached context
 //!   plus the new tokens); decode is the case of one query token per sequence
 //!   ([`SeqQuery::decode`]). Grouped-query attention, any block size, any length.
@@ -45,7 +46,7 @@ pub use contiguous::{contiguous_attention, ContiguousKv};
 pub use copy::{copy_blocks, copy_blocks_between, move_rows};
 pub use pool::{Executor, WorkerPool, MAX_THREADS};
 pub use rope::{rotate_keys, KeyShift, RopeError, RopePairing, RopeParams};
-pub use write::{write_kv, write_kv_as};
+pub use write::{write_kv, write_kv_as, write_kv_at_scales};
 
 /// Name of the environment variable that caps the instruction set the kernels take:
 /// `avx512dot` (AVX-512 with its dot-product extensions, without AMX tiles),

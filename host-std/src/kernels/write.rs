@@ -4,7 +4,7 @@ use super::attention::check_len;
 use crate::arena::KvLayout;
 use crate::dtype::{bytes_of_mut, Element};
 use crate::error::{Buffer, KernelError};
-use crate::quant::Code;
+use crate::quant::{Code, KvScales};
 
 /// Writes the keys and values of `slots.len()` new tokens of one layer: token `i` goes
 /// to slot `slots[i]` (block `slot / block_size`, offset `slot % block_size`, as the
@@ -33,10 +33,57 @@ pub fn write_kv<T: Element>(
     k: &[f32],
     v: &[f32],
 ) -> Result<(), KernelError> {
+    write_rounded(layout, arena, layer, slots, k, v, None)
+}
+
+/// [`write_kv`] into 8-bit storage at the fixed `scales` of the layer: each value is
+/// stored as the code of its ratio to its side's scale, saturating at the code's
+/// largest magnitude, and the row's scale in the block is that one (NaN for a row with
+/// a non-finite value, as in [`write_kv`]). O(tokens × kv_heads × head_dim),
+/// single-threaded.
+///
+/// # Errors
+/// As [`write_kv`]; [`KernelError::UnscaledStorage`] for the float dtypes, which keep
+/// no scales. Nothing is written on error.
+pub fn write_kv_at_scales<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    layer: u32,
+    slots: &[u32],
+    k: &[f32],
+    v: &[f32],
+    scales: KvScales,
+) -> Result<(), KernelError> {
+    layout.check_element::<T>()?;
+    if !T::DTYPE.is_scaled() {
+        return Err(KernelError::UnscaledStorage { dtype: T::DTYPE });
+    }
+    write_rounded(layout, arena, layer, slots, k, v, Some(scales))
+}
+
+/// [`write_kv`] (`scales` `None`: each 8-bit row at the scale of its largest magnitude)
+/// or [`write_kv_at_scales`] (8-bit storage only).
+fn write_rounded<T: Element>(
+    layout: &KvLayout,
+    arena: &mut [T],
+    layer: u32,
+    slots: &[u32],
+    k: &[f32],
+    v: &[f32],
+    scales: Option<KvScales>,
+) -> Result<(), KernelError> {
     match Code::of(T::DTYPE) {
-        None => write_with(layout, arena, layer, slots, k, v, |src, arena, row, _| {
-            T::narrow(src, &mut arena[row..row + src.len()]);
-        }),
+        None => write_with(
+            layout,
+            arena,
+            layer,
+            slots,
+            k,
+            v,
+            |src, arena, row, _, _| {
+                T::narrow(src, &mut arena[row..row + src.len()]);
+            },
+        ),
         Some(code) => write_with(
             layout,
             arena,
@@ -44,9 +91,13 @@ pub fn write_kv<T: Element>(
             slots,
             k,
             v,
-            |src, arena, row, scale| {
+            |src, arena, row, scale, kv| {
                 let bytes = bytes_of_mut(arena);
-                let s = code.quantize_row(src, &mut bytes[row..row + src.len()]);
+                let codes = &mut bytes[row..row + src.len()];
+                let s = match scales {
+                    None => code.quantize_row(src, codes),
+                    Some(fixed) => code.quantize_row_at(src, codes, fixed.of(kv)),
+                };
                 bytes[scale..scale + 4].copy_from_slice(&s.to_le_bytes());
             },
         ),
@@ -72,15 +123,23 @@ pub fn write_kv_as<T: Element>(
     if T::DTYPE.is_scaled() {
         return Err(KernelError::ScaledStorage { dtype: T::DTYPE });
     }
-    write_with(layout, arena, layer, slots, k, v, |src, arena, row, _| {
-        arena[row..row + src.len()].copy_from_slice(src);
-    })
+    write_with(
+        layout,
+        arena,
+        layer,
+        slots,
+        k,
+        v,
+        |src, arena, row, _, _| {
+            arena[row..row + src.len()].copy_from_slice(src);
+        },
+    )
 }
 
 /// The checks and the scatter of [`write_kv`] for inputs of type `S`, stored into the
-/// arena's `T` by `store(row, arena, at, scale_at)`: one head's `head_dim` inputs, to the
-/// elements from `at` on (and, for 8-bit storage, the row's scale to the 4 elements at
-/// `scale_at`).
+/// arena's `T` by `store(row, arena, at, scale_at, kv)`: one head's `head_dim` inputs of
+/// the keys (`kv` 0) or the values (1), to the elements from `at` on (and, for 8-bit
+/// storage, the row's scale to the 4 bytes at `scale_at`).
 fn write_with<T: Element, S>(
     layout: &KvLayout,
     arena: &mut [T],
@@ -88,7 +147,7 @@ fn write_with<T: Element, S>(
     slots: &[u32],
     k: &[S],
     v: &[S],
-    store: impl Fn(&[S], &mut [T], usize, usize),
+    store: impl Fn(&[S], &mut [T], usize, usize, usize),
 ) -> Result<(), KernelError> {
     layout.check_element::<T>()?;
     let g = layout.geometry();
@@ -121,7 +180,13 @@ fn write_with<T: Element, S>(
             for (kv, input) in [(0, k), (1, v)] {
                 let tile = layout.tile_offset_in_range(block, layer, kv, h);
                 let scale = tile + layout.scales_offset() + offset * 4;
-                store(&input[src..src + hd], arena, tile + offset * hd, scale);
+                store(
+                    &input[src..src + hd],
+                    arena,
+                    tile + offset * hd,
+                    scale,
+                    kv as usize,
+                );
             }
         }
     }
@@ -251,6 +316,82 @@ mod tests {
                 "a scale never shrinks"
             );
         }
+    }
+
+    /// A write at fixed scales stores each row's codes at its side's scale, saturated,
+    /// and that scale (NaN for a row with a NaN); refused for float storage.
+    fn fixed_scales<T: Element>() {
+        let code = Code::of(T::DTYPE).unwrap();
+        let g = Geometry::new(2, 2, 4, 2, T::DTYPE).unwrap();
+        let layout = KvLayout::new(g, 2).unwrap();
+        let mut arena = vec![T::default(); layout.arena_elems()];
+        let scales = KvScales::new(0.01, 2.0).unwrap();
+        // One token, two heads: head 1's keys reach past 0.01 × the code's largest.
+        let k = [0.1, -0.2, 0.3, 0.0, 5.0, -9.0, 0.5, f32::NAN];
+        let v = [1.0, 2.0, -3.0, 4.0, 100.0, 0.0, -1.0, 0.5];
+        write_kv_at_scales(&layout, &mut arena, 1, &[3], &k, &v, scales).unwrap();
+        let bytes = bytes_of(&arena).to_vec();
+        let at = |kv: u32, h: u32| layout.tile_offset(1, 1, kv, h) + 4;
+        let scale = |kv: u32, h: u32| {
+            let s = layout.tile_offset(1, 1, kv, h) + layout.scales_offset() + 4;
+            f32::from_le_bytes([bytes[s], bytes[s + 1], bytes[s + 2], bytes[s + 3]])
+        };
+        for h in 0..2u32 {
+            for (kv, input, fixed) in [(0, &k, scales.k()), (1, &v, scales.v())] {
+                let row = &input[4 * h as usize..4 * h as usize + 4];
+                for (d, &x) in row.iter().enumerate() {
+                    assert_eq!(bytes[at(kv, h) + d], code.encode(x, fixed), "{kv} {h} {d}");
+                }
+                let want = if row.iter().all(|x| x.is_finite()) {
+                    fixed
+                } else {
+                    f32::NAN
+                };
+                assert_eq!(scale(kv, h).to_bits(), want.to_bits(), "{kv} {h}");
+            }
+        }
+        // Head 1's 5 and -9 saturate: their codes are the largest of their sign.
+        assert_eq!(code.decode(bytes[at(0, 1)]), code.max());
+        assert_eq!(code.decode(bytes[at(0, 1) + 1]), -code.max());
+        // The same call with a scale per row stores other scales.
+        let mut own = vec![T::default(); layout.arena_elems()];
+        write_kv(&layout, &mut own, 1, &[3], &k, &v).unwrap();
+        assert_ne!(bytes_of(&own), &bytes[..]);
+        assert_eq!(
+            write_kv_at_scales(&layout, &mut arena, 2, &[3], &k, &v, scales),
+            Err(KernelError::LayerOutOfRange {
+                layer: 2,
+                layers: 2
+            })
+        );
+        let mut floats = vec![0.0f32; layout.arena_elems()];
+        assert_eq!(
+            write_kv_at_scales(&layout, &mut floats, 1, &[3], &k, &v, scales),
+            Err(KernelError::DTypeMismatch {
+                layout: T::DTYPE,
+                element: kvpage_core::DType::F32
+            })
+        );
+        let fg = Geometry::new(2, 2, 4, 2, kvpage_core::DType::F32).unwrap();
+        let flayout = KvLayout::new(fg, 2).unwrap();
+        let mut floats = vec![0.0f32; flayout.arena_elems()];
+        assert_eq!(
+            write_kv_at_scales(&flayout, &mut floats, 1, &[3], &k, &v, scales),
+            Err(KernelError::UnscaledStorage {
+                dtype: kvpage_core::DType::F32
+            })
+        );
+        assert!(floats.iter().all(|&x| x == 0.0), "nothing written");
+    }
+
+    #[test]
+    fn int8_fixed_scales_saturate() {
+        fixed_scales::<Int8>();
+    }
+
+    #[test]
+    fn fp8_fixed_scales_saturate() {
+        fixed_scales::<Fp8E4m3>();
     }
 
     #[test]

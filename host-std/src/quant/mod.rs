@@ -5,9 +5,12 @@
 //!
 //! A value `x` is stored as a code `c` and a scale `s` shared by a group of values:
 //! `x ≈ s · decode(c)`. The scale maps the group's largest magnitude onto the code's
-//! largest (127 for [`Code::Int8`], 448 for [`Code::Fp8E4m3`]), so nothing clips.
+//! largest (127 for [`Code::Int8`], 448 for [`Code::Fp8E4m3`]), so nothing clips; or it
+//! is fixed per layer by the caller ([`KvScales`]), and what lies beyond saturates.
 
 pub mod fp8;
+
+use crate::error::KernelError;
 
 /// An 8-bit code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,16 +95,77 @@ impl Code {
     /// If `codes` is shorter than `src` (a caller's sizing error, never data).
     pub fn quantize_row(self, src: &[f32], codes: &mut [u8]) -> f32 {
         let absmax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let s = self.scale_for(absmax);
+        self.quantize_row_at(src, codes, self.scale_for(absmax))
+    }
+
+    /// Quantizes one group `src` into `codes` (same length) at the fixed `scale` (a
+    /// [`KvScales`] side), saturating: a value beyond `scale × max` ([`Code::max`])
+    /// stores the largest code of its sign. Returns the scale to store: `scale`, or NaN
+    /// for a group with a NaN or an infinity among its values, as [`Code::quantize_row`]
+    /// (the one rule both follow). O(src.len()).
+    ///
+    /// # Panics
+    /// If `codes` is shorter than `src` (a caller's sizing error, never data).
+    pub fn quantize_row_at(self, src: &[f32], codes: &mut [u8], scale: f32) -> f32 {
         let mut non_finite = false;
         for (c, &v) in codes[..src.len()].iter_mut().zip(src) {
-            *c = self.encode(v, s);
+            *c = self.encode(v, scale);
             non_finite |= !v.is_finite();
         }
         if non_finite {
             f32::NAN
         } else {
-            s
+            scale
+        }
+    }
+}
+
+/// Fixed scales for the 8-bit codes of one layer's keys and values, such as the
+/// calibrated `k_scale` / `v_scale` a checkpoint ships: a value `x` is stored as the
+/// code of `x / k` (or `/ v`), saturating at the code's largest magnitude, and reads
+/// back as `code × k`, where by default each (token, head) row takes the scale of its
+/// own largest magnitude and nothing saturates. Set per layer on a cache
+/// ([`crate::KvCache::set_kv_scales`]); they apply to the rows written after, and the
+/// scale of every row still goes into its block beside its codes, so rows written under
+/// other scales keep theirs and every kernel reads them alike.
+///
+/// Invariant: both scales are finite and positive ([`KvScales::new`] checks it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    k: f32,
+    v: f32,
+}
+
+impl KvScales {
+    /// The scales `k` for the keys and `v` for the values. O(1).
+    ///
+    /// # Errors
+    /// [`KernelError::BadKvScale`] unless both are finite and positive.
+    pub fn new(k: f32, v: f32) -> Result<Self, KernelError> {
+        let good = |x: f32| x > 0.0 && x.is_finite();
+        if good(k) && good(v) {
+            Ok(Self { k, v })
+        } else {
+            Err(KernelError::BadKvScale)
+        }
+    }
+
+    /// The keys' scale. O(1).
+    pub const fn k(self) -> f32 {
+        self.k
+    }
+
+    /// The values' scale. O(1).
+    pub const fn v(self) -> f32 {
+        self.v
+    }
+
+    /// The scale of the keys (`kv == 0`) or the values (`kv == 1`). O(1).
+    pub(crate) const fn of(self, kv: usize) -> f32 {
+        if kv == 0 {
+            self.k
+        } else {
+            self.v
         }
     }
 }
@@ -202,5 +266,43 @@ mod tests {
                 assert!(code.quantize_row(&[1.0, bad, 0.5], &mut c).is_nan());
             }
         }
+    }
+
+    #[test]
+    fn fixed_scales_saturate_and_keep_the_nan_rule() {
+        for code in [Code::Int8, Code::Fp8E4m3] {
+            let scale = 0.5;
+            let x = [0.3, -0.2, 1000.0, -1000.0, 0.0, code.max() * scale];
+            let mut c = [0u8; 6];
+            assert_eq!(code.quantize_row_at(&x, &mut c, scale), scale);
+            for (&ci, &xi) in c.iter().zip(&x) {
+                assert_eq!(ci, code.encode(xi, scale), "{code:?} {xi}");
+            }
+            // Beyond the scale's range: the largest code of each sign.
+            assert_eq!(code.decode(c[2]) * scale, code.max() * scale);
+            assert_eq!(code.decode(c[3]) * scale, -code.max() * scale);
+            assert_eq!(code.decode(c[5]), code.max());
+            // The default rule is the fixed one at the row's own scale.
+            let mut d = [0u8; 6];
+            let s = code.quantize_row(&x, &mut d);
+            let mut e = [0u8; 6];
+            assert_eq!(code.quantize_row_at(&x, &mut e, s), s);
+            assert_eq!(d, e);
+            for bad in [f32::NAN, f32::INFINITY] {
+                assert!(code.quantize_row_at(&[1.0, bad], &mut c, scale).is_nan());
+            }
+        }
+    }
+
+    #[test]
+    fn kv_scales_must_be_finite_and_positive() {
+        let s = KvScales::new(0.25, 3.0).unwrap();
+        assert_eq!((s.k(), s.v(), s.of(0), s.of(1)), (0.25, 3.0, 0.25, 3.0));
+        for bad in [0.0, -1.0, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert_eq!(KvScales::new(bad, 1.0), Err(KernelError::BadKvScale));
+            assert_eq!(KvScales::new(1.0, bad), Err(KernelError::BadKvScale));
+        }
+        // The smallest positive values are scales too (a row's own can be as small).
+        assert!(KvScales::new(f32::from_bits(1), f32::MIN_POSITIVE).is_ok());
     }
 }
