@@ -16,11 +16,16 @@
 //! (`per block`), and the same per-block scale as a cache fills it one token at a time
 //! (`per block, streamed`): when a new token raises the block's largest magnitude, the
 //! codes already stored are requantized to the new scale, rounding twice; and a scale per
-//! channel over each block (`per channel in block`), alone and for K with V per token.
+//! channel over each block (`per channel in block`), alone and for K with V per token;
+//! and a fixed scale for the whole layer (`fixed per layer`, what `KvScales` sets; the
+//! layout still stores it in every row): `calibrated` from the largest magnitude of the
+//! layer's K (and V) over the code's largest, as a calibration on this very data would
+//! give it, and `1.0`, an engine's default where the checkpoint has none.
 //! The bytes column is the mean of K's and V's.
 //!
 //! A second table takes the same K/V and queries through the shipped kernel: written
-//! into a `KvCache` of each storage dtype (8-bit: a scale per token and head) and decoded
+//! into a `KvCache` of each storage dtype (8-bit: a scale per token and head, or the
+//! calibrated fixed scales) and decoded
 //! by `KvCache::decode` on this CPU's instruction path (printed): the storage's error
 //! and the arithmetic's together, against the same f64 reference. On AVX-512 with VNNI
 //! and BF16 the 8-bit paths compute in 16-bit integer and bf16 dot products; the table
@@ -29,7 +34,7 @@
 use half::f16;
 use kvpage::kernels::instruction_path;
 use kvpage::quant::{dequantize, quantize, Code};
-use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache, CACHE_NAMESPACES};
+use kvpage::{CacheConfig, Capacity, DType, Geometry, KvCache, KvScales, CACHE_NAMESPACES};
 
 const KV_HEADS: usize = 8;
 const GROUP: usize = 4;
@@ -60,6 +65,9 @@ enum Storage {
     PerBlock(Code),
     PerBlockStreamed(Code),
     PerChannelInBlock(Code),
+    /// A fixed scale for the layer (codes saturate past it), as `KvScales` sets; the
+    /// `&str` says where it comes from.
+    Fixed(Code, f32, &'static str),
 }
 
 impl Storage {
@@ -75,6 +83,7 @@ impl Storage {
             Self::PerBlock(c) => format!("{}, per block", code(c)),
             Self::PerBlockStreamed(c) => format!("{}, per block, streamed", code(c)),
             Self::PerChannelInBlock(c) => format!("{}, per channel in block", code(c)),
+            Self::Fixed(c, _, from) => format!("{}, fixed per layer: {from}", code(c)),
         }
     }
 
@@ -82,7 +91,8 @@ impl Storage {
     fn bytes_per_token(self) -> f64 {
         match self {
             Self::F16 => 2.0 * HD as f64,
-            Self::PerToken(_) => HD as f64 + 4.0,
+            // A fixed scale is still stored in each row, as the layout keeps it.
+            Self::PerToken(_) | Self::Fixed(..) => HD as f64 + 4.0,
             Self::PerChannels(_, g) => HD as f64 + 4.0 * (HD / g) as f64,
             Self::PerBlock(_) | Self::PerBlockStreamed(_) => HD as f64 + 4.0 / BLOCK as f64,
             Self::PerChannelInBlock(_) => HD as f64 + 4.0 * HD as f64 / BLOCK as f64,
@@ -103,6 +113,18 @@ impl Storage {
             Self::PerToken(c) => {
                 quantize(c, x, HD, &mut codes, &mut scales);
                 dequantize(c, &codes, &scales, HD, &mut out);
+            }
+            Self::Fixed(c, scale, _) => {
+                for ((row, rc), ro) in x
+                    .chunks(HD)
+                    .zip(codes.chunks_mut(HD))
+                    .zip(out.chunks_mut(HD))
+                {
+                    let s = c.quantize_row_at(row, rc, scale);
+                    for (o, &code) in ro.iter_mut().zip(rc.iter()) {
+                        *o = s * c.decode(code);
+                    }
+                }
             }
             Self::PerChannels(c, g) => {
                 quantize(c, x, g, &mut codes, &mut scales);
@@ -173,7 +195,12 @@ fn row_errors<'a>(got: &'a [f64], want: &'a [f64]) -> impl Iterator<Item = f64> 
 
 /// Mean and worst row error of a decode through `KvCache` of `dtype` (one sequence of
 /// `TOKENS` tokens, every head's K/V and queries of `heads`) against `exact`.
-fn through_kernel(dtype: DType, heads: &[Head], exact: &[Vec<f64>]) -> (f64, f64) {
+fn through_kernel(
+    dtype: DType,
+    scales: Option<KvScales>,
+    heads: &[Head],
+    exact: &[Vec<f64>],
+) -> (f64, f64) {
     let geometry = Geometry::new(1, KV_HEADS as u32, HD as u32, BLOCK as u32, dtype).unwrap();
     let mut cache = KvCache::new(CacheConfig {
         geometry,
@@ -186,6 +213,9 @@ fn through_kernel(dtype: DType, heads: &[Head], exact: &[Vec<f64>]) -> (f64, f64
         max_namespaces: CACHE_NAMESPACES,
     })
     .unwrap();
+    if scales.is_some() {
+        cache.set_kv_scales(0, scales).unwrap();
+    }
     let seq = cache.create(0).unwrap();
     cache.append(seq, TOKENS as u32).unwrap();
     // `[tokens][kv_heads][hd]`, and the queries `[1][kv_heads * GROUP][hd]`.
@@ -274,8 +304,25 @@ fn main() {
         })
         .collect();
     let exact: Vec<Vec<f64>> = heads.iter().map(|(k, v, q)| attend(q, k, v)).collect();
-
     let same = |s: Storage| (s, s);
+    // Fixed per-layer scales: calibrated (the largest magnitude of the layer's K, or V,
+    // over all its heads and tokens, over the code's largest: what a calibration on
+    // this very data would give), and 1.0 (an engine's default without calibration).
+    let absmax = |part: fn(&Head) -> &[f32]| {
+        heads
+            .iter()
+            .flat_map(|h| part(h).iter())
+            .fold(0.0f32, |m, x| m.max(x.abs()))
+    };
+    let (k_max, v_max) = (absmax(|h| &h.0), absmax(|h| &h.1));
+    let calibrated = |c: Code| {
+        (
+            Storage::Fixed(c, k_max / c.max(), "calibrated"),
+            Storage::Fixed(c, v_max / c.max(), "calibrated"),
+        )
+    };
+    let unit = |c: Code| same(Storage::Fixed(c, 1.0, "1.0"));
+
     let storages = [
         same(Storage::F16),
         same(Storage::PerToken(Code::Int8)),
@@ -287,6 +334,8 @@ fn main() {
             Storage::PerChannelInBlock(Code::Int8),
             Storage::PerToken(Code::Int8),
         ),
+        calibrated(Code::Int8),
+        unit(Code::Int8),
         same(Storage::PerToken(Code::Fp8E4m3)),
         same(Storage::PerChannels(Code::Fp8E4m3, 32)),
         same(Storage::PerBlock(Code::Fp8E4m3)),
@@ -296,6 +345,8 @@ fn main() {
             Storage::PerChannelInBlock(Code::Fp8E4m3),
             Storage::PerToken(Code::Fp8E4m3),
         ),
+        calibrated(Code::Fp8E4m3),
+        unit(Code::Fp8E4m3),
     ];
     println!(
         "decode, {} query heads over {KV_HEADS} KV heads, head dim {HD}, {TOKENS} tokens, K outlier channels x15, 1% of V tokens x10",
@@ -338,14 +389,25 @@ fn main() {
         "{:<52} {:>10} {:>8} {:>13} {:>13}",
         "storage", "", "", "mean rel err", "worst rel err"
     );
-    for (dtype, name) in [
-        (DType::F32, "f32"),
-        (DType::F16, "f16"),
-        (DType::Bf16, "bf16"),
-        (DType::Int8, "int8, per token"),
-        (DType::Fp8E4m3, "fp8 e4m3, per token"),
+    let fixed = |c: Code| KvScales::new(k_max / c.max(), v_max / c.max()).ok();
+    for (dtype, scales, name) in [
+        (DType::F32, None, "f32"),
+        (DType::F16, None, "f16"),
+        (DType::Bf16, None, "bf16"),
+        (DType::Int8, None, "int8, per token"),
+        (
+            DType::Int8,
+            fixed(Code::Int8),
+            "int8, fixed per layer: calibrated",
+        ),
+        (DType::Fp8E4m3, None, "fp8 e4m3, per token"),
+        (
+            DType::Fp8E4m3,
+            fixed(Code::Fp8E4m3),
+            "fp8 e4m3, fixed per layer: calibrated",
+        ),
     ] {
-        let (mean, worst) = through_kernel(dtype, &heads, &exact);
+        let (mean, worst) = through_kernel(dtype, scales, &heads, &exact);
         println!(
             "{:<52} {:>10} {:>8} {:>13.2e} {:>13.2e}",
             name, "", "", mean, worst

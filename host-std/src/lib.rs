@@ -11,7 +11,8 @@
 //!   a [`WorkerPool`] of threads started once (a cache owns one); re-rotation of stored
 //!   keys by a position delta ([`RopeParams`]) for a context shift.
 //! - [`quant`]: the 8-bit codes (int8, FP8 E4M3) of the scaled storage dtypes, whose
-//!   tiles keep one `f32` scale per token and head after the codes.
+//!   tiles keep one `f32` scale per token and head after the codes, by default the
+//!   row's own, or a layer's fixed [`KvScales`] ([`KvCache::set_kv_scales`]).
 //! - [`persist`]: save a sequence (token ids, positions, K/V blocks) into a buffer or a
 //!   file and restore it into any free blocks of a cache of the same geometry and model.
 //! - [`SharedManager`]: the core's block manager shared between threads behind a
