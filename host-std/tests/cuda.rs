@@ -258,6 +258,29 @@ fn stored_dtype_writes_match() {
     );
 }
 
+/// 8-bit writes at fixed per-layer scales (saturating: random values past 0.004 × the
+/// code's largest) store the same bytes on both backends, and attend alike.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fixed_scale_writes_match() {
+    for dtype in [DType::Int8, DType::Fp8E4m3] {
+        let g = Geometry::new(2, 2, 128, 16, dtype).unwrap();
+        let mut pair = Pair::new(g, 32, 256, 4);
+        let fixed = kvpage::KvScales::new(0.004, 0.002).unwrap();
+        for cache in [&mut pair.cpu, &mut pair.gpu] {
+            cache.set_kv_scales(1, Some(fixed)).unwrap();
+        }
+        let i = pair.create();
+        pair.append(i, 40);
+        let mut rng = rng(23);
+        pair.write(&mut rng, i, 0, 40);
+        assert_blocks_equal(&mut pair.cpu, &mut pair.gpu);
+        for layer in 0..2 {
+            pair.attention(&mut rng, layer, &[1]);
+        }
+    }
+}
+
 /// Re-rotating keys (alone and after a context shift) leaves the same blocks on both
 /// backends; a shared block is refused alike, changing nothing.
 #[test]

@@ -270,6 +270,17 @@ enum Call {
     ResultStr {
         code: u32,
     },
+    CacheSetKvScales {
+        layer: u8,
+        k: u8,
+        v: u8,
+    },
+    CacheClearKvScales {
+        layer: u8,
+    },
+    CacheKvScales {
+        layer: u8,
+    },
     CacheEventsDrain {
         events: Buf,
         tokens: Buf,
@@ -313,6 +324,8 @@ type Snapshot = (
     Option<kvpage_stats>,
     Vec<(u32, u32)>,
     (u32, u32),
+    // Each layer's K/V scales setting (bits), as `kvpage_cache_kv_scales` reads it.
+    Vec<(u32, u32, u32)>,
 );
 
 struct World {
@@ -381,9 +394,33 @@ impl World {
                 .collect();
             let (mut f, mut t) = (0, 0);
             kvpage_manager_host_blocks(self.mgr, &mut f, &mut t, null_mut());
-            (cs, clens, ms, mlens, (f, t))
+            let scales = (0..MAX_LAYERS)
+                .map(|layer| {
+                    let (mut k, mut v) = (f32::NAN, f32::NAN);
+                    let c = kvpage_cache_kv_scales(self.cache, layer, &mut k, &mut v, null_mut());
+                    (c as u32, k.to_bits(), v.to_bits())
+                })
+                .collect();
+            (cs, clens, ms, mlens, (f, t), scales)
         }
     }
+}
+
+/// Layers a fuzzed cache can have (`Setup::layers % 3`), and one past.
+const MAX_LAYERS: u32 = 3;
+
+/// A fixed K/V scale to pass: valid ones (tiny, ordinary, huge) and refused ones.
+fn kv_scale(x: u8) -> f32 {
+    [
+        0.01,
+        1.0,
+        1e30,
+        f32::from_bits(1),
+        0.0,
+        -0.5,
+        f32::NAN,
+        f32::INFINITY,
+    ][usize::from(x % 8)]
 }
 
 fn scale(x: u8) -> f32 {
@@ -411,7 +448,7 @@ fuzz_target!(|data: &[u8]| {
                 u32::from(s.head_dim % 9)
             },
             block_size: u32::from(s.block_size % 5),
-            dtype: u32::from(s.dtype % 4),
+            dtype: u32::from(s.dtype % 5),
         };
         let mut params = kvpage_cache_default_params(geometry);
         params.capacity_blocks = u32::from(s.blocks % 20);
@@ -1042,6 +1079,35 @@ fuzz_target!(|data: &[u8]| {
                         .push(o.first_seq == SENT64 && tk.contents().iter().all(|&t| t == SENT32));
                     if c == KVPAGE_OK {
                         assert!(o.events <= ev.len && o.tokens <= tk.len);
+                    }
+                    c
+                }
+                Call::CacheSetKvScales { layer, k, v } => {
+                    let (layer, k, v) = (
+                        u32::from(layer) % (MAX_LAYERS + 1),
+                        kv_scale(k),
+                        kv_scale(v),
+                    );
+                    let c = kvpage_cache_set_kv_scales(w.cache, layer, k, v, err);
+                    if c == KVPAGE_OK {
+                        let (mut gk, mut gv) = (0.0, 0.0);
+                        let got =
+                            kvpage_cache_kv_scales(w.cache, layer, &mut gk, &mut gv, null_mut());
+                        assert_eq!((got, gk, gv), (KVPAGE_OK, k, v));
+                    }
+                    c
+                }
+                Call::CacheClearKvScales { layer } => {
+                    let layer = u32::from(layer) % (MAX_LAYERS + 1);
+                    kvpage_cache_clear_kv_scales(w.cache, layer, err)
+                }
+                Call::CacheKvScales { layer } => {
+                    let layer = u32::from(layer) % (MAX_LAYERS + 1);
+                    let (mut k, mut v) = (f32::NAN, f32::NAN);
+                    let c = kvpage_cache_kv_scales(w.cache, layer, optr!(k), &mut v, err);
+                    unwritten.push(k.is_nan() && v.is_nan());
+                    if c == KVPAGE_OK {
+                        assert!((k == 0.0) == (v == 0.0), "both fixed or neither");
                     }
                     c
                 }
