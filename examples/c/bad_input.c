@@ -327,6 +327,26 @@ static void cache_calls(void) {
     EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c8, s8, 0, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
     EXPECT(KVPAGE_OK, kvpage_cache_decode(c8, 0, &s8, 1, q, Q_HEADS * HEAD_DIM, out, Q_HEADS * HEAD_DIM, Q_HEADS, 0.35f, &err));
     EXPECT(KVPAGE_ERR_DTYPE_MISMATCH, kvpage_cache_write_kv_raw(c8, s8, 0, 0, 5, KVPAGE_DTYPE_INT8, raw, 5 * ROW, raw, 5 * ROW, &err));
+    /* Fixed scales: bad layers and scales refused, the setting unchanged; float
+       storage has none to fix. */
+    {
+      float ks = -1.0f, vs = -1.0f;
+      EXPECT(KVPAGE_OK, kvpage_cache_set_kv_scales(c8, 1, 0.01f, 0.02f, &err));
+      EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_set_kv_scales(c8, LAYERS, 0.01f, 0.02f, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.0f, 0.02f, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.01f, nan_scale, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, -0.01f, 0.02f, &err));
+      EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_clear_kv_scales(c8, LAYERS, &err));
+      EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_kv_scales(c8, 1, NULL, &vs, &err));
+      EXPECT(KVPAGE_OK, kvpage_cache_kv_scales(c8, 1, &ks, &vs, &err));
+      EXPECT_TRUE(ks == 0.01f && vs == 0.02f);
+      EXPECT(KVPAGE_OK, kvpage_cache_kv_scales(c8, 0, &ks, &vs, &err));
+      EXPECT_TRUE(ks == 0.0f && vs == 0.0f);
+      EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c8, s8, 1, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
+      EXPECT(KVPAGE_OK, kvpage_cache_clear_kv_scales(c8, 1, &err));
+      EXPECT(KVPAGE_ERR_DTYPE_MISMATCH, kvpage_cache_set_kv_scales(c, 0, 1.0f, 1.0f, &err));
+      EXPECT(KVPAGE_ERR_DTYPE_MISMATCH, kvpage_cache_kv_scales(c, 0, &ks, &vs, &err));
+    }
     EXPECT(KVPAGE_OK, kvpage_cache_free(c8, &err));
   }
   EXPECT(KVPAGE_OK, kvpage_cache_free(other, &err));

@@ -133,6 +133,20 @@ class Cache {
     return call(kvpage_cache_fork, seq, &child);
   }
   Status release(kvpage_seq seq) noexcept { return call(kvpage_cache_release, seq); }
+  /// Fixes layer `layer`'s 8-bit K/V scales for the rows written from now on
+  /// (`kvpage_cache_set_kv_scales`); `clear_kv_scales` goes back to a scale per row.
+  Status set_kv_scales(uint32_t layer, float k_scale, float v_scale) noexcept {
+    return call(kvpage_cache_set_kv_scales, layer, k_scale, v_scale);
+  }
+  Status clear_kv_scales(uint32_t layer) noexcept {
+    return call(kvpage_cache_clear_kv_scales, layer);
+  }
+  /// Layer `layer`'s fixed scales, 0 and 0 for a scale per row (`kvpage_cache_kv_scales`).
+  Status kv_scales(uint32_t layer, float &k_scale, float &v_scale) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_cache_kv_scales(c_.get(), layer, &k_scale, &v_scale, e);
+    });
+  }
   Status stats(kvpage_stats &out) const noexcept {
     return Status::of([&](kvpage_error *e) { return kvpage_cache_stats(c_.get(), &out, e); });
   }
@@ -250,6 +264,18 @@ class Engine {
   Status write_kv(uint32_t layer, const float *k, std::size_t k_len, const float *v,
                   std::size_t v_len) noexcept {
     return call(kvpage_engine_write_kv, layer, k, k_len, v, v_len);
+  }
+  /// `Cache::set_kv_scales` for the engine's cache (`kvpage_engine_set_kv_scales`).
+  Status set_kv_scales(uint32_t layer, float k_scale, float v_scale) noexcept {
+    return call(kvpage_engine_set_kv_scales, layer, k_scale, v_scale);
+  }
+  Status clear_kv_scales(uint32_t layer) noexcept {
+    return call(kvpage_engine_clear_kv_scales, layer);
+  }
+  Status kv_scales(uint32_t layer, float &k_scale, float &v_scale) const noexcept {
+    return Status::of([&](kvpage_error *e) {
+      return kvpage_engine_kv_scales(e_.get(), layer, &k_scale, &v_scale, e);
+    });
   }
   Status attention(uint32_t layer, const float *q, std::size_t q_len, float *out,
                    std::size_t out_len, uint32_t q_heads, float scale) noexcept {
