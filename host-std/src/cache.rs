@@ -705,7 +705,8 @@ impl KvCache {
 
     /// Writes the K and V (`[tokens][kv_heads][head_dim]`, f32) of layer `layer` for
     /// positions `first..first + tokens` of `seq`, which must lie in its pending range
-    /// (appended since it last became shareable). O(tokens × kv_heads × head_dim).
+    /// (appended since it last became shareable); 8-bit rows at the layer's fixed scales
+    /// where [`KvCache::set_kv_scales`] set them. O(tokens × kv_heads × head_dim).
     ///
     /// # Errors
     /// Nothing is written on error. Handle errors ([`SeqError`]),
@@ -732,8 +733,10 @@ impl KvCache {
     /// a checkpoint's calibrated `k_scale` / `v_scale` give the numerics of engines that
     /// use them; the default never clips. Rows already written keep the scale stored
     /// beside their codes, so nothing written before changes, and copies, edits, swaps,
-    /// saves and the kernels treat every row alike. The setting is the cache's, not its
-    /// data's: [`crate::persist`] files do not carry it. O(1).
+    /// saves and the kernels treat every row alike (the key rotation of a context shift
+    /// keeps a row's scale unless its rotated values outgrow it, as for any row). The
+    /// setting is the cache's, not its data's: [`crate::persist`] files do not carry it.
+    /// O(1).
     ///
     /// # Errors
     /// [`KernelError::UnscaledStorage`] for the float dtypes,

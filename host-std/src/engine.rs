@@ -209,7 +209,8 @@ impl Engine {
     }
 
     /// Stores the K and V of layer `layer` for every token of the pending step:
-    /// `[step tokens][kv_heads][head_dim]` f32 each, in [`Step`] order.
+    /// `[step tokens][kv_heads][head_dim]` f32 each, in [`Step`] order (8-bit rows at
+    /// the layer's fixed scales where [`Engine::set_kv_scales`] set them).
     /// O(step tokens × kv_heads × head_dim).
     ///
     /// # Errors
