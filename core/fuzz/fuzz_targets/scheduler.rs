@@ -180,8 +180,15 @@ fuzz_target!(|data: &[u8]| {
                 if u64::from(t) < share {
                     // Only the youngest left runs less than its share: exactly what fits
                     // (the room in its last block, after copying it, plus whole blocks).
-                    assert_eq!(next_run + 1, end, "action {k}: a short run not the youngest");
-                    assert!(grow_for(share) > available, "action {k}: a short run that fit");
+                    assert_eq!(
+                        next_run + 1,
+                        end,
+                        "action {k}: a short run not the youngest"
+                    );
+                    assert!(
+                        grow_for(share) > available,
+                        "action {k}: a short run that fit"
+                    );
                     let room = (bs - held % bs) % bs;
                     let fit = room + (available - cow) * bs;
                     assert_eq!(u64::from(t), fit, "action {k}: not what fits");

@@ -35,7 +35,9 @@ fn cache() -> KvCache {
     })
     .expect("cache");
     // One prompt cached already, so loads also meet blocks that are there.
-    let p = cache.create_with_prompt(0, &[100, 101, 102, 103, 104]).expect("prompt");
+    let p = cache
+        .create_with_prompt(0, &[100, 101, 102, 103, 104])
+        .expect("prompt");
     let row: Vec<f32> = (0..5 * 2 * 8).map(|i| i as f32 * 0.25).collect();
     for layer in 0..2 {
         cache.write_kv(p.seq, layer, 0, &row, &row).expect("write");
@@ -86,7 +88,9 @@ fuzz_target!(|data: &[u8]| {
     let stats = cache.stats();
     let arena = cache.arena().as_bytes().to_vec();
     let mut before = vec![0u8; cache.saved_prefix_cache_size() as usize];
-    cache.save_prefix_cache(&MODEL, &mut before).expect("save before");
+    cache
+        .save_prefix_cache(&MODEL, &mut before)
+        .expect("save before");
     match cache.load_prefix_cache(&file, &MODEL) {
         Ok(r) => {
             let accounted =
@@ -94,7 +98,9 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(accounted, r.records, "{r:?}");
             assert_eq!(cache.stats().cached_blocks, stats.cached_blocks + r.loaded);
             let mut after = vec![0u8; cache.saved_prefix_cache_size() as usize];
-            cache.save_prefix_cache(&MODEL, &mut after).expect("save after");
+            cache
+                .save_prefix_cache(&MODEL, &mut after)
+                .expect("save after");
             let allowed: HashSet<Vec<u8>> = sound_records(&file, rec)
                 .union(&sound_records(&before, rec))
                 .cloned()
@@ -104,9 +110,15 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Err(e) => {
-            assert!(matches!(e, CacheError::Persist(_)), "unexpected error {e:?}");
+            assert!(
+                matches!(e, CacheError::Persist(_)),
+                "unexpected error {e:?}"
+            );
             assert_eq!(cache.stats(), stats, "{e:?} changed the statistics");
-            assert!(cache.arena().as_bytes() == &arena[..], "{e:?} changed the arena");
+            assert!(
+                cache.arena().as_bytes() == &arena[..],
+                "{e:?} changed the arena"
+            );
         }
     }
 });
