@@ -204,7 +204,8 @@ pub fn write_kv(
 }
 
 /// [`write_kv`] with the 8-bit rows at the fixed `scales` (`[k, v]`), as
-/// [`crate::launch::plan_write_at_scales`] plans it.
+/// [`crate::launch::plan_write_at_scales`] plans it. O(tokens × kv_heads × head_dim)
+/// emulated threads' work.
 ///
 /// # Errors
 /// That planner's errors; otherwise as [`write_kv`].

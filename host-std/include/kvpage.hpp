@@ -269,9 +269,11 @@ class Engine {
   Status set_kv_scales(uint32_t layer, float k_scale, float v_scale) noexcept {
     return call(kvpage_engine_set_kv_scales, layer, k_scale, v_scale);
   }
+  /// `Cache::clear_kv_scales` for the engine's cache (`kvpage_engine_clear_kv_scales`).
   Status clear_kv_scales(uint32_t layer) noexcept {
     return call(kvpage_engine_clear_kv_scales, layer);
   }
+  /// `Cache::kv_scales` for the engine's cache (`kvpage_engine_kv_scales`).
   Status kv_scales(uint32_t layer, float &k_scale, float &v_scale) const noexcept {
     return Status::of([&](kvpage_error *e) {
       return kvpage_engine_kv_scales(e_.get(), layer, &k_scale, &v_scale, e);
