@@ -7,7 +7,7 @@
 //! The launches use the planner's configurations (`kvpage_cuda::launch`), as on a GPU.
 
 use kvpage::kernels::{self, AttentionParams, BlockTable, SeqQuery};
-use kvpage::quant::Code;
+use kvpage::quant::{dequantize, quantize, Code};
 use kvpage::{bf16, f16, Arena, Element, Fp8E4m3, Int8, KvLayout, KvScales};
 use kvpage_core::{BlockCopy, DType, Geometry};
 use kvpage_cuda::emulation::{self as emu, convert, index, EmuError};
@@ -361,9 +361,22 @@ struct Case {
 
 /// The arena filled with random values: every element of a float dtype; for 8-bit
 /// storage every token row of every layer written by the CPU kernel (codes and scales).
-fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> Arena {
+fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> (Arena, Option<F32Twin>) {
     let mut a = Arena::for_layout(layout).unwrap();
     let g = layout.geometry();
+    let mut twin = (g.dtype() == DType::Fp8E4m3).then(|| {
+        let g32 = Geometry::new(
+            g.layers(),
+            g.kv_heads(),
+            g.head_dim(),
+            g.block_size(),
+            DType::F32,
+        )
+        .unwrap();
+        let layout = KvLayout::new(g32, layout.num_blocks()).unwrap();
+        let arena = Arena::for_layout(&layout).unwrap();
+        F32Twin { layout, arena }
+    });
     if g.dtype().is_scaled() {
         let slots: Vec<u32> = (0..layout.num_slots() as u32).collect();
         let n = slots.len() * (g.kv_heads() * g.head_dim()) as usize;
@@ -371,13 +384,39 @@ fn random_arena<T: Element>(layout: &KvLayout, rng: &mut Rng) -> Arena {
             let k: Vec<f32> = (0..n).map(|i| rng.value() * (1 + i % 5) as f32).collect();
             let v: Vec<f32> = (0..n).map(|_| rng.value()).collect();
             kernels::write_kv::<T>(layout, a.as_mut_slice::<T>(), layer, &slots, &k, &v).unwrap();
+            if let Some(t) = twin.as_mut() {
+                let (k, v) = (held(g, &k), held(g, &v));
+                let f = t.arena.as_mut_slice::<f32>();
+                kernels::write_kv::<f32>(&t.layout, f, layer, &slots, &k, &v).unwrap();
+            }
         }
     } else {
         for x in a.as_mut_slice::<T>() {
             *x = T::from_f32(rng.value());
         }
     }
-    a
+    (a, twin)
+}
+
+/// The values 8-bit storage of geometry `g` holds for `x` (rows of a head dim): each
+/// code times its row's scale, as [`kernels::write_kv`] writes them. O(x.len()).
+fn held(g: &Geometry, x: &[f32]) -> Vec<f32> {
+    let code = Code::of(g.dtype()).unwrap();
+    let hd = g.head_dim() as usize;
+    let (mut codes, mut scales) = (vec![0u8; x.len()], vec![0.0f32; x.len() / hd]);
+    quantize(code, x, hd, &mut codes, &mut scales);
+    let mut out = vec![0.0f32; x.len()];
+    dequantize(code, &codes, &scales, hd, &mut out);
+    out
+}
+
+/// An f32 arena of the same blocks as an FP8 one, holding the values its codes hold
+/// ([`held`]): the CPU reference for FP8 attention takes them through its f32
+/// arithmetic. The CPU's own FP8 route on AVX512_BF16 rounds queries and softmax
+/// weights to bf16 (2^-9 of each), which [`TOLERANCE`] does not allow.
+struct F32Twin {
+    layout: KvLayout,
+    arena: Arena,
 }
 
 /// Runs `c` in emulation (scheduled by `c.seed`) and on the CPU, checks the agreement
@@ -414,7 +453,7 @@ fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
     let num_blocks = rows * max_blocks + 3;
     let g = Geometry::new(2, c.kv_heads, c.head_dim, bs, c.dtype).unwrap();
     let layout = KvLayout::new(g, num_blocks).unwrap();
-    let arena = with_element!(c.dtype, T => random_arena::<T>(&layout, &mut rng));
+    let (arena, twin) = with_element!(c.dtype, T => random_arena::<T>(&layout, &mut rng));
     // Block table: a shuffled permutation of the blocks, one spare row first (rows are
     // used out of order); the first two sequences share a prefix of blocks.
     let mut ids: Vec<u32> = (0..num_blocks).collect();
@@ -458,8 +497,21 @@ fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
         table: &table,
         stride,
     };
-    with_element!(c.dtype, T => kernels::paged_attention::<T>(
-        &layout, arena.as_slice::<T>(), layer, bt, &queries, &q, &mut want, params).unwrap());
+    match &twin {
+        Some(t) => kernels::paged_attention::<f32>(
+            &t.layout,
+            t.arena.as_slice::<f32>(),
+            layer,
+            bt,
+            &queries,
+            &q,
+            &mut want,
+            params,
+        )
+        .unwrap(),
+        None => with_element!(c.dtype, T => kernels::paged_attention::<T>(
+            &layout, arena.as_slice::<T>(), layer, bt, &queries, &q, &mut want, params).unwrap()),
+    }
 
     let call = AttentionCall {
         geometry: g,

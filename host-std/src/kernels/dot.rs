@@ -23,6 +23,9 @@ pub(crate) trait DotKernels: Copy {
     fn detect() -> bool;
     /// Whether storage `T` with head dimension `hd` takes the arithmetic. O(1).
     fn applies<T: Element>(hd: usize) -> bool;
+    /// [`Simd::f32_side_rounding`] for storage `T` at head dimension `hd`. O(1).
+    #[cfg(test)]
+    fn f32_side_rounding<T: Element>(hd: usize) -> f64;
     /// The unit in which the arithmetic reads storage `T`'s codes
     /// ([`Simd::code_unit`]) and the exponent the loop lifts its query rows to
     /// ([`Simd::query_exponent`]), where they differ from [`Avx512`]'s: then a task
@@ -76,7 +79,7 @@ pub(crate) struct Bf16Dot;
 /// loops of [`pairs`] over its arithmetic `$pairs`. Everything is inlined into the
 /// caller, whose target features (those `detect` checks) the instructions need.
 macro_rules! dot_kernels {
-    ($marker:ty, $module:ident, $pairs:ty, [$($feature:tt),+], $worth:expr) => {
+    ($marker:ty, $module:ident, $pairs:ty, [$($feature:tt),+], $worth:expr, $rounding:expr) => {
         impl DotKernels for $marker {
             fn supported() -> bool {
                 super::path_ceiling() >= 3
@@ -89,6 +92,14 @@ macro_rules! dot_kernels {
             #[inline(always)]
             fn applies<T: Element>(hd: usize) -> bool {
                 $module::applies::<T>(hd)
+            }
+            #[cfg(test)]
+            fn f32_side_rounding<T: Element>(hd: usize) -> f64 {
+                if Self::applies::<T>(hd) {
+                    $rounding
+                } else {
+                    0.0
+                }
             }
             #[inline(always)]
             fn code_unit<T: Element>() -> Option<(f32, i32)> {
@@ -130,19 +141,32 @@ macro_rules! dot_kernels {
     };
 }
 
-dot_kernels!(Vnni, int8_vnni, int8_vnni::Int8Pairs, ["avx512vnni"], true);
+// Int8's 16-bit fixed point is relative to each row's largest magnitude, not to each
+// element: the kernel tests bound it for int8 storage on every path.
+dot_kernels!(
+    Vnni,
+    int8_vnni,
+    int8_vnni::Int8Pairs,
+    ["avx512vnni"],
+    true,
+    0.0
+);
 // Not on Intel cores: they run `vdpbf16ps` at half the rate of `vfmadd231ps` (on
 // Emerald Rapids, 12 independent chains: 2.1 cycles an instruction against 0.5), so
 // its 32 multiply-adds cost what 8 FMAs do. FP8 through f16 in f32 FMAs
 // ([`super::avx512`]'s `fp8_half16`) took 0.67 of its time in cache and 0.68 out of
 // it (decode of 32 query heads over 8 KV heads, head dim 128; 1 × 256 tokens on one
-// thread, 32 × 2048 on two; medians of the ratios of alternating runs).
+// thread, 32 × 2048 on two; medians of the ratios of alternating runs). That was with
+// queries and weights in two bf16 parts; in one (since December 2026) a token and KV
+// head of 128 dimensions and four rows takes 32 `vdpbf16ps` there, still about twice
+// the time of the f16 route's 64 FMAs (not measured on Intel since).
 dot_kernels!(
     Bf16Dot,
     fp8_bf16,
     fp8_bf16::Fp8Pairs,
     ["avx512bf16"],
-    !super::intel_core()
+    !super::intel_core(),
+    fp8_bf16::ROUNDING
 );
 
 /// `K::accumulate` over `n` tokens stored one after another in `v`, up to a chunk of
@@ -365,5 +389,9 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn widens_for_passes<T: Element>(self) -> bool {
         false
+    }
+    #[cfg(test)]
+    fn f32_side_rounding<T: Element>(self, hd: usize) -> f64 {
+        K::f32_side_rounding::<T>(hd)
     }
 }

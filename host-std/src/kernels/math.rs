@@ -180,6 +180,15 @@ pub(crate) trait Simd: Copy {
     fn widens_for_passes<T: Element>(self) -> bool {
         T::DTYPE.is_scaled()
     }
+    /// The relative rounding this arithmetic applies to each query element and softmax
+    /// weight before its products with storage `T` at head dim `hd` (FP8 in bf16 dot
+    /// products: `2^-9`), for the kernel tests' bounds; 0 where the f32 side stays f32
+    /// (or, as int8's fixed point, is bounded per storage type). O(1).
+    #[cfg(test)]
+    fn f32_side_rounding<T: Element>(self, hd: usize) -> f64 {
+        let _ = hd;
+        0.0
+    }
     /// How the attention loop paces the prefetches of a decode task over storage `T`
     /// with head dim `hd`: the tokens per step of the scores and of the value
     /// accumulation (unless [`Simd::gathers_values`]), each step prefetching as many

@@ -16,19 +16,35 @@
 //! the kernel, unit 1), queries near 1e-30 against keys near 1e30 lost every product,
 //! and queries near 1e30 overflowed.
 //!
-//! The f32 side is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`: 16 bits
-//! of mantissa, a relative error below `2^-17`, against the 4 bits of mantissa of the
-//! codes themselves.
+//! The f32 side, the query rows and the softmax weights, is rounded to bf16 (to
+//! nearest): 8 bits of mantissa, a relative error of at most `2^-9` on each product,
+//! against the 4 bits of mantissa of the codes themselves: the precision at which GPU
+//! engines' FP8 attention kernels commonly compute (codes widened to bf16 or f16 beside
+//! queries of that type, sums in f32). Until December
+//! 2026 each was split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)` (16 bits of
+//! mantissa, at most 4.7e-6 of the output in the kernel tests), at twice the dot
+//! products. Measured on a 2-vCPU Zen 4 (AVX512_BF16, no AMX), against that form:
+//! - `kv_quant_error`'s kernel table (decode through `KvCache::decode` of data with
+//!   outlier channels): FP8 with a scale per token 3.69e-2 mean relative error both
+//!   ways (worst 5.22e-2 against 5.34e-2); with a fixed calibrated scale 5.51e-2
+//!   against 5.46e-2 (worst 1.06e-1 against 1.02e-1);
+//! - decode time, the two builds alternating: 0.70–0.78 in cache (1 × 256 tokens, one
+//!   thread), 0.74–0.84 out of cache (32 × 2048, two threads); in two alternating
+//!   `decode_bandwidth` runs each, FP8 read at 47–61% of the probe against 37–48%,
+//!   level with int8 (48–61% in the same runs), and its chunked prefill ran at 83–89%
+//!   of the FMA peak against 54–62%.
 //!
-//! Where the result differs from the f32 arithmetic's: that rounding (at most 4.7e-6
-//! of the output in the kernel tests); subnormal codes (values below `2^-6`, under
-//! `2^-6 / 448` of their row's largest value) read as 0, since `vdpbf16ps` treats
-//! denormal inputs as zero; and the NaN codes (which only a NaN input writes) read as
-//! ±480 instead of NaN.
+//! So the rounding adds nothing visible to the codes' own error: about 2e-3 of the
+//! outputs in the kernel tests, where the codes lose 4e-2.
+//!
+//! Where the result differs from the f32 arithmetic's: that rounding; subnormal codes
+//! (values below `2^-6`, under `2^-6 / 448` of their row's largest value) read as 0,
+//! since `vdpbf16ps` treats denormal inputs as zero; and the NaN codes (which only a
+//! NaN input writes) read as ±480 instead of NaN.
 //!
 //! Orders as in [`super::pairs`]: a query row's bf16 are kept per group of 64
-//! dimensions as its even dimensions' `hi`, odd `hi`, even `lo`, odd `lo` (32 each: the
-//! whole `64` floats of the group).
+//! dimensions as its even dimensions', then its odd ones' (32 each: the first 32
+//! floats of the group's 64).
 
 use core::arch::x86_64::*;
 
@@ -70,19 +86,22 @@ fn bits256(x: __m256bh) -> __m256i {
     unsafe { core::mem::transmute::<__m256bh, __m256i>(x) }
 }
 
-/// `x` (16 floats) as `hi` and `lo` bf16, `hi + lo` within `2^-17 |x|` of `x`.
+/// The relative rounding of the f32 side: each query element and weight is within
+/// `2^-9` of itself ([`to_bf16`]).
+#[cfg(test)]
+pub(in crate::kernels) const ROUNDING: f64 = 1.0 / 512.0;
+
+/// `x` (16 floats) as bf16, rounded to nearest: within `2^-9 |x|` of `x`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 #[inline]
-fn split(x: __m512) -> (__m256i, __m256i) {
-    let hi = _mm512_cvtneps_pbh(x);
-    let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_cvtpbh_ps(hi)));
-    (bits256(hi), bits256(lo))
+fn to_bf16(x: __m512) -> __m256i {
+    bits256(_mm512_cvtneps_pbh(x))
 }
 
 /// Puts a scaled query row (`row[..hd]`, dimension order) into the form
 /// [`pairs::scores4`] and [`pairs::scores1`] read: per group of 64 dimensions, the bf16
-/// `hi` of its even dimensions, of its odd ones, then their `lo` (the row as the loop
-/// lifted it: see the module). O(hd).
+/// of its even dimensions, then of its odd ones, in the group's first 32 floats (the
+/// other 32 are zero), the row as the loop lifted it (see the module). O(hd).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `applies` holds for `hd`, and `row.len() >= hd`.
@@ -93,14 +112,13 @@ pub(in crate::kernels) unsafe fn encode_query(row: &mut [f32], hd: usize) {
     let mut out = [0u16; 2 * MAX_HEAD_DIM];
     let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
     // SAFETY: loads of `row[d..+32]` with `d + 32 <= hd`; stores of 16 bf16 at
-    // `out[2 group + half + 32 j..]`, inside `out[..2 hd]`.
+    // `out[2 group + half + 32 j..]` (j < 2), inside `out[..2 hd]`.
     unsafe {
         for d in (0..hd).step_by(32) {
             let (a, b) = (_mm512_loadu_ps(rp.add(d)), _mm512_loadu_ps(rp.add(d + 16)));
             let (group, half) = (d / GROUP * GROUP, d % GROUP / 2);
             let (even, odd) = pairs::even_odd_ps(a, b);
-            let ((even_hi, even_lo), (odd_hi, odd_lo)) = (split(even), split(odd));
-            for (j, x) in [even_hi, odd_hi, even_lo, odd_lo].into_iter().enumerate() {
+            for (j, x) in [to_bf16(even), to_bf16(odd)].into_iter().enumerate() {
                 _mm256_storeu_si256(op.add(2 * group + half + 32 * j).cast(), x);
             }
         }
@@ -123,20 +141,15 @@ fn even_odd(x: __m512i) -> (__m512i, __m512i) {
     )
 }
 
-/// The weights `p[..m]` (`m <= BLOCK`, in the unit's range: see the module) as `hi` and
-/// `lo` bf16, two tokens to a word (the first in the low half; an odd last token pairs
-/// with 0). O(m).
+/// The weights `p[..m]` (`m <= BLOCK`, in the unit's range: see the module) as bf16,
+/// two tokens to a word (the first in the low half; an odd last token pairs with 0).
+/// O(m).
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and BF16; `p.len() >= m`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 #[inline]
-unsafe fn encode_weights(
-    p: &[f32],
-    m: usize,
-    hi: &mut [u32; BLOCK / 2],
-    lo: &mut [u32; BLOCK / 2],
-) {
+unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [u32; BLOCK / 2]) {
     assert!(p.len() >= m && m <= BLOCK);
     for c in (0..m).step_by(16) {
         let left = m - c;
@@ -148,9 +161,8 @@ unsafe fn encode_weights(
         // SAFETY: the masked load reads only `p[c..m]`; the stores write 8 words at
         // `[c / 2..]`, `c < m <= BLOCK`.
         unsafe {
-            let (h, l) = split(_mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)));
-            _mm256_storeu_si256(hi.as_mut_ptr().add(c / 2).cast(), h);
-            _mm256_storeu_si256(lo.as_mut_ptr().add(c / 2).cast(), l);
+            let x = to_bf16(_mm512_maskz_loadu_ps(mask, p.as_ptr().add(c)));
+            _mm256_storeu_si256(words.as_mut_ptr().add(c / 2).cast(), x);
         }
     }
 }
@@ -161,8 +173,8 @@ pub(in crate::kernels) struct Fp8Pairs;
 // SAFETY (every method): the callers' (the CPU has AVX-512F, BW and BF16; pointers as
 // the trait says).
 impl pairs::PairDots for Fp8Pairs {
-    /// The group's even `hi`, odd `hi`, even `lo` and odd `lo` (32 bf16 each).
-    type Query = [__m512i; 4];
+    /// The group's even and odd dimensions (32 bf16 each).
+    type Query = [__m512i; 2];
     #[inline(always)]
     unsafe fn even_odd(x: __m512i) -> (__m512i, __m512i) {
         unsafe { even_odd(x) }
@@ -174,11 +186,9 @@ impl pairs::PairDots for Fp8Pairs {
     #[inline(always)]
     unsafe fn dot_key(acc: __m512i, e: __m512i, o: __m512i, q: Self::Query) -> __m512i {
         unsafe {
-            let [e_hi, o_hi, e_lo, o_lo] = q.map(bh);
-            let (e, o) = (bh(e), bh(o));
-            let acc = _mm512_castsi512_ps(acc);
-            let hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, e, e_hi), o, o_hi);
-            _mm512_castps_si512(_mm512_dpbf16_ps(_mm512_dpbf16_ps(hi, e, e_lo), o, o_lo))
+            let [qe, qo] = q.map(bh);
+            let acc = _mm512_dpbf16_ps(_mm512_castsi512_ps(acc), bh(e), qe);
+            _mm512_castps_si512(_mm512_dpbf16_ps(acc, bh(o), qo))
         }
     }
     #[inline(always)]
@@ -203,22 +213,16 @@ impl pairs::PairDots for Fp8Pairs {
         1.0
     }
     #[inline(always)]
-    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32 {
-        let [hi, lo] = words;
-        unsafe { encode_weights(p, m, hi, lo) };
+    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [u32; BLOCK / 2]) -> f32 {
+        unsafe { encode_weights(p, m, words) };
         1.0
     }
     #[inline(always)]
-    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]) {
+    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: u32) {
         unsafe {
-            let (b_hi, b_lo) = (
-                bh(_mm512_set1_epi32(w[0] as i32)),
-                bh(_mm512_set1_epi32(w[1] as i32)),
-            );
+            let b = bh(_mm512_set1_epi32(w as i32));
             for (a, &part) in acc.iter_mut().zip(parts) {
-                let part = bh(part);
-                let x = _mm512_dpbf16_ps(_mm512_castsi512_ps(*a), part, b_hi);
-                *a = _mm512_castps_si512(_mm512_dpbf16_ps(x, part, b_lo));
+                *a = _mm512_castps_si512(_mm512_dpbf16_ps(_mm512_castsi512_ps(*a), bh(part), b));
             }
         }
     }
@@ -281,6 +285,7 @@ mod tests {
                 |c| f64::from(fp8::decode(c.0)),
                 encode_query,
                 UNIT,
+                ROUNDING,
             );
         }
     }

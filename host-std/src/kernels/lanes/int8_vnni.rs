@@ -233,13 +233,13 @@ impl pairs::PairDots for Int8Pairs {
         unsafe { *q.add(SCALE_SLOT) }
     }
     #[inline(always)]
-    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [[u32; BLOCK / 2]; 2]) -> f32 {
-        unsafe { encode_weights(p, m, &mut words[0]) }
+    unsafe fn encode_weights(p: &[f32], m: usize, words: &mut [u32; BLOCK / 2]) -> f32 {
+        unsafe { encode_weights(p, m, words) }
     }
     #[inline(always)]
-    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: [u32; 2]) {
+    unsafe fn dot_values(acc: &mut [__m512i; 4], parts: &[__m512i; 4], w: u32) {
         unsafe {
-            let b = _mm512_set1_epi32(w[0] as i32);
+            let b = _mm512_set1_epi32(w as i32);
             for (a, &part) in acc.iter_mut().zip(parts) {
                 *a = dpwssd(*a, part, b);
             }
@@ -315,6 +315,7 @@ mod tests {
                 |c| f64::from(c.0),
                 encode_query,
                 1.0,
+                1e-4,
             );
         }
     }
