@@ -518,6 +518,11 @@ impl<'a> Prefetch<'a> {
 
 /// Prefetches (into L2) every 64-byte line that `bytes` touches. No effect except on
 /// x86-64 (where a prefetch never faults). O(lines).
+///
+/// Every line, not every other one: no hardware prefetcher fills in the rest, on Intel
+/// (bf16 1.30, f32 1.22 of the time with every other line) as on the 2-vCPU Zen 4
+/// (decode of 32 × 2048 out of cache, two threads, alternating builds: f16 2.0–2.2,
+/// int8 1.4–1.5, where no prefetches at all took f16 2.3).
 #[inline(always)]
 fn prefetch_lines(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
