@@ -497,21 +497,12 @@ fn check_attention_scheduled(c: &Case, schedule: u64) -> Vec<f32> {
         table: &table,
         stride,
     };
-    match &twin {
-        Some(t) => kernels::paged_attention::<f32>(
-            &t.layout,
-            t.arena.as_slice::<f32>(),
-            layer,
-            bt,
-            &queries,
-            &q,
-            &mut want,
-            params,
-        )
-        .unwrap(),
-        None => with_element!(c.dtype, T => kernels::paged_attention::<T>(
-            &layout, arena.as_slice::<T>(), layer, bt, &queries, &q, &mut want, params).unwrap()),
-    }
+    // The reference reads the FP8 arena's f32 twin where there is one.
+    let (ref_layout, ref_arena) = twin
+        .as_ref()
+        .map_or((&layout, &arena), |t| (&t.layout, &t.arena));
+    with_element!(ref_layout.geometry().dtype(), T => kernels::paged_attention::<T>(
+        ref_layout, ref_arena.as_slice::<T>(), layer, bt, &queries, &q, &mut want, params).unwrap());
 
     let call = AttentionCall {
         geometry: g,
