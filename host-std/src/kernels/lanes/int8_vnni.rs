@@ -23,6 +23,26 @@
 //! the 32 odd ones. The values of two tokens are interleaved per dimension (`vpunpck*wd`,
 //! within 128-bit lanes), so the accumulators hold each group's dimensions in the order
 //! of [`pairs::acc_dim`]; [`pairs::from_acc_order`] puts them back, once per task.
+//!
+//! Fewer bits on the f32 side, measured and not taken (Zen 4, December 2026; decode of
+//! 32 query heads over 8 KV heads, head dim 128, one thread, K/V in cache; best times
+//! of alternating builds). Here the two loops of dot products take about 60% of an int8
+//! decode (sampled: the scores with their reductions 32%, the value accumulation 29%),
+//! the rest being the softmax and the per-chunk bookkeeping, so halving their products
+//! moves the whole little:
+//! - The **weights in 8 bits** against the values' bytes as they are stored, `vpdpbusd`
+//!   (four tokens a lane, no widening of the codes). Rounded one by one: 0.90-0.95 of
+//!   the time over 256 tokens, but biased, since beside one dominant weight (an
+//!   attention sink) a flat tail of weights under half a step rounds to zero together.
+//!   Rounded as differences of the rounded running sums (every prefix of a block's
+//!   weights within half a step): 0.96-0.97 over 256 tokens, 0.94-0.95 over 2048. Either
+//!   way an output of the online loop's test moved by 1e-3 (1% of it; 16-bit weights:
+//!   up to 3.3e-5); diffused, int8's mean error through the kernel rose from 3.43e-2 to
+//!   3.57e-2 (`kv_quant_error`).
+//! - The **queries in 8 bits** as well (`vpdpbusd` scores, keys offset to unsigned):
+//!   0.92-0.98 of the time in all. Each query element would be off by up to `2^-8` of
+//!   its row's largest, as far as int8 storage rounds each key: twice the scores'
+//!   rounding, for a few percent.
 
 use core::arch::x86_64::*;
 
