@@ -482,6 +482,8 @@ pub fn plan_write_at_scales(
 }
 
 /// [`plan_write`], or [`plan_write_at_scales`] where `scales` are given. O(tokens).
+/// Only the launching sides call it (the device's and the emulation's).
+#[cfg(any(feature = "cuda", feature = "emulation"))]
 pub(crate) fn plan_f32_write(
     geometry: &Geometry,
     num_blocks: u32,
