@@ -59,7 +59,9 @@ mod sealed {
     }
 }
 
-pub(crate) use sealed::{Kind, Pod};
+#[cfg(target_arch = "x86_64")]
+pub(crate) use sealed::Kind;
+pub(crate) use sealed::Pod;
 
 /// A storage type of the KV arena. Sealed: implemented for `f32`, `f16`, `bf16`,
 /// [`Int8`] and [`Fp8E4m3`]. For the two 8-bit codes the conversions below are those of

@@ -51,9 +51,11 @@ fn contiguous_row_size_overflow_is_an_error() {
     }
 }
 
-/// Two sequences of `u32::MAX` queries over `u32::MAX` tokens: the work estimate
-/// (queries × context summed over sequences) overflowed a `u64` before the query buffer
-/// was checked. A block of 2^16 tokens and a row of 2^16 entries address 2^32 tokens.
+/// Sequences of `u32::MAX` queries over `u32::MAX` tokens: the work estimate (queries
+/// × context summed over sequences) overflowed a `u64` before the query buffer was
+/// checked, and on 32 bits one sequence's query rows (queries × query heads per KV
+/// head) overflowed `usize` in the count of tasks (a panic in debug builds). A block of
+/// 2^16 tokens and a row of 2^16 entries address 2^32 tokens.
 #[test]
 #[cfg_attr(
     miri,
@@ -75,36 +77,47 @@ fn huge_query_counts_are_a_buffer_error_not_an_overflow() {
         context_len: u32::MAX,
         queries: u32::MAX,
     };
-    let mut out = [7.0f32; 1];
-    let r = paged_attention(
-        &layout,
-        arena.as_slice::<f16>(),
-        0,
-        bt,
-        &[seq, seq, seq],
-        &[0.5],
-        &mut out,
-        PARAMS,
-    );
-    assert_eq!(
-        r,
-        Err(KernelError::BufferLength {
-            buffer: Buffer::Query,
-            expected: 3 * u32::MAX as usize,
-            actual: 1
-        })
-    );
-    assert_eq!(out, [7.0]);
+    // Three sequences of one query head each; one sequence of two query heads.
+    for (seqs, q_heads) in [(3usize, 1u32), (1, 2)] {
+        let mut out = [7.0f32; 1];
+        let r = paged_attention(
+            &layout,
+            arena.as_slice::<f16>(),
+            0,
+            bt,
+            &vec![seq; seqs],
+            &[0.5],
+            &mut out,
+            AttentionParams { q_heads, ..PARAMS },
+        );
+        // The buffer they need (head dim 1), or, where it is past `usize` (32 bits), a
+        // layout error.
+        let need = (u32::MAX as usize)
+            .checked_mul(seqs)
+            .and_then(|rows| rows.checked_mul(q_heads as usize));
+        let want = match need {
+            Some(expected) => KernelError::BufferLength {
+                buffer: Buffer::Query,
+                expected,
+                actual: 1,
+            },
+            None => KernelError::BadLayout,
+        };
+        assert_eq!(r, Err(want), "{seqs} x {q_heads}");
+        assert_eq!(out, [7.0]);
+    }
 }
 
 /// `slots × kv_heads × head_dim` past `usize`: u32::MAX KV heads of 256 dims are 2^40
-/// elements per token (a valid layout), and 2^24 + 1 slots overflow. The size check
-/// comes before the arena's, so no 8 TiB arena is needed to reach it.
+/// elements per token (a valid layout), and 2^24 + 1 slots overflow (on 32 bits, 2^12
+/// heads: 2^20 elements, and 2^12 + 1 slots). The size check comes before the arena's,
+/// so no 8 TiB arena is needed to reach it.
 #[test]
 fn write_kv_size_overflow_is_an_error() {
-    let geometry = Geometry::new(1, u32::MAX, 256, 1, DType::F16).unwrap();
+    let kv_heads: u32 = if usize::BITS == 64 { u32::MAX } else { 1 << 12 };
+    let geometry = Geometry::new(1, kv_heads, 256, 1, DType::F16).unwrap();
     let layout = KvLayout::new(geometry, 1).unwrap();
-    let slots = vec![0u32; (1 << 24) + 1];
+    let slots = vec![0u32; usize::MAX / (kv_heads as usize * 256) + 1];
     assert_eq!(
         write_kv::<f16>(&layout, &mut [], 0, &slots, &[], &[]),
         Err(KernelError::BadLayout)
@@ -115,8 +128,14 @@ fn write_kv_size_overflow_is_an_error() {
 /// (`usize::MAX`), never an overflow panic in the offset arithmetic.
 #[test]
 fn tile_offset_out_of_range_is_past_the_arena() {
-    // 2^39 elements per block: a valid layout whose offsets overflow for a u32 block id.
-    let geometry = Geometry::new(1, 1 << 20, 256, 1 << 10, DType::F16).unwrap();
+    // 2^39 elements per block (on 32 bits, 2^21): a valid layout whose offsets
+    // overflow for a u32 block id.
+    let (kv_heads, block) = if usize::BITS == 64 {
+        (1 << 20, 1 << 10)
+    } else {
+        (1 << 8, 1 << 4)
+    };
+    let geometry = Geometry::new(1, kv_heads, 256, block, DType::F16).unwrap();
     let layout = KvLayout::new(geometry, 1).unwrap();
     let past = |block, layer, kv, head| {
         let off = layout.tile_offset(block, layer, kv, head);

@@ -913,15 +913,22 @@ fn layout_delegates_its_shape_to_the_geometry() {
         4 * 384 + (2 * 2 + 1) * 2 * 32 + 32
     );
     assert_eq!(layout.check_element::<bf16>(), Ok(()));
-    // Slots past `u32`: 2^16 tokens per block, 2^16 + 1 blocks.
+    // 2^16 tokens per block of 2^20 elements.
     let g = Geometry::new(1, 1, 8, 1 << 16, DType::F16).unwrap();
-    assert!(KvLayout::new(g, 1 << 16).is_ok());
-    assert_eq!(KvLayout::new(g, (1 << 16) + 1), Err(KernelError::BadLayout));
-    // An arena past `isize` bytes (for 4-byte elements), though each block fits a `u64`.
-    // 2^39 elements per block; 4 bytes each: 2^22 blocks reach 2^63 bytes.
-    let g = Geometry::new(1 << 20, 1 << 10, 256, 1, DType::F16).unwrap();
-    assert!(KvLayout::new(g, (1 << 22) - 1).is_ok());
-    assert_eq!(KvLayout::new(g, 1 << 22), Err(KernelError::BadLayout));
+    if usize::BITS == 64 {
+        // Slots past `u32`: 2^16 + 1 blocks.
+        assert!(KvLayout::new(g, 1 << 16).is_ok());
+        assert_eq!(KvLayout::new(g, (1 << 16) + 1), Err(KernelError::BadLayout));
+        // An arena past `isize` bytes (for 4-byte elements), though each block fits a
+        // `u64`. 2^39 elements per block; 4 bytes each: 2^22 blocks reach 2^63 bytes.
+        let g = Geometry::new(1 << 20, 1 << 10, 256, 1, DType::F16).unwrap();
+        assert!(KvLayout::new(g, (1 << 22) - 1).is_ok());
+        assert_eq!(KvLayout::new(g, 1 << 22), Err(KernelError::BadLayout));
+    } else {
+        // On 32 bits `isize` comes first: 4 bytes each, 512 blocks reach 2^31 bytes.
+        assert!(KvLayout::new(g, 511).is_ok());
+        assert_eq!(KvLayout::new(g, 512), Err(KernelError::BadLayout));
+    }
 }
 
 #[test]

@@ -241,7 +241,8 @@ impl<'p> Shape<'p> {
             match by_rows.get_mut(rows) {
                 Some(n) => *n += 1,
                 None => {
-                    other_tasks = other_tasks.saturating_add(tiles(s, group) * kv_heads as usize)
+                    other_tasks = other_tasks
+                        .saturating_add(tiles(s, group).saturating_mul(kv_heads as usize))
                 }
             }
         }
@@ -360,7 +361,9 @@ struct Cursor {
 
 /// Tiles of query rows of a sequence.
 fn tiles(seq: &SeqQuery, group: usize) -> usize {
-    (seq.queries as usize * group).div_ceil(MAX_ROWS)
+    (seq.queries as usize)
+        .saturating_mul(group)
+        .div_ceil(MAX_ROWS)
 }
 
 /// KV heads per task for a sequence of `rows` query rows (queries × group): 1 above

@@ -222,6 +222,7 @@ pub(crate) trait Simd: Copy {
 /// `unit` (a power of two, so exact unless the quotient is subnormal): the
 /// [`Simd::widen`] of an arithmetic that reads 8-bit codes in a unit other than 1.
 /// O(src.len()).
+#[cfg(target_arch = "x86_64")]
 pub(super) fn widen_in_unit<T: Element>(src: &[T], dst: &mut [f32], unit: f32) {
     let inverse = 1.0 / unit;
     for (d, x) in dst.iter_mut().zip(src) {
@@ -234,6 +235,7 @@ pub(super) fn widen_in_unit<T: Element>(src: &[T], dst: &mut [f32], unit: f32) {
 /// inlined as a closure per score, its environment was rebuilt on the stack for every
 /// score, even at head dims with none (a fifth of the f16 decode on AVX-512, half of
 /// the AVX2 scores' instructions). O(k.len() - from).
+#[cfg(target_arch = "x86_64")]
 #[inline(never)]
 pub(super) fn tail_dot<T: Element>(q: &[f32], k: &[T], from: usize) -> f32 {
     q[from..]
@@ -490,10 +492,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     let k = t.to_bits() as i32 - EXP_MAGIC.to_bits() as i32;
     let kf = t - EXP_MAGIC;
     let r = xc - kf * LN2_HI - kf * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let [c6, rest @ ..] = EXP_TAYLOR;
+    let p = 1.0 + r * rest.iter().fold(c6, |p, &c| p * r + c);
     let pow2 = f32::from_bits(((k + 127) as u32) << 23);
     // NaN-free select: below the clamp the result is 0 (also for x = -inf).
     if x < -87.0 {

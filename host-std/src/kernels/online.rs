@@ -28,7 +28,9 @@ use super::amx::AmxBf16;
 #[cfg(target_arch = "x86_64")]
 use super::dot::{Avx512Dot, Bf16Dot, Vnni};
 use super::math::{self, Simd};
-use crate::dtype::{bytes_of, Element, Kind};
+#[cfg(target_arch = "x86_64")]
+use crate::dtype::Kind;
+use crate::dtype::{bytes_of, Element};
 
 /// Query rows (query token × query head of one group) per task.
 pub(crate) const MAX_ROWS: usize = 16;
@@ -382,6 +384,7 @@ impl Schedule {
     /// Steps of [`PASS_STEP`] tokens, prefetches after the arithmetic: the least
     /// bookkeeping per token, for the tasks of several passes that the arithmetic
     /// bounds.
+    #[cfg(target_arch = "x86_64")]
     pub(crate) const PASSES: Self = Self {
         score_step: PASS_STEP,
         value_step: PASS_STEP,
@@ -392,6 +395,7 @@ impl Schedule {
     /// its V (storage `T`, head dim `hd`), within `1..=SCORE_STEP` and `2..=VALUE_STEP`
     /// tokens (a step of one token of values would load and store the accumulators for
     /// every token), with `split` bursts. O(1).
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn of_lines<T>(
         hd: usize,
         score_lines: usize,
@@ -560,6 +564,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // head's rows are `hr` consecutive ones of `sc.q`, `sc.s`, `sc.acc`, `sc.limit`.
     let (hr, heads) = (task.head_rows, task.heads);
     debug_assert!(heads * hr == rows && (heads == 1 || hr <= 8));
+    debug_assert!(
+        simd.takes_rows::<T>(hd, hr),
+        "the arithmetic does not take these rows"
+    );
     let chunk_max = MAX_CHUNK;
     let first_pos = task.context_len - task.queries;
     let end = task.tokens();
@@ -1203,7 +1211,11 @@ mod tests {
         // bf16 dot products rounds each query element and weight to 2^-9 of itself:
         // its scores of up to 256 products move the weights, up to 2.2e-3 of the outputs
         // here, within four times that rounding.
-        let base: f64 = if T::KIND == Kind::Int8 { 1e-4 } else { 1e-5 };
+        let base: f64 = if T::DTYPE == kvpage_core::DType::Int8 {
+            1e-4
+        } else {
+            1e-5
+        };
         let mut taken = 0;
         for &(hd, ctx, queries, group, run, heads) in shapes {
             let rounding = 4.0 * simd.f32_side_rounding::<T>(hd);
@@ -1361,6 +1373,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn schedules_of_lines_fit_the_lines_within_the_bounds() {
         use crate::dtype::Int8;
         let steps = |s: Schedule| (s.score_step, s.value_step);

@@ -623,8 +623,13 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "Miri ignores the stack size, so the starts succeed")]
     fn refused_thread_starts_leave_a_smaller_pool() {
-        // A 1 PiB stack: no address space holds it, so every start fails.
-        let pool = WorkerPool::with_stack(8, Some(1 << 50));
+        // A stack no address space holds (1 PiB; on 32 bits, all but 64 KiB of the
+        // 4 GiB), so every start fails.
+        #[cfg(target_pointer_width = "64")]
+        let huge = 1 << 50;
+        #[cfg(not(target_pointer_width = "64"))]
+        let huge = usize::MAX - 0xFFFF;
+        let pool = WorkerPool::with_stack(8, Some(huge));
         assert_eq!(pool.threads(), 1);
         assert!(run_counting(&pool, 50).iter().all(|&n| n == 1));
         assert!(WorkerPool::new(usize::MAX).threads() <= MAX_THREADS);
