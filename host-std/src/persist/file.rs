@@ -51,9 +51,11 @@ pub(crate) fn write_atomically(
         let mut sink = WriteSink(BufWriter::with_capacity(BUFFER, file));
         write(&mut sink)?;
         sink.0.flush()?;
-        let file = sink.0.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        drop(file);
+        // Synced and closed before the rename: no handle outlives the temporary name.
+        {
+            let file = sink.0.into_inner().map_err(|e| e.into_error())?;
+            file.sync_all()?;
+        }
         fs::rename(&temp, path)?;
         Ok(())
     })();
