@@ -16,8 +16,21 @@
 //!   upload ranges, swap runs), plain Rust.
 //!
 //! Without the `cuda` feature the crate needs no CUDA install and no driver.
+//!
+//! The `cuda` and `emulation` features need a 64-bit host, as CUDA does: the parameter
+//! blocks ([`params`]) hold 64-bit device addresses at 8-byte alignment, which a 32-bit
+//! host lays out otherwise (on i686, `u64` aligns to 4).
 
 #![warn(missing_docs)]
+
+#[cfg(all(
+    any(feature = "cuda", feature = "emulation"),
+    not(target_pointer_width = "64")
+))]
+compile_error!(
+    "kvpage-cuda's `cuda` and `emulation` features need a 64-bit host, as CUDA does: the \
+     kernels' parameter blocks hold 64-bit device addresses at 8-byte alignment"
+);
 
 pub use kvpage_core as core;
 
