@@ -331,7 +331,10 @@ static void cache_calls(void) {
        storage has none to fix. */
     {
       float ks = -1.0f, vs = -1.0f;
-      EXPECT(KVPAGE_OK, kvpage_cache_set_kv_scales(c8, 1, 0.01f, 0.02f, &err));
+      /* Compared as float variables: where float arithmetic is x87's (i386 without
+         SSE), the literal 0.01f compares at long double precision. */
+      const float k_fixed = 0.01f, v_fixed = 0.02f;
+      EXPECT(KVPAGE_OK, kvpage_cache_set_kv_scales(c8, 1, k_fixed, v_fixed, &err));
       EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_set_kv_scales(c8, LAYERS, 0.01f, 0.02f, &err));
       EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.0f, 0.02f, &err));
       EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.01f, nan_scale, &err));
@@ -339,7 +342,7 @@ static void cache_calls(void) {
       EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_clear_kv_scales(c8, LAYERS, &err));
       EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_kv_scales(c8, 1, NULL, &vs, &err));
       EXPECT(KVPAGE_OK, kvpage_cache_kv_scales(c8, 1, &ks, &vs, &err));
-      EXPECT_TRUE(ks == 0.01f && vs == 0.02f);
+      EXPECT_TRUE(ks == k_fixed && vs == v_fixed);
       EXPECT(KVPAGE_OK, kvpage_cache_kv_scales(c8, 0, &ks, &vs, &err));
       EXPECT_TRUE(ks == 0.0f && vs == 0.0f);
       EXPECT(KVPAGE_OK, kvpage_cache_write_kv(c8, s8, 1, 0, 5, k, 5 * ROW, v, 5 * ROW, &err));
