@@ -473,8 +473,9 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 pub(crate) const LN2_HI: f32 = 0.693_145_75;
 /// See [`LN2_HI`].
 pub(crate) const LN2_LO: f32 = 1.428_606_8e-6;
-/// The Taylor coefficients of `e^r` that [`exp`]'s vector forms evaluate by Horner's
-/// rule, highest degree first (`1/6!` down to `1/1!`; the constant term 1 is added last).
+/// The Taylor coefficients of `e^r` that [`exp`] and its vector forms evaluate by
+/// Horner's rule, highest degree first (`1/6!` down to `1/1!`; the constant term 1 is
+/// added last).
 pub(crate) const EXP_TAYLOR: [f32; 6] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0];
 
 /// `1.5 * 2^23`: adding it rounds an `f32` to an integer held in the low mantissa bits.
