@@ -335,10 +335,10 @@ static void cache_calls(void) {
          SSE), the literal 0.01f compares at long double precision. */
       const float k_fixed = 0.01f, v_fixed = 0.02f;
       EXPECT(KVPAGE_OK, kvpage_cache_set_kv_scales(c8, 1, k_fixed, v_fixed, &err));
-      EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_set_kv_scales(c8, LAYERS, 0.01f, 0.02f, &err));
-      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.0f, 0.02f, &err));
-      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.01f, nan_scale, &err));
-      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, -0.01f, 0.02f, &err));
+      EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_set_kv_scales(c8, LAYERS, k_fixed, v_fixed, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, 0.0f, v_fixed, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, k_fixed, nan_scale, &err));
+      EXPECT(KVPAGE_ERR_BAD_SCALE, kvpage_cache_set_kv_scales(c8, 1, -k_fixed, v_fixed, &err));
       EXPECT(KVPAGE_ERR_BAD_LAYER, kvpage_cache_clear_kv_scales(c8, LAYERS, &err));
       EXPECT(KVPAGE_ERR_NULL_POINTER, kvpage_cache_kv_scales(c8, 1, NULL, &vs, &err));
       EXPECT(KVPAGE_OK, kvpage_cache_kv_scales(c8, 1, &ks, &vs, &err));
