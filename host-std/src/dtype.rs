@@ -76,6 +76,15 @@ pub trait Element: Pod + Default + PartialEq + core::fmt::Debug {
     /// Widens to `f32` (exact). O(1).
     fn to_f32(self) -> f32;
 
+    /// The value [`Element::to_f32`] gives (NaN for NaN), in as few operations as the
+    /// type allows, so that the portable kernels' loops widen storage as they load it:
+    /// `to_f32` unless overridden (bf16: the shift alone, without `to_f32`'s quieting of
+    /// NaNs). O(1).
+    #[inline(always)]
+    fn lane_to_f32(self) -> f32 {
+        self.to_f32()
+    }
+
     /// Widens `src` into `dst` (exact), vectorized where the CPU allows (F16C for f16).
     /// O(n). Converts `min(src.len(), dst.len())` elements.
     fn widen(src: &[Self], dst: &mut [f32]);
@@ -126,8 +135,14 @@ impl Element for f16 {
             unsafe { f16c::widen(&src[..n], &mut dst[..n]) };
             return;
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            neon_f16::widen(&src[..n], &mut dst[..n]);
+        }
         // `half` detects F16C / fp16 itself at run time (its `std` feature), but calls
-        // a non-inlined function per 8 elements; the loop above is a single function.
+        // a function per 4 or 8 elements, and on aarch64 takes the conversion only on
+        // CPUs with half-precision arithmetic, which it does not need.
+        #[cfg(not(target_arch = "aarch64"))]
         src[..n].convert_to_f32_slice(&mut dst[..n]);
     }
     #[inline]
@@ -154,6 +169,10 @@ impl Element for bf16 {
     #[inline]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn lane_to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
     #[inline]
     fn widen(src: &[Self], dst: &mut [f32]) {
@@ -242,16 +261,55 @@ impl Element for Fp8E4m3 {
     fn to_f32(self) -> f32 {
         fp8::decode(self.0)
     }
+    /// By the code's bits ([`fp8::decode_by_bits`], the table's values): a loop the
+    /// compiler vectorizes, where the table is read one code at a time.
     #[inline]
     fn widen(src: &[Self], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
-            *d = fp8::decode(s.0);
+            *d = fp8::decode_by_bits(s.0);
         }
     }
     #[inline]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         for (d, &s) in dst.iter_mut().zip(src) {
             *d = Self(fp8::encode(s));
+        }
+    }
+}
+
+/// f16 → f32 with the conversion every aarch64 CPU has (Advanced SIMD's `fcvtl`), 4
+/// elements per instruction. In `asm!`: the intrinsic's half-precision vector types
+/// are stable only since Rust 1.94, after the crate's minimum.
+#[cfg(target_arch = "aarch64")]
+mod neon_f16 {
+    use core::arch::aarch64::{float32x4_t, vld1_u16, vst1q_f32};
+    use core::arch::asm;
+    use half::f16;
+
+    /// Widens `src` into `dst` (as far as the shorter goes). O(n).
+    pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let (src, dst) = (&src[..n], &mut dst[..n]);
+        let mut halves = src.chunks_exact(4);
+        let mut floats = dst.chunks_exact_mut(4);
+        for (h, f) in (&mut halves).zip(&mut floats) {
+            // SAFETY: NEON is part of every aarch64 target; the load reads the 4
+            // elements of `h` (f16 is `repr(transparent)` over u16) and the store writes
+            // the 4 of `f`, unaligned accesses both; `fcvtl` only converts registers.
+            unsafe {
+                let bits = vld1_u16(h.as_ptr().cast::<u16>());
+                let wide: float32x4_t;
+                asm!(
+                    "fcvtl {wide:v}.4s, {bits:v}.4h",
+                    wide = lateout(vreg) wide,
+                    bits = in(vreg) bits,
+                    options(pure, nomem, nostack, preserves_flags)
+                );
+                vst1q_f32(f.as_mut_ptr(), wide);
+            }
+        }
+        for (f, h) in floats.into_remainder().iter_mut().zip(halves.remainder()) {
+            *f = h.to_f32();
         }
     }
 }
@@ -394,6 +452,58 @@ mod tests {
                 s.to_bits()
             );
         }
+    }
+
+    /// `lane_to_f32` is `to_f32`, and the widening of a slice is `to_f32` per element
+    /// (F16C on x86-64, `fcvtl` on aarch64, the table's values for FP8), for every bit
+    /// pattern of every storage type: the same bits, NaN where `to_f32` gives NaN.
+    #[test]
+    fn widening_is_to_f32_for_every_pattern() {
+        fn same<T: Element>(x: T, got: f32) {
+            let want = x.to_f32();
+            if want.is_nan() {
+                assert!(got.is_nan(), "{x:?}: {got}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{x:?}: {got} vs {want}");
+            }
+        }
+        fn check<T: Element>(all: &[T]) {
+            for &x in all {
+                same(x, x.lane_to_f32());
+            }
+            // Lengths with and without a partial vector.
+            for len in [all.len(), all.len() - 3] {
+                let mut wide = vec![0.0f32; len];
+                T::widen(&all[..len], &mut wide);
+                for (&x, &w) in all.iter().zip(&wide) {
+                    same(x, w);
+                }
+            }
+        }
+        let step = if cfg!(miri) { 251 } else { 1 };
+        let halves: Vec<u16> = (0..=u16::MAX).step_by(step).collect();
+        check(
+            &halves
+                .iter()
+                .map(|&b| f16::from_bits(b))
+                .collect::<Vec<_>>(),
+        );
+        check(
+            &halves
+                .iter()
+                .map(|&b| bf16::from_bits(b))
+                .collect::<Vec<_>>(),
+        );
+        check(&(0..=u8::MAX).map(|c| Int8(c as i8)).collect::<Vec<_>>());
+        check(&(0..=u8::MAX).map(Fp8E4m3).collect::<Vec<_>>());
+        check(&[
+            0.0f32,
+            -0.0,
+            1.5,
+            -3.25e-30,
+            f32::INFINITY,
+            f32::MIN_POSITIVE / 8.0,
+        ]);
     }
 
     /// The vector narrowing of f16 rounds exactly like the scalar one: ties to even,

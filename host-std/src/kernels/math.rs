@@ -1,10 +1,12 @@
 //! Vector arithmetic of the attention inner loops, behind the [`Simd`] trait: the
-//! portable implementation here (lane arrays the compiler may vectorize, separate
-//! multiply and add: `mul_add` is a library call on CPUs without FMA), and an AVX2 + FMA
-//! one in [`super::avx2`]. Also the branch-free scalar `exp` both use.
+//! portable implementation here ([`Portable`]: lane arrays the compiler vectorizes,
+//! which is what aarch64 and every architecture but x86-64 run), and the x86-64 ones in
+//! [`super::avx2`], [`super::avx512`] and beyond. Also the branch-free scalar `exp`
+//! they use.
 
 use super::MAX_HEAD_DIM;
 use crate::dtype::Element;
+use kvpage_core::DType;
 
 /// The arithmetic of one chunk of attention, implemented per instruction set. Every
 /// method is O(its inputs). Queries and accumulators are `f32`; keys and values are read
@@ -280,8 +282,13 @@ pub(crate) fn first_tokens<'a, T>(
     })
 }
 
-/// The portable implementation (any CPU): widens one token at a time into a stack
-/// buffer, then lane-array loops.
+/// The portable implementation (any CPU): lane arrays the compiler vectorizes for
+/// whatever vector unit the target has. The scores read a token's key once for all the
+/// rows of a call; the value accumulation keeps a block of dimensions of every row in
+/// registers over all the call's tokens. Storage whose widening is an operation or two
+/// (f32, bf16, int8) is widened as it loads; f16 and FP8 a token at a time into a
+/// buffer first ([`Element::widen`]: one instruction per four elements on aarch64, F16C
+/// on x86-64), so that each element is widened once, not once per row.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
 
@@ -297,21 +304,27 @@ impl Simd for Portable {
         s_stride: usize,
         _passes: bool,
     ) {
-        let mut kt = [0.0f32; MAX_HEAD_DIM];
-        for (t, kr) in k.chunks_exact(hd).take(n).enumerate() {
-            T::widen(kr, &mut kt[..hd]);
-            for r in 0..4 {
-                s[r * s_stride + t] = dot(&q[r * hd..(r + 1) * hd], &kt[..hd]);
+        scores_rows::<T, 4, { dot_lanes(4) }>(q, k, hd, n, |t, scores| {
+            for (r, score) in scores.into_iter().enumerate() {
+                s[r * s_stride + t] = score;
             }
-        }
+        });
     }
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
-        let mut kt = [0.0f32; MAX_HEAD_DIM];
-        for (st, kr) in s[..n].iter_mut().zip(k.chunks_exact(hd)) {
-            T::widen(kr, &mut kt[..hd]);
-            *st = dot(&q[..hd], &kt[..hd]);
-        }
+        let n = n.min(s.len());
+        scores_rows::<T, 1, { dot_lanes(1) }>(q, k, hd, n, |t, [score]| s[t] = score);
+    }
+    #[inline(always)]
+    fn accumulate4<T: Element>(
+        self,
+        acc: &mut [f32],
+        p: [&[f32]; 4],
+        v: &[T],
+        hd: usize,
+        n: usize,
+    ) {
+        accumulate_widened::<T, 4, { acc_block(4) }>(acc, p, v, hd, n);
     }
     #[inline(always)]
     fn accumulate2<T: Element>(
@@ -323,21 +336,11 @@ impl Simd for Portable {
         hd: usize,
         n: usize,
     ) {
-        let (a0, a1) = acc[..2 * hd].split_at_mut(hd);
-        let mut vt = [0.0f32; MAX_HEAD_DIM];
-        for (t, vr) in v.chunks_exact(hd).take(n).enumerate() {
-            T::widen(vr, &mut vt[..hd]);
-            accumulate(a0, &p0[t..t + 1], &vt[..hd]);
-            accumulate(a1, &p1[t..t + 1], &vt[..hd]);
-        }
+        accumulate_widened::<T, 2, { acc_block(2) }>(acc, [p0, p1], v, hd, n);
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        let mut vt = [0.0f32; MAX_HEAD_DIM];
-        for (t, vr) in v.chunks_exact(hd).take(n).enumerate() {
-            T::widen(vr, &mut vt[..hd]);
-            accumulate(&mut acc[..hd], &p[t..t + 1], &vt[..hd]);
-        }
+        accumulate_widened::<T, 1, { acc_block(1) }>(acc, [p], v, hd, n);
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {
@@ -353,69 +356,222 @@ impl Simd for Portable {
     }
 }
 
-/// Lanes of the accumulators: 16 `f32`, two AVX2 registers or one AVX-512 register.
+/// Lanes of the running max and sum of exponentials: 16 `f32`, four registers of 128
+/// bits (NEON, SSE), two of AVX2's or one of AVX-512's.
 const LANES: usize = 16;
 
-/// Width of the register-blocked accumulation in [`accumulate`].
-const ACC_BLOCK: usize = 32;
+/// Floats of the vector registers the portable loops keep their accumulators in: half
+/// of the register file of the vector unit every CPU of the target has (32 registers of
+/// 128 bits on aarch64; 16 on x86-64 without AVX, and as a default), the other half
+/// left to the operands. Spilled accumulators cost more than they save: with 16 128-bit
+/// accumulators, four rows' dot products on x86-64 (SSE) ran at half their speed.
+const ACC_FLOATS: usize = if cfg!(target_arch = "aarch64") {
+    64
+} else {
+    32
+};
 
-/// Dot product of two equally long slices, accumulated in `LANES` partial sums. O(n).
+/// Partial sums per row of [`dot_rows`] over `rows` rows: at most 16 (four chains of
+/// 128-bit multiply-adds, which hide their latency). O(1).
+const fn dot_lanes(rows: usize) -> usize {
+    let lanes = ACC_FLOATS / rows;
+    if lanes < 16 {
+        lanes
+    } else {
+        16
+    }
+}
+
+/// Dimensions of each row that [`accumulate_rows`] keeps in registers over `rows` rows:
+/// at most 32. O(1).
+const fn acc_block(rows: usize) -> usize {
+    let block = ACC_FLOATS / rows;
+    if block < 32 {
+        block
+    } else {
+        32
+    }
+}
+
+/// `a * b + c`, fused (one rounding) where every CPU of the target has the instruction
+/// (aarch64; x86-64 built with `fma`), which `f32::mul_add` then is; elsewhere that
+/// would be a library call per element, so a separate multiply and add. O(1).
 #[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; LANES];
-    let mut ac = a.chunks_exact(LANES);
-    let mut bc = b.chunks_exact(LANES);
-    for (x, y) in (&mut ac).zip(&mut bc) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
+pub(crate) fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(any(target_arch = "aarch64", target_feature = "fma"))]
+    {
+        a.mul_add(b, c)
     }
-    let mut tail = 0.0f32;
-    for (x, y) in ac.remainder().iter().zip(bc.remainder()) {
-        tail += *x * *y;
+    #[cfg(not(any(target_arch = "aarch64", target_feature = "fma")))]
+    {
+        a * b + c
     }
-    // Pairwise reduction of the lanes.
-    let mut w = LANES / 2;
+}
+
+/// The sum of `L` partial sums (`L` a power of two), pairwise. O(L).
+#[inline(always)]
+fn reduce_lanes<const L: usize>(mut acc: [f32; L]) -> f32 {
+    let mut w = L / 2;
     while w > 0 {
         for l in 0..w {
             acc[l] += acc[l + w];
         }
         w /= 2;
     }
-    acc[0] + tail
+    acc[0]
 }
 
-/// `acc[d] += Σ_t p[t] * v[t * dim + d]` for `t < p.len()`, `d < dim = acc.len()`.
-/// Register-blocked: a block of `ACC_BLOCK` outputs stays in registers over all tokens.
-/// O(p.len() * dim).
+/// Whether the portable arithmetic widens storage `T` into a buffer before its loops
+/// rather than as they load: where the widening costs more than storing and loading the
+/// floats, since the compiler repeats it for every row of a loop. Measured in
+/// instructions executed on aarch64 (qemu, a decode of 1 × 512 tokens, 32 query heads
+/// over 8 KV heads, head dim 128), as they load against first: f16 (branch-free bit
+/// operations, a dozen per four elements; the buffer takes `fcvtl`) 18.6M against
+/// 6.6M, FP8 17.8M against 8.2M, int8 (two widenings and a conversion) 7.0M against
+/// 6.2M; bf16, a shift, 5.6M against 5.9M. O(1).
 #[inline(always)]
-pub(crate) fn accumulate(acc: &mut [f32], p: &[f32], v: &[f32]) {
-    let dim = acc.len();
-    if dim == 0 {
+fn widens_first<T: Element>() -> bool {
+    matches!(T::DTYPE, DType::F16 | DType::Fp8E4m3 | DType::Int8)
+}
+
+/// Tokens the portable value accumulation widens into its buffer at a time, for storage
+/// that [`widens_first`]: the longest step of the attention loop's accumulation.
+const WIDEN_TOKENS: usize = super::online::VALUE_STEP;
+
+/// `store(t, [q_r · k_t for r < R])` for the tokens `t < n` of `k` (`k_t = k[t * hd..(t
+/// + 1) * hd]`), `q` holding the `R` rows: [`dot_rows`] on the stored key, or on its
+/// widening where `T` [`widens_first`]. O(R × n × hd).
+#[inline(always)]
+fn scores_rows<T: Element, const R: usize, const L: usize>(
+    q: &[f32],
+    k: &[T],
+    hd: usize,
+    n: usize,
+    mut store: impl FnMut(usize, [f32; R]),
+) {
+    let mut wide = [0.0f32; MAX_HEAD_DIM];
+    for (t, k_t) in k.chunks_exact(hd.max(1)).take(n).enumerate() {
+        if widens_first::<T>() {
+            let wide = &mut wide[..hd.min(MAX_HEAD_DIM)];
+            T::widen(k_t, wide);
+            store(t, dot_rows::<f32, R, L>(q, wide));
+        } else {
+            store(t, dot_rows::<T, R, L>(q, k_t));
+        }
+    }
+}
+
+/// [`accumulate_rows`] on the stored values, or where `T` [`widens_first`] on their
+/// widening, [`WIDEN_TOKENS`] tokens at a time. O(R × n × hd).
+#[inline(always)]
+fn accumulate_widened<T: Element, const R: usize, const B: usize>(
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    if !widens_first::<T>() {
+        accumulate_rows::<T, R, B>(acc, p, v, hd, n);
         return;
     }
-    let n = p.len().min(v.len() / dim);
-    let (p, v) = (&p[..n], &v[..n * dim]);
-    let whole = dim / ACC_BLOCK * ACC_BLOCK;
-    let mut d0 = 0;
-    while d0 < whole {
-        let mut a = [0.0f32; ACC_BLOCK];
-        a.copy_from_slice(&acc[d0..d0 + ACC_BLOCK]);
-        for (vt, &pt) in v.chunks_exact(dim).zip(p) {
-            let vt = &vt[d0..d0 + ACC_BLOCK];
-            for l in 0..ACC_BLOCK {
-                a[l] += pt * vt[l];
+    if hd == 0 || hd > MAX_HEAD_DIM {
+        return;
+    }
+    let n = n.min(v.len() / hd);
+    let mut wide = [0.0f32; WIDEN_TOKENS * MAX_HEAD_DIM];
+    for (i, tile) in v[..n * hd].chunks(WIDEN_TOKENS * hd).enumerate() {
+        let wide = &mut wide[..tile.len()];
+        T::widen(tile, wide);
+        let t0 = i * WIDEN_TOKENS;
+        let p = p.map(|pr| pr.get(t0..).unwrap_or(&[]));
+        accumulate_rows::<f32, R, B>(acc, p, wide, hd, tile.len() / hd);
+    }
+}
+
+/// `[q_r · k for r < R]`, the rows `q_r = q[r * hd..(r + 1) * hd]` with `hd = k.len()`:
+/// each stored element of `k` is read and widened once for the `R` rows, each row
+/// accumulated in `L` partial sums (a power of two). O(R × hd).
+///
+/// Written so that the compiler's vectorizer takes it, and out of line for the same
+/// reason: on aarch64 an array of the rows' slices, widening a chunk of `k` into an
+/// array first, or iterators over the accumulators' rows left the loops scalar, and so
+/// did inlining them into the attention loop, their sums kept in memory (an f32 decode
+/// of 1 × 512 tokens took 13.1M instructions inlined, 5.2M out of line; the call is
+/// once per token for four rows).
+///
+/// # Panics
+/// If `q` holds fewer than `R` rows (the kernels' shapes are checked before).
+#[inline(never)]
+#[allow(clippy::needless_range_loop)]
+pub(crate) fn dot_rows<T: Element, const R: usize, const L: usize>(q: &[f32], k: &[T]) -> [f32; R] {
+    let hd = k.len();
+    let (q, whole) = (&q[..R * hd], hd / L * L);
+    let mut acc = [[0.0f32; L]; R];
+    let mut d = 0;
+    for kc in k[..whole].chunks_exact(L) {
+        for r in 0..R {
+            let qc = &q[r * hd + d..r * hd + d + L];
+            for l in 0..L {
+                acc[r][l] = mul_add(qc[l], kc[l].lane_to_f32(), acc[r][l]);
             }
         }
-        acc[d0..d0 + ACC_BLOCK].copy_from_slice(&a);
-        d0 += ACC_BLOCK;
+        d += L;
     }
-    if whole < dim {
-        for (vt, &pt) in v.chunks_exact(dim).zip(p) {
-            for (a, &x) in acc[whole..].iter_mut().zip(&vt[whole..]) {
-                *a += pt * x;
+    core::array::from_fn(|r| {
+        let tail = (whole..hd).fold(0.0, |t, d| mul_add(q[r * hd + d], k[d].lane_to_f32(), t));
+        reduce_lanes(acc[r]) + tail
+    })
+}
+
+/// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the `R` rows `acc_r = acc[r * hd..(r + 1)
+/// * hd]`, `d < hd`, tokens `v_t = v[t * hd..(t + 1) * hd]` (as far as `v` and each
+/// `p[r]` go; nothing when `acc` is shorter than `R` rows). Register-blocked: a block of
+/// `B` dimensions of every row stays in registers over all `n` tokens, and each stored
+/// element is read and widened once for the `R` rows. O(R × n × hd).
+///
+/// Plain indices and out of line, as [`dot_rows`] and for the same reason.
+#[inline(never)]
+#[allow(clippy::needless_range_loop)]
+pub(crate) fn accumulate_rows<T: Element, const R: usize, const B: usize>(
+    acc: &mut [f32],
+    p: [&[f32]; R],
+    v: &[T],
+    hd: usize,
+    n: usize,
+) {
+    if hd == 0 || acc.len() < R * hd {
+        return;
+    }
+    let n = p.iter().fold(n.min(v.len() / hd), |n, pr| n.min(pr.len()));
+    // Cut to `n` so that the loops' indices need no bounds checks.
+    let p = p.map(|pr| &pr[..n]);
+    let (v, acc, whole) = (&v[..n * hd], &mut acc[..R * hd], hd / B * B);
+    let mut d0 = 0;
+    while d0 < whole {
+        let mut a = [[0.0f32; B]; R];
+        for r in 0..R {
+            a[r].copy_from_slice(&acc[r * hd + d0..r * hd + d0 + B]);
+        }
+        for t in 0..n {
+            let vc = &v[t * hd + d0..t * hd + d0 + B];
+            for r in 0..R {
+                let w = p[r][t];
+                for l in 0..B {
+                    a[r][l] = mul_add(w, vc[l].lane_to_f32(), a[r][l]);
+                }
+            }
+        }
+        for r in 0..R {
+            acc[r * hd + d0..r * hd + d0 + B].copy_from_slice(&a[r]);
+        }
+        d0 += B;
+    }
+    for t in 0..n {
+        for (r, pr) in p.iter().enumerate() {
+            let w = pr[t];
+            for d in whole..hd {
+                acc[r * hd + d] = mul_add(w, v[t * hd + d].lane_to_f32(), acc[r * hd + d]);
             }
         }
     }
@@ -525,28 +681,86 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
     }
 
+    /// `dot_rows` and `accumulate_rows` against f64 loops over the widened elements, at
+    /// head dims with and without a partial block, for every row count the kernels use;
+    /// f16 and int8 storage read as they load. Each result is within f32 rounding of
+    /// the sum of its terms' magnitudes.
     #[test]
-    fn dot_and_accumulate_match_scalar_loops() {
-        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
-        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
-        let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - want).abs() < 1e-5);
+    fn dot_and_accumulate_rows_match_f64_loops() {
+        /// `(Σ terms, Σ |terms|)`.
+        fn sum(terms: impl Iterator<Item = f64>) -> (f64, f64) {
+            terms.fold((0.0, 0.0), |(s, m), x| (s + x, m + x.abs()))
+        }
+        fn close(got: &[f32], want: &[(f64, f64)]) -> bool {
+            got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(&g, &(w, m))| (f64::from(g) - w).abs() <= 2e-6 * (1.0 + m))
+        }
+        fn check<T: Element>(scale: f32) {
+            let wave = |i: usize, f: f32| (i as f32 * f).sin() * scale;
+            let x = |e: T| f64::from(e.to_f32());
+            for hd in [1usize, 15, 16, 31, 37, 64, 128] {
+                let q: Vec<f32> = (0..4 * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+                let k: Vec<T> = (0..hd).map(|i| T::from_f32(wave(i, 0.11))).collect();
+                let want: Vec<(f64, f64)> = (0..4)
+                    .map(|r| sum((0..hd).map(|d| f64::from(q[r * hd + d]) * x(k[d]))))
+                    .collect();
+                assert!(
+                    close(&dot_rows::<T, 4, 8>(&q, &k), &want),
+                    "4 rows, hd {hd}"
+                );
+                assert!(
+                    close(&dot_rows::<T, 4, 16>(&q, &k), &want),
+                    "4 rows, hd {hd}"
+                );
+                assert!(
+                    close(&dot_rows::<T, 1, 16>(&q[hd..], &k), &want[1..2]),
+                    "1 row, hd {hd}"
+                );
 
-        for dim in [1usize, 31, 32, 45, 64] {
-            let n = 5;
-            let v: Vec<f32> = (0..n * dim).map(|i| (i as f32 * 0.7).sin()).collect();
-            let p: Vec<f32> = (0..n).map(|i| 0.1 + i as f32 * 0.2).collect();
-            let mut acc: Vec<f32> = (0..dim).map(|i| i as f32 * 0.01).collect();
-            let mut want = acc.clone();
-            for t in 0..n {
-                for d in 0..dim {
-                    want[d] += p[t] * v[t * dim + d];
+                for n in [0usize, 1, 5, 8] {
+                    let v: Vec<T> = (0..n * hd).map(|i| T::from_f32(wave(i, 0.7))).collect();
+                    let p: Vec<Vec<f32>> = (0..4)
+                        .map(|r| (0..n).map(|t| 0.1 + (r * n + t) as f32 * 0.03).collect())
+                        .collect();
+                    let start: Vec<f32> = (0..4 * hd).map(|i| i as f32 * 0.01).collect();
+                    let want: Vec<(f64, f64)> = (0..4 * hd)
+                        .map(|i| {
+                            let (r, d) = (i / hd, i % hd);
+                            let terms = (0..n).map(|t| f64::from(p[r][t]) * x(v[t * hd + d]));
+                            sum(core::iter::once(f64::from(start[i])).chain(terms))
+                        })
+                        .collect();
+                    let rows = [&p[0][..], &p[1], &p[2], &p[3]];
+                    // Each row count at the blocks of both register files (`acc_block`),
+                    // the rows past the call's left as they were.
+                    let check_rows = |got: &[f32], r: usize, b: usize| {
+                        let rest_kept = got[r * hd..] == start[r * hd..];
+                        let ok = close(&got[..r * hd], &want[..r * hd]) && rest_kept;
+                        assert!(ok, "{r} rows, block {b}, hd {hd}, {n} tokens");
+                    };
+                    let mut got = start.clone();
+                    accumulate_rows::<T, 4, 8>(&mut got, rows, &v, hd, n);
+                    check_rows(&got, 4, 8);
+                    let mut got = start.clone();
+                    accumulate_rows::<T, 4, 16>(&mut got, rows, &v, hd, n);
+                    check_rows(&got, 4, 16);
+                    let mut got = start.clone();
+                    accumulate_rows::<T, 2, 16>(&mut got, [rows[0], rows[1]], &v, hd, n);
+                    check_rows(&got, 2, 16);
+                    let mut got = start.clone();
+                    accumulate_rows::<T, 2, 32>(&mut got, [rows[0], rows[1]], &v, hd, n);
+                    check_rows(&got, 2, 32);
+                    let mut got = start.clone();
+                    accumulate_rows::<T, 1, 32>(&mut got, [rows[0]], &v, hd, n);
+                    check_rows(&got, 1, 32);
                 }
             }
-            accumulate(&mut acc, &p, &v);
-            for (g, w) in acc.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-5);
-            }
         }
+        check::<f32>(1.0);
+        check::<half::f16>(1.0);
+        check::<crate::dtype::Int8>(127.0);
     }
 }
