@@ -277,12 +277,12 @@ impl Element for Fp8E4m3 {
     }
 }
 
-/// f16 → f32 with the conversion every aarch64 CPU has (Advanced SIMD's `fcvtl`), 4
-/// elements per instruction. In `asm!`: the intrinsic's half-precision vector types
-/// are stable only since Rust 1.94, after the crate's minimum.
+/// f16 → f32 with the conversion every aarch64 CPU has (Advanced SIMD's `fcvtl` and
+/// `fcvtl2`), 8 elements per load. In `asm!`: the intrinsics' half-precision vector
+/// types are stable only since Rust 1.94, after the crate's minimum.
 #[cfg(target_arch = "aarch64")]
 mod neon_f16 {
-    use core::arch::aarch64::{float32x4_t, vld1_u16, vst1q_f32};
+    use core::arch::aarch64::{float32x4_t, vld1q_u16, vst1q_f32};
     use core::arch::asm;
     use half::f16;
 
@@ -290,22 +290,26 @@ mod neon_f16 {
     pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
         let (src, dst) = (&src[..n], &mut dst[..n]);
-        let mut halves = src.chunks_exact(4);
-        let mut floats = dst.chunks_exact_mut(4);
+        let mut halves = src.chunks_exact(8);
+        let mut floats = dst.chunks_exact_mut(8);
         for (h, f) in (&mut halves).zip(&mut floats) {
-            // SAFETY: NEON is part of every aarch64 target; the load reads the 4
-            // elements of `h` (f16 is `repr(transparent)` over u16) and the store writes
-            // the 4 of `f`, unaligned accesses both; `fcvtl` only converts registers.
+            // SAFETY: NEON is part of every aarch64 target; the load reads the 8
+            // elements of `h` (f16 is `repr(transparent)` over u16) and the stores
+            // write the 8 of `f`, unaligned accesses all; the conversions only read and
+            // write registers.
             unsafe {
-                let bits = vld1_u16(h.as_ptr().cast::<u16>());
-                let wide: float32x4_t;
+                let bits = vld1q_u16(h.as_ptr().cast::<u16>());
+                let (low, high): (float32x4_t, float32x4_t);
                 asm!(
-                    "fcvtl {wide:v}.4s, {bits:v}.4h",
-                    wide = lateout(vreg) wide,
+                    "fcvtl {low:v}.4s, {bits:v}.4h",
+                    "fcvtl2 {high:v}.4s, {bits:v}.8h",
+                    low = out(vreg) low,
+                    high = lateout(vreg) high,
                     bits = in(vreg) bits,
                     options(pure, nomem, nostack, preserves_flags)
                 );
-                vst1q_f32(f.as_mut_ptr(), wide);
+                vst1q_f32(f.as_mut_ptr(), low);
+                vst1q_f32(f.as_mut_ptr().add(4), high);
             }
         }
         for (f, h) in floats.into_remainder().iter_mut().zip(halves.remainder()) {
