@@ -285,10 +285,10 @@ pub(crate) fn first_tokens<'a, T>(
 /// The portable implementation (any CPU): lane arrays the compiler vectorizes for
 /// whatever vector unit the target has. The scores read a token's key once for all the
 /// rows of a call; the value accumulation keeps a block of dimensions of every row in
-/// registers over all the call's tokens. Storage whose widening is an operation or two
-/// (f32, bf16, int8) is widened as it loads; f16 and FP8 a token at a time into a
-/// buffer first ([`Element::widen`]: one instruction per four elements on aarch64, F16C
-/// on x86-64), so that each element is widened once, not once per row.
+/// registers over all the call's tokens. f32 and bf16 (a shift) are widened as they
+/// load; f16, FP8 and int8 into a buffer first ([`widens_first`]; [`Element::widen`]:
+/// two instructions per eight f16 elements on aarch64, F16C on x86-64), so that each
+/// element is widened once, not once per row.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
 
@@ -427,8 +427,8 @@ fn reduce_lanes<const L: usize>(mut acc: [f32; L]) -> f32 {
 /// instructions executed on aarch64 (qemu, a decode of 1 × 512 tokens, 32 query heads
 /// over 8 KV heads, head dim 128), as they load against first: f16 (branch-free bit
 /// operations, a dozen per four elements; the buffer takes `fcvtl`) 18.6M against
-/// 6.6M, FP8 17.8M against 8.2M, int8 (two widenings and a conversion) 7.0M against
-/// 6.2M; bf16, a shift, 5.6M against 5.9M. O(1).
+/// 6.0M, FP8 (as many bit operations) 17.8M against 8.2M, int8 (two widenings and a
+/// conversion) 7.0M against 6.2M; bf16, a shift, 5.6M against 5.9M. O(1).
 #[inline(always)]
 fn widens_first<T: Element>() -> bool {
     matches!(T::DTYPE, DType::F16 | DType::Fp8E4m3 | DType::Int8)
@@ -475,6 +475,8 @@ fn accumulate_widened<T: Element, const R: usize, const B: usize>(
         accumulate_rows::<T, R, B>(acc, p, v, hd, n);
         return;
     }
+    // The kernels' shapes are checked: no head dim past the buffer reaches here.
+    debug_assert!(hd <= MAX_HEAD_DIM);
     if hd == 0 || hd > MAX_HEAD_DIM {
         return;
     }
@@ -682,9 +684,10 @@ mod tests {
     }
 
     /// `dot_rows` and `accumulate_rows` against f64 loops over the widened elements, at
-    /// head dims with and without a partial block, for every row count the kernels use;
-    /// f16 and int8 storage read as they load. Each result is within f32 rounding of
-    /// the sum of its terms' magnitudes.
+    /// head dims with and without a partial block, for every row count and block size
+    /// the kernels use on either register file; f32, and bf16 and int8 storage read as
+    /// they load. Each result is within f32 rounding of the sum of its terms'
+    /// magnitudes.
     #[test]
     fn dot_and_accumulate_rows_match_f64_loops() {
         /// `(Σ terms, Σ |terms|)`.
@@ -760,7 +763,7 @@ mod tests {
             }
         }
         check::<f32>(1.0);
-        check::<half::f16>(1.0);
+        check::<half::bf16>(1.0);
         check::<crate::dtype::Int8>(127.0);
     }
 }
