@@ -685,9 +685,9 @@ mod tests {
 
     /// `dot_rows` and `accumulate_rows` against f64 loops over the widened elements, at
     /// head dims with and without a partial block, for every row count and block size
-    /// the kernels use on either register file; f32, and bf16 and int8 storage read as
-    /// they load. Each result is within f32 rounding of the sum of its terms'
-    /// magnitudes.
+    /// the kernels use on either register file; f32 and bf16 (which the kernels read so)
+    /// and int8 storage read as they load. Each result is within f32 rounding of the sum
+    /// of its terms' magnitudes.
     #[test]
     fn dot_and_accumulate_rows_match_f64_loops() {
         /// `(Σ terms, Σ |terms|)`.
