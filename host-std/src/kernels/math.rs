@@ -438,9 +438,9 @@ fn widens_first<T: Element>() -> bool {
 /// that [`widens_first`]: the longest step of the attention loop's accumulation.
 const WIDEN_TOKENS: usize = super::online::VALUE_STEP;
 
-/// `store(t, [q_r · k_t for r < R])` for the tokens `t < n` of `k` (`k_t = k[t * hd..(t
-/// + 1) * hd]`), `q` holding the `R` rows: [`dot_rows`] on the stored key, or on its
-/// widening where `T` [`widens_first`]. O(R × n × hd).
+/// `store(t, [q_r · k_t for r < R])` for the tokens `t < n` of `k`
+/// (`k_t = k[t * hd..(t + 1) * hd]`), `q` holding the `R` rows: [`dot_rows`] on the
+/// stored key, or on its widening where `T` [`widens_first`]. O(R × n × hd).
 #[inline(always)]
 fn scores_rows<T: Element, const R: usize, const L: usize>(
     q: &[f32],
@@ -526,11 +526,12 @@ pub(crate) fn dot_rows<T: Element, const R: usize, const L: usize>(q: &[f32], k:
     })
 }
 
-/// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the `R` rows `acc_r = acc[r * hd..(r + 1)
-/// * hd]`, `d < hd`, tokens `v_t = v[t * hd..(t + 1) * hd]` (as far as `v` and each
-/// `p[r]` go; nothing when `acc` is shorter than `R` rows). Register-blocked: a block of
-/// `B` dimensions of every row stays in registers over all `n` tokens, and each stored
-/// element is read and widened once for the `R` rows. O(R × n × hd).
+/// `acc_r[d] += Σ_{t<n} p[r][t] * v_t[d]` for the `R` rows
+/// `acc_r = acc[r * hd..(r + 1) * hd]`, `d < hd`, tokens
+/// `v_t = v[t * hd..(t + 1) * hd]` (as far as `v` and each `p[r]` go; nothing when
+/// `acc` is shorter than `R` rows). Register-blocked: a block of `B` dimensions of
+/// every row stays in registers over all `n` tokens, and each stored element is read
+/// and widened once for the `R` rows. O(R × n × hd).
 ///
 /// Plain indices and out of line, as [`dot_rows`] and for the same reason.
 #[inline(never)]
