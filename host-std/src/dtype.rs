@@ -79,7 +79,9 @@ pub trait Element: Pod + Default + PartialEq + core::fmt::Debug {
     /// The value [`Element::to_f32`] gives (NaN for NaN), in as few operations as the
     /// type allows, so that the portable kernels' loops widen storage as they load it:
     /// `to_f32` unless overridden (bf16: the shift alone, without `to_f32`'s quieting of
-    /// NaNs). O(1).
+    /// NaNs). O(1). Hidden: a detail of the kernels, not for callers (the trait is
+    /// sealed).
+    #[doc(hidden)]
     #[inline(always)]
     fn lane_to_f32(self) -> f32 {
         self.to_f32()
@@ -261,10 +263,10 @@ impl Element for Fp8E4m3 {
     fn to_f32(self) -> f32 {
         fp8::decode(self.0)
     }
-    /// By the code's bits ([`fp8::decode_by_bits`], the table's values): a loop the
-    /// compiler vectorizes, where the table is read one code at a time.
     #[inline]
     fn widen(src: &[Self], dst: &mut [f32]) {
+        // By the code's bits (`fp8::decode_by_bits`, the table's values): a loop the
+        // compiler vectorizes, where the table is read one code at a time.
         for (d, s) in dst.iter_mut().zip(src) {
             *d = fp8::decode_by_bits(s.0);
         }

@@ -63,7 +63,7 @@ pub fn decode(code: u8) -> f32 {
 /// result does not change where a program has told the CPU to flush those to zero (as
 /// games do). O(1).
 #[inline(always)]
-pub fn decode_by_bits(code: u8) -> f32 {
+pub(crate) fn decode_by_bits(code: u8) -> f32 {
     const TWO_POW_MINUS_9: f32 = 1.0 / 512.0;
     // E4M3's exponent bias is 7, f32's 127.
     const REBIAS: u32 = (127 - 7) << 23;
