@@ -304,7 +304,7 @@ impl Simd for Portable {
         s_stride: usize,
         _passes: bool,
     ) {
-        scores_rows::<T, 4, { dot_lanes(4) }>(q, k, hd, n, |t, scores| {
+        scores_rows::<T, 4, { per_row(4, 16) }>(q, k, hd, n, |t, scores| {
             for (r, score) in scores.into_iter().enumerate() {
                 s[r * s_stride + t] = score;
             }
@@ -313,7 +313,7 @@ impl Simd for Portable {
     #[inline(always)]
     fn scores1<T: Element>(self, q: &[f32], k: &[T], hd: usize, n: usize, s: &mut [f32]) {
         let n = n.min(s.len());
-        scores_rows::<T, 1, { dot_lanes(1) }>(q, k, hd, n, |t, [score]| s[t] = score);
+        scores_rows::<T, 1, { per_row(1, 16) }>(q, k, hd, n, |t, [score]| s[t] = score);
     }
     #[inline(always)]
     fn accumulate4<T: Element>(
@@ -324,7 +324,7 @@ impl Simd for Portable {
         hd: usize,
         n: usize,
     ) {
-        accumulate_widened::<T, 4, { acc_block(4) }>(acc, p, v, hd, n);
+        accumulate_widened::<T, 4, { per_row(4, 32) }>(acc, p, v, hd, n);
     }
     #[inline(always)]
     fn accumulate2<T: Element>(
@@ -336,11 +336,11 @@ impl Simd for Portable {
         hd: usize,
         n: usize,
     ) {
-        accumulate_widened::<T, 2, { acc_block(2) }>(acc, [p0, p1], v, hd, n);
+        accumulate_widened::<T, 2, { per_row(2, 32) }>(acc, [p0, p1], v, hd, n);
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        accumulate_widened::<T, 1, { acc_block(1) }>(acc, [p], v, hd, n);
+        accumulate_widened::<T, 1, { per_row(1, 32) }>(acc, [p], v, hd, n);
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {
@@ -371,25 +371,16 @@ const ACC_FLOATS: usize = if cfg!(target_arch = "aarch64") {
     32
 };
 
-/// Partial sums per row of [`dot_rows`] over `rows` rows: at most 16 (four chains of
-/// 128-bit multiply-adds, which hide their latency). O(1).
-const fn dot_lanes(rows: usize) -> usize {
-    let lanes = ACC_FLOATS / rows;
-    if lanes < 16 {
-        lanes
+/// What each of `rows` rows gets of [`ACC_FLOATS`], at most `cap`: the partial sums per
+/// row of [`dot_rows`] (capped at 16, four chains of 128-bit multiply-adds, which hide
+/// their latency) and the dimensions per row [`accumulate_rows`] keeps in registers
+/// (capped at 32). O(1).
+const fn per_row(rows: usize, cap: usize) -> usize {
+    let share = ACC_FLOATS / rows;
+    if share < cap {
+        share
     } else {
-        16
-    }
-}
-
-/// Dimensions of each row that [`accumulate_rows`] keeps in registers over `rows` rows:
-/// at most 32. O(1).
-const fn acc_block(rows: usize) -> usize {
-    let block = ACC_FLOATS / rows;
-    if block < 32 {
-        block
-    } else {
-        32
+        cap
     }
 }
 
@@ -738,7 +729,7 @@ mod tests {
                         })
                         .collect();
                     let rows = [&p[0][..], &p[1], &p[2], &p[3]];
-                    // Each row count at the blocks of both register files (`acc_block`),
+                    // Each row count at the blocks of both register files (`per_row`),
                     // the rows past the call's left as they were.
                     let check_rows = |got: &[f32], r: usize, b: usize| {
                         let rest_kept = got[r * hd..] == start[r * hd..];
