@@ -681,6 +681,7 @@ mod tests {
     /// and int8 storage read as they load. Each result is within f32 rounding of the sum
     /// of its terms' magnitudes.
     #[test]
+    #[cfg_attr(miri, ignore = "safe arithmetic, no unsafe: checked natively")]
     fn dot_and_accumulate_rows_match_f64_loops() {
         /// `(Σ terms, Σ |terms|)`.
         fn sum(terms: impl Iterator<Item = f64>) -> (f64, f64) {
