@@ -194,7 +194,7 @@ impl Simd for Avx512 {
     /// of 64 query heads over 8 KV heads, 2048 x 32 out of cache, AVX-512F alone: f16
     /// 0.69, bf16 0.66, int8 0.72; chunked prefill f16 0.93, bf16 0.88, int8 1.02).
     #[inline(always)]
-    fn widens_for_passes<T: Element>(self) -> bool {
+    fn widens_storage<T: Element>(self, _passes: bool) -> bool {
         false
     }
 }

@@ -387,7 +387,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     /// heads over 8 KV heads, 2048 x 32 out of cache: f16 0.71, bf16 0.69, int8 0.48,
     /// fp8 0.63; chunked prefill f16 0.95, int8 0.62).
     #[inline(always)]
-    fn widens_for_passes<T: Element>(self) -> bool {
+    fn widens_storage<T: Element>(self, _passes: bool) -> bool {
         false
     }
     #[cfg(test)]

@@ -4,7 +4,6 @@
 //! [`super::avx2`], [`super::avx512`] and beyond. Also the branch-free scalar `exp`
 //! they use.
 
-use super::MAX_HEAD_DIM;
 use crate::dtype::Element;
 use kvpage_core::DType;
 
@@ -175,19 +174,22 @@ pub(crate) trait Simd: Copy {
     fn shifts_weights<T: Element>(self) -> bool {
         self.code_unit::<T>() != 1.0
     }
-    /// Whether a task of more than four rows per KV head should widen storage `T` to
-    /// f32 once per step, so that its passes of four rows read f32, rather than have
-    /// each pass read the storage itself. True for the 8-bit storage types, whose
-    /// widening costs this arithmetic most, by default; an arithmetic with cheap
-    /// widening or native 8-bit dot products says no. O(1).
+    /// Whether the attention loop should widen storage `T` to f32 once per step, into
+    /// its scratch (zeroed once per call), so that this arithmetic reads f32 rather
+    /// than the storage itself, in a task of one pass over each stored vector or of
+    /// several (`passes`: more than four rows per KV head, each pass of four rows
+    /// reading the storage again). By default, for the 8-bit storage types in tasks of
+    /// several passes, whose widening costs this arithmetic most; an arithmetic with
+    /// cheap widening or native 8-bit dot products says never, and one that would
+    /// widen anyway may say always ([`Portable`]). O(1).
     ///
     /// Measured (paired, one thread in cache or two out of cache, 8 KV heads, head dim
     /// 128), passes over the storage against widening: AVX2 + FMA, decode of 64 query
     /// heads f16 0.93, bf16 0.86, int8 1.05, chunked prefill f16 0.99, bf16 0.87, int8
     /// 1.06; portable, decode f16 0.95, int8 1.23, prefill f16 1.00, int8 1.28.
     #[inline(always)]
-    fn widens_for_passes<T: Element>(self) -> bool {
-        T::DTYPE.is_scaled()
+    fn widens_storage<T: Element>(self, passes: bool) -> bool {
+        passes && T::DTYPE.is_scaled()
     }
     /// The relative rounding this arithmetic applies to each query element and softmax
     /// weight before its products with storage `T` at head dim `hd` (FP8 in bf16 dot
@@ -286,9 +288,9 @@ pub(crate) fn first_tokens<'a, T>(
 /// whatever vector unit the target has. The scores read a token's key once for all the
 /// rows of a call; the value accumulation keeps a block of dimensions of every row in
 /// registers over all the call's tokens. f32 and bf16 (a shift) are widened as they
-/// load; f16, FP8 and int8 into a buffer first ([`widens_first`]; [`Element::widen`]:
-/// two instructions per eight f16 elements on aarch64, F16C on x86-64), so that each
-/// element is widened once, not once per row.
+/// load; f16, FP8 and int8 by the attention loop first ([`Portable::widens_storage`];
+/// [`Element::widen`]: two instructions per eight f16 elements on aarch64, F16C on
+/// x86-64), so that each element is widened once, not once per row.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
 
@@ -324,7 +326,7 @@ impl Simd for Portable {
         hd: usize,
         n: usize,
     ) {
-        accumulate_widened::<T, 4, { per_row(4, 32) }>(acc, p, v, hd, n);
+        accumulate_rows::<T, 4, { per_row(4, 32) }>(acc, p, v, hd, n);
     }
     #[inline(always)]
     fn accumulate2<T: Element>(
@@ -336,11 +338,11 @@ impl Simd for Portable {
         hd: usize,
         n: usize,
     ) {
-        accumulate_widened::<T, 2, { per_row(2, 32) }>(acc, [p0, p1], v, hd, n);
+        accumulate_rows::<T, 2, { per_row(2, 32) }>(acc, [p0, p1], v, hd, n);
     }
     #[inline(always)]
     fn accumulate1<T: Element>(self, acc: &mut [f32], p: &[f32], v: &[T], hd: usize, n: usize) {
-        accumulate_widened::<T, 1, { per_row(1, 32) }>(acc, [p], v, hd, n);
+        accumulate_rows::<T, 1, { per_row(1, 32) }>(acc, [p], v, hd, n);
     }
     #[inline(always)]
     fn max(self, x: &[f32]) -> f32 {
@@ -353,6 +355,29 @@ impl Simd for Portable {
     #[inline(always)]
     fn scale(self, x: &mut [f32], c: f32) {
         scale(x, c)
+    }
+    /// Always for f16, FP8 and int8, in every task: widened as they load, an element
+    /// is widened again for every row of a loop (the compiler repeats it), which costs
+    /// more than storing and loading the floats. Measured in instructions executed on
+    /// aarch64 (qemu, a decode of 1 × 512 tokens, 32 query heads over 8 KV heads, head
+    /// dim 128), as they load against widened first: f16 (branch-free bit operations,
+    /// a dozen per four elements; widened first, `fcvtl`) 18.6M against 6.0M, FP8 (as
+    /// many bit operations) 17.8M against 8.2M, int8 (two widenings and a conversion)
+    /// 7.0M against 6.2M; bf16, a shift, 5.6M against 5.9M, so it is not.
+    ///
+    /// In every task, not only those of several passes: the arithmetic had widened into
+    /// buffers of its own, made (zeroed) in every call, 8 KiB for a step of 8 values and
+    /// 1 KiB for one of 4 keys: about 5 MiB of stores per decode of 1 MiB of int8, and
+    /// 5.6% of its instructions on aarch64 (`memset`). Into the loop's scratch instead,
+    /// per decode call on aarch64 (same decode, musl): f16 6.22M → 5.73M instructions,
+    /// int8 6.34M → 5.97M, FP8 9.59M → 9.19M (f32 4.90M, 4.89M); on x86-64
+    /// (`KVPAGE_CPU_PATH=portable`, Zen 4, `decode_call`, three alternating rounds),
+    /// median time against f32's: f16 1.11–1.14 → 1.04–1.10, int8 1.24–1.26 →
+    /// 1.18–1.20, FP8 1.93–1.98 → 1.86–1.90. O(1).
+    #[inline(always)]
+    fn widens_storage<T: Element>(self, passes: bool) -> bool {
+        let _ = passes;
+        matches!(T::DTYPE, DType::F16 | DType::Fp8E4m3 | DType::Int8)
     }
 }
 
@@ -412,26 +437,9 @@ fn reduce_lanes<const L: usize>(mut acc: [f32; L]) -> f32 {
     acc[0]
 }
 
-/// Whether the portable arithmetic widens storage `T` into a buffer before its loops
-/// rather than as they load: where the widening costs more than storing and loading the
-/// floats, since the compiler repeats it for every row of a loop. Measured in
-/// instructions executed on aarch64 (qemu, a decode of 1 × 512 tokens, 32 query heads
-/// over 8 KV heads, head dim 128), as they load against first: f16 (branch-free bit
-/// operations, a dozen per four elements; the buffer takes `fcvtl`) 18.6M against
-/// 6.0M, FP8 (as many bit operations) 17.8M against 8.2M, int8 (two widenings and a
-/// conversion) 7.0M against 6.2M; bf16, a shift, 5.6M against 5.9M. O(1).
-#[inline(always)]
-fn widens_first<T: Element>() -> bool {
-    matches!(T::DTYPE, DType::F16 | DType::Fp8E4m3 | DType::Int8)
-}
-
-/// Tokens the portable value accumulation widens into its buffer at a time, for storage
-/// that [`widens_first`]: the longest step of the attention loop's accumulation.
-const WIDEN_TOKENS: usize = super::online::VALUE_STEP;
-
 /// `store(t, [q_r · k_t for r < R])` for the tokens `t < n` of `k`
-/// (`k_t = k[t * hd..(t + 1) * hd]`), `q` holding the `R` rows: [`dot_rows`] on the
-/// stored key, or on its widening where `T` [`widens_first`]. O(R × n × hd).
+/// (`k_t = k[t * hd..(t + 1) * hd]`), `q` holding the `R` rows: [`dot_rows`] on each
+/// stored key. O(R × n × hd).
 #[inline(always)]
 fn scores_rows<T: Element, const R: usize, const L: usize>(
     q: &[f32],
@@ -440,45 +448,8 @@ fn scores_rows<T: Element, const R: usize, const L: usize>(
     n: usize,
     mut store: impl FnMut(usize, [f32; R]),
 ) {
-    let mut wide = [0.0f32; MAX_HEAD_DIM];
     for (t, k_t) in k.chunks_exact(hd.max(1)).take(n).enumerate() {
-        if widens_first::<T>() {
-            let wide = &mut wide[..hd.min(MAX_HEAD_DIM)];
-            T::widen(k_t, wide);
-            store(t, dot_rows::<f32, R, L>(q, wide));
-        } else {
-            store(t, dot_rows::<T, R, L>(q, k_t));
-        }
-    }
-}
-
-/// [`accumulate_rows`] on the stored values, or where `T` [`widens_first`] on their
-/// widening, [`WIDEN_TOKENS`] tokens at a time. O(R × n × hd).
-#[inline(always)]
-fn accumulate_widened<T: Element, const R: usize, const B: usize>(
-    acc: &mut [f32],
-    p: [&[f32]; R],
-    v: &[T],
-    hd: usize,
-    n: usize,
-) {
-    if !widens_first::<T>() {
-        accumulate_rows::<T, R, B>(acc, p, v, hd, n);
-        return;
-    }
-    // The kernels' shapes are checked: no head dim past the buffer reaches here.
-    debug_assert!(hd <= MAX_HEAD_DIM);
-    if hd == 0 || hd > MAX_HEAD_DIM {
-        return;
-    }
-    let n = n.min(v.len() / hd);
-    let mut wide = [0.0f32; WIDEN_TOKENS * MAX_HEAD_DIM];
-    for (i, tile) in v[..n * hd].chunks(WIDEN_TOKENS * hd).enumerate() {
-        let wide = &mut wide[..tile.len()];
-        T::widen(tile, wide);
-        let t0 = i * WIDEN_TOKENS;
-        let p = p.map(|pr| pr.get(t0..).unwrap_or(&[]));
-        accumulate_rows::<f32, R, B>(acc, p, wide, hd, tile.len() / hd);
+        store(t, dot_rows::<T, R, L>(q, k_t));
     }
 }
 

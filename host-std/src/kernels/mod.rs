@@ -2,8 +2,7 @@
 //!
 //! Every kernel validates all of its inputs first and returns a [`KernelError`] without
 //! writing anything when one is wrong; after validation nothing can fail or panic. The
-//! kernels allocate nothing and start no threads: scratch (about 57 KiB, and up to 9
-//! KiB more where the portable arithmetic widens f16, FP8 or int8 first) lives on each
+//! kernels allocate nothing and start no threads: scratch (about 57 KiB) lives on each
 //! participating thread's stack, and the threads are those of a [`WorkerPool`], started
 //! once when it is made and parked between calls.
 //!

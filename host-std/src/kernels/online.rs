@@ -588,11 +588,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // A task of more rows per KV head than one pass of the arithmetic takes (decode of
     // groups of five or more query heads per KV head, chunked prefill) reads each
     // stored K and V vector once per four rows: it makes several `passes`. Where the
-    // arithmetic asks for it ([`Simd::widens_for_passes`]: 8-bit storage without
-    // AVX-512), such a task widens the storage once per step into `sc.wide` and the
-    // passes read f32. (Such a task has one KV head.)
+    // arithmetic asks for it ([`Simd::widens_storage`]: 8-bit storage in such a task
+    // without AVX-512; f16 and 8-bit storage in every task of the portable
+    // arithmetic), the task widens the storage once per step and head into `sc.wide`
+    // and the arithmetic reads f32.
     let passes = hr > 4;
-    let widen = passes && simd.widens_for_passes::<T>();
+    let widen = simd.widens_storage::<T>(passes);
     // An arithmetic whose accumulation calls carry a fixed cost (8-bit storage in the
     // dot-product extensions, bf16 sums in the AMX tiles in decode) takes a chunk's
     // values of one head in one call, all of the chunk's runs ([`Simd::gathers_values`]),

@@ -316,8 +316,8 @@ impl Simd for AmxBf16 {
     /// whose tasks of several passes the tiles do not take ([`Simd::takes_rows`]: they
     /// go to VNNI, which does not widen either).
     #[inline(always)]
-    fn widens_for_passes<T: Element>(self) -> bool {
-        T::KIND != Kind::Fp8E4m3 && T::KIND != Kind::Int8 && self.avx512.widens_for_passes::<T>()
+    fn widens_storage<T: Element>(self, passes: bool) -> bool {
+        T::KIND != Kind::Fp8E4m3 && T::KIND != Kind::Int8 && self.avx512.widens_storage::<T>(passes)
     }
     /// bf16: steps of a whole tile of tokens, each step's prefetches split around its
     /// arithmetic (a step of 16 tokens would otherwise issue them in bursts of 64
