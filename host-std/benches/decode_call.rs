@@ -12,18 +12,25 @@
 //! among the arguments (`f32 f16 bf16 int8 fp8`) run those dtypes only. The kernel path
 //! taken is printed (`KVPAGE_CPU_PATH=portable` runs the portable arithmetic on x86-64).
 //!
-//! Instructions executed on aarch64 under qemu-user, where no ARM machine is at hand:
+//! Instructions executed on aarch64 under qemu-user, where no ARM machine is at hand
+//! (the musl target links with rustc's own `rust-lld` and brings its C runtime, so no
+//! cross gcc is needed; CI runs the kernels' unit tests the same way):
 //! ```sh
-//! cargo bench -p kvpage --bench decode_call --no-run --target aarch64-unknown-linux-gnu
-//! qemu-aarch64 -L /usr/aarch64-linux-gnu -singlestep -d nochain,exec -D /dev/stdout \
-//!     target/aarch64-unknown-linux-gnu/release/deps/decode_call-* f16 1 | grep -c '^Trace'
+//! rustup target add aarch64-unknown-linux-musl
+//! CARGO_TARGET_AARCH64_UNKNOWN_LINUX_MUSL_LINKER=rust-lld \
+//!     cargo bench -p kvpage --bench decode_call --no-run --target aarch64-unknown-linux-musl
+//! qemu-aarch64 -singlestep -d nochain,exec -D /dev/stdout \
+//!     target/aarch64-unknown-linux-musl/release/deps/decode_call-* f16 1 | grep -c '^Trace'
 //! ```
 //! once with 1 call and once with 2: the difference is one call's instructions (the
 //! setup and printing are the same in both). Counted so with qemu 7.2 (December 2026),
 //! before and after the portable arithmetic's rewrite for NEON, on an equivalent
-//! program: f32 7.41M → 4.91M instructions per call, f16 12.47M → 6.05M, bf16 7.54M →
-//! 5.63M, int8 8.39M → 6.19M, FP8 12.91M → 9.44M. A count is not a time: an emulator
-//! says nothing about how fast those instructions run.
+//! program (glibc): f32 7.41M → 4.91M instructions per call, f16 12.47M → 6.05M, bf16
+//! 7.54M → 5.63M, int8 8.39M → 6.19M, FP8 12.91M → 9.44M; then with the widening in
+//! the attention loop's scratch (`widens_storage` of `kernels::math::Portable`;
+//! this program, musl): f16 6.22M → 5.73M, int8 6.34M → 5.97M, FP8 9.59M → 9.19M.
+//! A count is not a time: an emulator says nothing about how fast those instructions
+//! run.
 mod common;
 
 use std::time::Duration;
