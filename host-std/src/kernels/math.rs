@@ -186,7 +186,9 @@ pub(crate) trait Simd: Copy {
     /// Measured (paired, one thread in cache or two out of cache, 8 KV heads, head dim
     /// 128), passes over the storage against widening: AVX2 + FMA, decode of 64 query
     /// heads f16 0.93, bf16 0.86, int8 1.05, chunked prefill f16 0.99, bf16 0.87, int8
-    /// 1.06; portable, decode f16 0.95, int8 1.23, prefill f16 1.00, int8 1.28.
+    /// 1.06; portable (before its rewrite for NEON, which widens f16 and 8-bit storage in
+    /// every task: [`Portable::widens_storage`]), decode f16 0.95, int8 1.23, prefill
+    /// f16 1.00, int8 1.28.
     #[inline(always)]
     fn widens_storage<T: Element>(self, passes: bool) -> bool {
         passes && T::DTYPE.is_scaled()
@@ -375,8 +377,7 @@ impl Simd for Portable {
     /// median time against f32's: f16 1.11–1.14 → 1.04–1.10, int8 1.24–1.26 →
     /// 1.18–1.20, FP8 1.93–1.98 → 1.86–1.90. O(1).
     #[inline(always)]
-    fn widens_storage<T: Element>(self, passes: bool) -> bool {
-        let _ = passes;
+    fn widens_storage<T: Element>(self, _passes: bool) -> bool {
         matches!(T::DTYPE, DType::F16 | DType::Fp8E4m3 | DType::Int8)
     }
 }
