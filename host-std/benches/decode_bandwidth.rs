@@ -49,7 +49,7 @@
 //!   host left it;
 //! - `quiet` is the share over the rounds in which no thread was slowed (each thread's
 //!   in-cache call within [`QUIET_WITHIN`] of the dtype's fastest), with their count:
-//!   "-" where there was none.
+//!   "-" where there were fewer than [`MIN_QUIET`].
 //!
 //! The machine-independent quantity is the bytes of K/V each call must read (printed);
 //! the figure to compare across machines is the fraction of the probe.
@@ -490,6 +490,13 @@ fn memcpy_probe(src: &[u8], dst: &mut [u8], pool: &WorkerPool) {
 /// 27 rounds (54% of the probe) and one fast in 4 (72-80%); no round had both fast.
 const QUIET_WITHIN: f64 = 1.3;
 
+/// Fewest quiet rounds whose median share `quiet` prints. A round's share pairs the
+/// kernel's call with the probe right after it, and a quiet round is judged by the
+/// threads' arithmetic alone, not by the probe: on the Zen 4 VM a bf16 row of two quiet
+/// rounds printed 423%, the probe of one of them four times its usual time. Three
+/// rounds outvote one such probe.
+const MIN_QUIET: usize = 3;
+
 /// In-cache calls each thread times in one [`compute_check`].
 const CHECK_CALLS: usize = 25;
 
@@ -658,10 +665,16 @@ fn row<T: Element>(context: u32, pool: &WorkerPool, rng: &mut StdRng) -> Row {
     row
 }
 
-/// The median of `v`, `None` if it is empty.
+/// The median of `v` (of an even count, the mean of the middle two), `None` if it is
+/// empty. O(n log n).
 fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied()
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 impl Row {
@@ -677,13 +690,14 @@ impl Row {
     ///   left of the arithmetic;
     /// - `quiet`: the share over the rounds whose every thread's checks took at most
     ///   [`QUIET_WITHIN`] times `quiet_median` (the fastest thread's median over all
-    ///   rows of the dtype), and how many rounds those were.
+    ///   rows of the dtype), and how many rounds those were; "-" under
+    ///   [`MIN_QUIET`] of them.
     fn print(&self, curve: &[(f64, f64)], quiet_median: Duration) {
         let limit = QUIET_WITHIN * quiet_median.as_secs_f64();
         let quiet: Vec<usize> = (0..self.slowest.len())
             .filter(|&i| self.slowest[i].is_some_and(|c| c.as_secs_f64() <= limit))
             .collect();
-        let of_quiet = (!quiet.is_empty()).then(|| {
+        let of_quiet = (quiet.len() >= MIN_QUIET).then(|| {
             let pick = |v: &[Duration]| quiet.iter().map(|&i| v[i]).collect::<Vec<_>>();
             paired_share(&pick(&self.probe), &pick(&self.kernel))
         });
