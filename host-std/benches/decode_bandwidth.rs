@@ -881,6 +881,90 @@ fn fma_peak() -> f64 {
     0.0
 }
 
+/// The rates of the 512-bit dot-product instructions the 8-bit kernels use, each
+/// against `vfmadd231ps` timed in the same loop on the same thread: twelve independent
+/// accumulators, each instruction once per accumulator per round, from zeroed registers
+/// (no subnormal ever meets the float ones). `(name, instructions per FMA's time)` for
+/// each the CPU has; empty without AVX-512F. On the 2-vCPU Zen 4 of December 2026 all
+/// three ran at the FMA's rate, so `vpdpwssd` (32 multiply-adds) and `vdpbf16ps` (32)
+/// do twice an FMA's (16) and `vpdpbusd` (64) four times.
+fn dot_rates() -> Vec<(&'static str, f64)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::asm;
+        /// Seconds for `rounds` rounds of `$insn zmmN, zmm12, zmm13` over N in 0..12.
+        macro_rules! rounds_of {
+            ($insn:literal, $features:literal) => {{
+                /// # Safety
+                /// The CPU has the features.
+                #[target_feature(enable = $features)]
+                unsafe fn run(rounds: u64) -> f64 {
+                    let t = Instant::now();
+                    // SAFETY: the caller's; registers only, all declared clobbered.
+                    unsafe {
+                        asm!(
+                            "vpxord zmm12, zmm12, zmm12",
+                            "vpxord zmm13, zmm13, zmm13",
+                            "vpxord zmm0, zmm0, zmm0", "vpxord zmm1, zmm1, zmm1",
+                            "vpxord zmm2, zmm2, zmm2", "vpxord zmm3, zmm3, zmm3",
+                            "vpxord zmm4, zmm4, zmm4", "vpxord zmm5, zmm5, zmm5",
+                            "vpxord zmm6, zmm6, zmm6", "vpxord zmm7, zmm7, zmm7",
+                            "vpxord zmm8, zmm8, zmm8", "vpxord zmm9, zmm9, zmm9",
+                            "vpxord zmm10, zmm10, zmm10", "vpxord zmm11, zmm11, zmm11",
+                            "2:",
+                            concat!($insn, " zmm0, zmm12, zmm13"),
+                            concat!($insn, " zmm1, zmm12, zmm13"),
+                            concat!($insn, " zmm2, zmm12, zmm13"),
+                            concat!($insn, " zmm3, zmm12, zmm13"),
+                            concat!($insn, " zmm4, zmm12, zmm13"),
+                            concat!($insn, " zmm5, zmm12, zmm13"),
+                            concat!($insn, " zmm6, zmm12, zmm13"),
+                            concat!($insn, " zmm7, zmm12, zmm13"),
+                            concat!($insn, " zmm8, zmm12, zmm13"),
+                            concat!($insn, " zmm9, zmm12, zmm13"),
+                            concat!($insn, " zmm10, zmm12, zmm13"),
+                            concat!($insn, " zmm11, zmm12, zmm13"),
+                            "dec {rounds}",
+                            "jnz 2b",
+                            rounds = inout(reg) rounds => _,
+                            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                            out("zmm12") _, out("zmm13") _,
+                            options(nomem, nostack),
+                        );
+                    }
+                    t.elapsed().as_secs_f64()
+                }
+                run
+            }};
+        }
+        if !is_x86_feature_detected!("avx512f") {
+            return Vec::new();
+        }
+        let rounds = black_box(20_000_000u64);
+        // SAFETY: AVX-512F detected.
+        let fma = unsafe { rounds_of!("vfmadd231ps", "avx512f")(rounds) };
+        let mut rates = Vec::new();
+        if is_x86_feature_detected!("avx512vnni") {
+            // SAFETY: AVX-512F and VNNI detected.
+            let t = unsafe { rounds_of!("vpdpwssd", "avx512f,avx512vnni")(rounds) };
+            rates.push(("vpdpwssd", fma / t));
+            // SAFETY: as above.
+            let t = unsafe { rounds_of!("vpdpbusd", "avx512f,avx512vnni")(rounds) };
+            rates.push(("vpdpbusd", fma / t));
+        }
+        if is_x86_feature_detected!("avx512bf16") {
+            // SAFETY: AVX-512F and BF16 detected.
+            let t = unsafe { rounds_of!("vdpbf16ps", "avx512f,avx512bf16")(rounds) };
+            rates.push(("vdpbf16ps", fma / t));
+        }
+        rates
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Vec::new()
+}
+
 /// The AMX bf16 tile product's rate on one thread, in FLOP/s (`tdpbf16ps`: 16 × 16
 /// outputs, each 32 products and sums), where the kernels take AMX (the path names it,
 /// and so the process already holds the tile permission): six independent accumulators
@@ -992,7 +1076,8 @@ fn cpu() -> String {
 /// ceilings ([`streaming_ceiling`], [`paged_ceiling`]), and runs no kernel.
 const CEILINGS_ONLY_ENV: &str = "KVPAGE_BENCH_CEILINGS";
 
-/// The kernels' arithmetic sections: each dtype's decode in cache on one thread, and
+/// The kernels' arithmetic sections: each dtype's decode in cache on one thread, the
+/// rates of the dot-product instructions against the FMA's ([`dot_rates`]), and
 /// chunked prefill against the FMA (and AMX) peak.
 fn in_cache_and_prefill(pool: &WorkerPool, rng: &mut StdRng) {
     println!("in cache, one thread (1 seq x 256 tokens, repeated):");
@@ -1005,6 +1090,14 @@ fn in_cache_and_prefill(pool: &WorkerPool, rng: &mut StdRng) {
     // FP8 codes, which cost a microcode assist wherever an f32 subnormal is computed on).
     for_outliers::<Int8>(rng);
     for_outliers::<Fp8E4m3>(rng);
+    let dots = dot_rates();
+    if !dots.is_empty() {
+        let each: Vec<String> = dots.iter().map(|(n, r)| format!("{n} {r:.2}")).collect();
+        println!(
+            "dot products, one thread, instructions per vfmadd231ps's time (the same loop): {}",
+            each.join(", ")
+        );
+    }
     let (peak, amx) = (fma_peak(), amx_peak());
     println!(
         "chunked prefill, 512 new tokens after 1536 (causal); FMA peak {:.1} GFLOP/s per thread{}:",
