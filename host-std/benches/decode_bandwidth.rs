@@ -901,37 +901,22 @@ fn dot_rates() -> Vec<(&'static str, f64)> {
                 #[target_feature(enable = $features)]
                 unsafe fn run(rounds: u64) -> f64 {
                     let t = Instant::now();
-                    // SAFETY: the caller's; registers only, all declared clobbered.
+                    // SAFETY: the caller's; registers only, declared clobbered.
                     unsafe {
                         asm!(
-                            "vpxord zmm12, zmm12, zmm12",
-                            "vpxord zmm13, zmm13, zmm13",
-                            "vpxord zmm0, zmm0, zmm0", "vpxord zmm1, zmm1, zmm1",
-                            "vpxord zmm2, zmm2, zmm2", "vpxord zmm3, zmm3, zmm3",
-                            "vpxord zmm4, zmm4, zmm4", "vpxord zmm5, zmm5, zmm5",
-                            "vpxord zmm6, zmm6, zmm6", "vpxord zmm7, zmm7, zmm7",
-                            "vpxord zmm8, zmm8, zmm8", "vpxord zmm9, zmm9, zmm9",
-                            "vpxord zmm10, zmm10, zmm10", "vpxord zmm11, zmm11, zmm11",
+                            // Zero the accumulators zmm0-11 and the operands zmm12-13.
+                            ".irp n, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13",
+                            "vpxord zmm\\n, zmm\\n, zmm\\n",
+                            ".endr",
                             "2:",
-                            concat!($insn, " zmm0, zmm12, zmm13"),
-                            concat!($insn, " zmm1, zmm12, zmm13"),
-                            concat!($insn, " zmm2, zmm12, zmm13"),
-                            concat!($insn, " zmm3, zmm12, zmm13"),
-                            concat!($insn, " zmm4, zmm12, zmm13"),
-                            concat!($insn, " zmm5, zmm12, zmm13"),
-                            concat!($insn, " zmm6, zmm12, zmm13"),
-                            concat!($insn, " zmm7, zmm12, zmm13"),
-                            concat!($insn, " zmm8, zmm12, zmm13"),
-                            concat!($insn, " zmm9, zmm12, zmm13"),
-                            concat!($insn, " zmm10, zmm12, zmm13"),
-                            concat!($insn, " zmm11, zmm12, zmm13"),
-                            "dec {rounds}",
+                            ".irp n, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11",
+                            concat!($insn, " zmm\\n, zmm12, zmm13"),
+                            ".endr",
+                            "dec rcx",
                             "jnz 2b",
-                            rounds = inout(reg) rounds => _,
-                            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                            out("zmm12") _, out("zmm13") _,
+                            inout("rcx") rounds => _,
+                            // Every vector register the asm writes is caller-saved.
+                            clobber_abi("C"),
                             options(nomem, nostack),
                         );
                     }
