@@ -33,8 +33,19 @@ use crate::dtype::Kind;
 use crate::dtype::{bytes_of, Element};
 
 /// Query rows (query token × query head of one group) per task.
+///
+/// 32 rows (in a decode of four query heads per KV head, eight KV heads a task, so a
+/// block's K and then V tiles are read as 32 KiB ranges instead of 16 KiB) took
+/// 0.99-1.01 of the time for f16, bf16 and int8 (32 × 2048, 128 × 512 and 8 × 8192
+/// tokens out of cache, 2-vCPU Zen 4, paired in one process as [`SCORE_STEP`] says),
+/// for twice the scratch: 16 stays.
 pub(crate) const MAX_ROWS: usize = 16;
 /// Tokens per chunk.
+///
+/// The chunk sets how far ahead each phase prefetches (a chunk's V tiles during its
+/// scores, the next chunk's K tiles during its values). Chunks of 32 and 48 tokens
+/// took 1.01-1.03 of the time of 64 (f16 decode out of cache, 2-vCPU Zen 4, paired in
+/// one process as [`SCORE_STEP`] says), and 128 no less than 64 in cache.
 pub(crate) const MAX_CHUNK: usize = 64;
 /// Rows of queries and scores past `MAX_ROWS`: a four-row pass over the last two or
 /// three rows of a head also computes the next one or two rows' scores (see
@@ -349,6 +360,14 @@ unsafe fn attend_amx<T: Element, S: KvSource<T>>(
 /// shown the longer steps 4-10% faster: that binary's baseline was not the shipped
 /// code (its steps were not constants, and its prefetch loop read the knob), so only
 /// separate builds measure this.
+///
+/// Measured once more in that one-binary way, but paired (Zen 4 as above, f16, 32 x
+/// 2048 and 128 x 512 tokens; a switch read once per task picked the steps, calls of
+/// the two alternating, 30 to 60 rounds, median of the rounds' ratios), where the
+/// knob's cost falls on both sides alike and the host's slow spells cancel: against 4
+/// and 8, scores in steps of 2 took 1.18-1.22 of the time, 6: 1.02-1.06, 8:
+/// 1.00-1.01, 16: 1.07-1.08; values in steps of 4: 1.07-1.10, 6: 1.02-1.03, 16:
+/// 1.07. So 4 and 8 stay, now with a measured neighbourhood around them.
 pub(crate) const SCORE_STEP: usize = 4;
 /// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
 /// chunk at once: [`Simd::gathers_values`]), and the default ([`Schedule::LONGEST`]).
@@ -527,6 +546,12 @@ impl<'a> Prefetch<'a> {
 /// (bf16 1.30, f32 1.22 of the time with every other line) as on the 2-vCPU Zen 4
 /// (decode of 32 × 2048 out of cache, two threads, alternating builds: f16 2.0–2.2,
 /// int8 1.4–1.5, where no prefetches at all took f16 2.3).
+///
+/// Into L2 (`T1`), not L1: on the 2-vCPU Zen 4 (f16 decode of 32 × 2048 and 128 × 512
+/// tokens out of cache, two threads, paired in one process as [`SCORE_STEP`] says),
+/// `T0` took 1.59-1.60 of the time and `NTA` 1.54-1.62; `T2` took 1.006-1.008, the
+/// same as `T1` within the noise. (`T0` fills L1, whose 32 KiB a phase's 64 KiB of
+/// tiles overrun before they are read; why `NTA` loses as much was not looked into.)
 #[inline(always)]
 fn prefetch_lines(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
