@@ -700,7 +700,12 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // An accumulation of few steps (a gathered one takes the chunk in one per
         // head) would prefetch the next K tiles in one burst: they are spread over the
         // scores' steps instead (int8, 2048 x 32 out of cache: 9.3 -> 7.4 ms, measured
-        // when these were the next chunk's V tiles).
+        // when these were the next chunk's V tiles). Nor are they spread over the
+        // gathered accumulation itself, a few lines every few tokens from inside its
+        // loop ([`Simd::gathered_step`]): for int8 on VNNI, a call every 4, 8 or 16
+        // tokens took 1.11-1.13, 1.05-1.07 and 1.06-1.09 of the time (128 x 512 and
+        // 32 x 2048 tokens, 2-vCPU Zen 4, paired in one process as [`SCORE_STEP`]
+        // says).
         let per_step_k = if gather && paced == 0 {
             pf_keys.lines().div_ceil(steps)
         } else {
