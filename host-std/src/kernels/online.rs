@@ -703,7 +703,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         // when these were the next chunk's V tiles). Nor are they spread over the
         // gathered accumulation itself, a few lines every few tokens from inside its
         // loop ([`Simd::gathered_step`]): for int8 on VNNI, a call every 4, 8 or 16
-        // tokens took 1.11-1.13, 1.05-1.07 and 1.06-1.09 of the time (128 x 512 and
+        // tokens took 1.12-1.13, 1.05-1.07 and 1.06-1.09 of the time (128 x 512 and
         // 32 x 2048 tokens, 2-vCPU Zen 4, paired in one process as [`SCORE_STEP`]
         // says).
         let per_step_k = if gather && paced == 0 {
