@@ -269,7 +269,7 @@ unsafe fn exp_shifted_sum16(x: &mut [f32], shift: f32) -> f32 {
 /// the query rows and the weights instead, 1.02 in cache and 1.00-1.02 out of cache.
 /// Its five integer operations per 32 elements (bf16's route takes two) cost what the
 /// two `vcvtph2ps` do. That decoding is what f16 pays over bf16 there: paired the same
-/// way, an f16 decode took 1.07-1.13 of a bf16 one's time in cache (1 × 512 and 1 ×
+/// way, an f16 decode took 1.07-1.14 of a bf16 one's time in cache (1 × 512 and 1 ×
 /// 2048 tokens) and 1.07-1.08 out of cache, the same with no element near zero (so no
 /// f16 subnormal in the data).
 ///
