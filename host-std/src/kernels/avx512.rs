@@ -573,7 +573,7 @@ unsafe fn accumulate2<T: Element>(
 /// tokens, best of 1000 calls: 112 µs against 123-128), but out of cache (128 × 512,
 /// 32 × 2048 and 8 × 8192 tokens, two threads, paired in one process as
 /// [`super::online`]'s `SCORE_STEP` says) 1.04-1.05 with a prefetch call every 4
-/// tokens, 1.14-1.19 every 8 and 1.22-1.29 every 2; with those keys prefetched during
+/// tokens, 1.14-1.19 every 8 and 1.22-1.25 every 2; with those keys prefetched during
 /// the scores instead, the value phase left memory idle (53% of the probe against
 /// 83-87%); with the scores and both prefetches walked head by head to match the
 /// gathered order, 1.10-1.29. Out of cache the arithmetic saved did not buy time.

@@ -366,7 +366,7 @@ unsafe fn attend_amx<T: Element, S: KvSource<T>>(
 /// the two alternating, 30 to 60 rounds, median of the rounds' ratios), where the
 /// knob's cost falls on both sides alike and the host's slow spells cancel: against 4
 /// and 8, scores in steps of 2 took 1.18-1.22 of the time, 6: 1.02-1.06, 8:
-/// 1.00-1.01, 16: 1.07-1.08; values in steps of 4: 1.07-1.10, 6: 1.02-1.03, 16:
+/// 0.98-1.01, 16: 1.07-1.08; values in steps of 4: 1.07-1.10, 6: 1.02-1.03, 16:
 /// 1.07. So 4 and 8 stay, now with a measured neighbourhood around them.
 pub(crate) const SCORE_STEP: usize = 4;
 /// Most tokens per step of the value accumulation (unless the arithmetic takes a whole
