@@ -259,15 +259,15 @@ unsafe fn exp_shifted_sum16(x: &mut [f32], shift: f32) -> f32 {
 /// Loads 16 stored elements from `p` as `f32` (converting f16 with the AVX-512 form of
 /// F16C, bf16 by shift, FP8 through f16: [`fp8_half16`]).
 ///
-/// f16 stays with `vcvtph2ps` rather than bf16's in-lane route ([`lanes`]): decoded
+/// f16 stays with `vcvtph2ps` rather than bf16's in-lane route ([`lanes`]). Decoded
 /// there by shifts and a mask (each half's sign, exponent and mantissa moved to an
 /// f32's places, which then reads `2^-112` times the f16) and multiplied back by
-/// `2^112`, a decode of
-/// 32 query heads over 8 KV heads, head dim 128, took 1.09 of the time in cache (1 ×
-/// 512 tokens, one thread) and 1.04-1.09 out of cache (128 × 512 and 32 × 2048 tokens,
-/// two threads), paired in one process on the 2-vCPU Zen 4; with `2^112` folded into
-/// the query rows and the weights instead, 1.02 in cache and 1.00-1.02 out of cache.
-/// Its five integer operations per 32 elements (bf16's route takes two) cost what the
+/// `2^112`, a decode of 32 query heads over 8 KV heads, head dim 128, took 1.09 of the
+/// time in cache (1 × 512 tokens, one thread) and 1.04-1.09 out of cache (128 × 512
+/// and 32 × 2048 tokens, two threads), paired in one process on the 2-vCPU Zen 4
+/// (as [`super::online`]'s `SCORE_STEP` says); with `2^112` folded into the query rows
+/// and the weights instead, 1.02 in cache and 1.00-1.02 out of cache. The in-lane
+/// route's five integer operations per 32 elements (bf16's takes two) cost what the
 /// two `vcvtph2ps` do. That decoding is what f16 pays over bf16 there: paired the same
 /// way, an f16 decode took 1.07-1.14 of a bf16 one's time in cache (1 × 512 and 1 ×
 /// 2048 tokens) and 1.07-1.08 out of cache, the same with no element near zero (so no
