@@ -124,6 +124,15 @@ pub(crate) trait Simd: Copy {
             }
         }
     }
+    /// Tokens per chunk of the attention loop for storage `T` with head dim `hd`, at
+    /// most [`super::online::MAX_CHUNK`]: the softmax's bookkeeping, and a gathered
+    /// accumulation's fixed cost, are paid once per chunk. By default
+    /// [`super::online::CHUNK`]. O(1).
+    #[inline(always)]
+    fn chunk_tokens<T: Element>(self, hd: usize) -> usize {
+        let _ = hd;
+        super::online::CHUNK
+    }
     /// Tokens between two calls of [`Simd::accumulate_runs`]'s `step` for storage `T`
     /// with head dim `hd`, or 0 if it never calls it: the attention loop then
     /// prefetches the next chunk's keys during the scores. O(1).

@@ -40,13 +40,17 @@ use crate::dtype::{bytes_of, Element};
 /// tokens out of cache, 2-vCPU Zen 4, paired in one process as [`SCORE_STEP`] says),
 /// for twice the scratch: 16 stays.
 pub(crate) const MAX_ROWS: usize = 16;
-/// Tokens per chunk.
+/// Tokens per chunk, unless the arithmetic takes longer ones ([`Simd::chunk_tokens`]).
 ///
 /// The chunk sets how far ahead each phase prefetches (a chunk's V tiles during its
 /// scores, the next chunk's K tiles during its values). Chunks of 32 and 48 tokens
 /// took 1.01-1.03 of the time of 64 (f16 decode out of cache, 2-vCPU Zen 4, paired in
-/// one process as [`SCORE_STEP`] says), and 128 no less than 64 in cache.
-pub(crate) const MAX_CHUNK: usize = 64;
+/// one process as [`SCORE_STEP`] says), 128 and 256 0.995-1.010 for f16 and bf16 (and
+/// 1.04 for f32 at 256), and 128 no less than 64 in cache.
+pub(crate) const CHUNK: usize = 64;
+/// Most tokens per chunk: the scratch's capacity, and its rows' stride.
+pub(crate) const MAX_CHUNK: usize = 128;
+const _: () = assert!(CHUNK <= MAX_CHUNK);
 /// Rows of queries and scores past `MAX_ROWS`: a four-row pass over the last two or
 /// three rows of a head also computes the next one or two rows' scores (see
 /// [`score_rows`]), which past the task's last row land here, never read.
@@ -593,7 +597,8 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
         simd.takes_rows::<T>(hd, hr),
         "the arithmetic does not take these rows"
     );
-    let chunk_max = MAX_CHUNK;
+    let chunk_max = simd.chunk_tokens::<T>(hd);
+    debug_assert!((1..=MAX_CHUNK).contains(&chunk_max));
     let first_pos = task.context_len - task.queries;
     let end = task.tokens();
 
@@ -605,7 +610,7 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     // instructions: 1.02-1.03x on 1 x 256 tokens). Each chunk's V tiles are prefetched
     // during its own scores.
     if !primed {
-        let mut first = Prefetch::new::<T>(0, 0, end.min(MAX_CHUNK), hd, heads);
+        let mut first = Prefetch::new::<T>(0, 0, end.min(chunk_max), hd, heads);
         let lines = first.lines();
         first.advance(src, lines);
     }
@@ -664,10 +669,10 @@ fn attend_body<T: Element, S: KvSource<T>, V: Simd>(
     }
     debug_assert_eq!(end, sc.limit[rows - 1]);
 
-    // Chunks of up to `MAX_CHUNK` tokens, each made of the runs of tokens that are
-    // contiguous in the arena (a block's, in a paged layout): the softmax bookkeeping
-    // (maxima, rescaling, and for 8-bit storage the scales) is paid once per chunk, not
-    // once per block.
+    // Chunks of up to `chunk_max` tokens ([`Simd::chunk_tokens`]), each made of the runs
+    // of tokens that are contiguous in the arena (a block's, in a paged layout): the
+    // softmax bookkeeping (maxima, rescaling, and for 8-bit storage the scales) is paid
+    // once per chunk, not once per block.
     let mut t0 = 0;
     while t0 < end {
         let n = (end - t0).min(chunk_max);

@@ -40,7 +40,7 @@ mod tiles;
 use super::avx512::{elementwise_of_avx512, Avx512};
 use super::lanes;
 use super::math::Simd;
-use super::online::{Schedule, MAX_CHUNK};
+use super::online::{Schedule, CHUNK};
 use crate::dtype::{bytes_of, Element, Kind};
 
 /// AMX-BF16 over AVX-512F, with AMX-INT8 where the CPU has it (`int8`). Only
@@ -201,8 +201,8 @@ impl Simd for AmxBf16 {
         if T::KIND == Kind::Fp8E4m3 {
             unsafe { fp8::accumulate4(acc, p, bytes_of(&v[..n * hd]), hd, n) }
         } else if self.int8_tiled::<T>(hd) {
-            for t in (0..n).step_by(MAX_CHUNK) {
-                let m = (n - t).min(MAX_CHUNK);
+            for t in (0..n).step_by(CHUNK) {
+                let m = (n - t).min(CHUNK);
                 let p = p.map(|p| &p[t..]);
                 unsafe { int8::accumulate_runs4(acc, p, &[&v[t * hd..]], m, hd, &mut || {}) }
             }

@@ -13,7 +13,7 @@ use crate::kernels::MAX_HEAD_DIM;
 pub(in crate::kernels) const TOKENS: usize = 16;
 
 /// Tiles of 16 tokens in a chunk.
-pub(super) const CHUNK_TILES: usize = crate::kernels::online::MAX_CHUNK / TOKENS;
+pub(super) const CHUNK_TILES: usize = crate::kernels::online::CHUNK / TOKENS;
 
 /// Bytes of a copied row: room for the widest vector (`MAX_HEAD_DIM` bf16).
 pub(super) const COPY_ROW: usize = 2 * MAX_HEAD_DIM;
