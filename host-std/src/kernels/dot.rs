@@ -67,6 +67,12 @@ pub(crate) trait DotKernels: Copy {
     );
 }
 
+/// Tokens per chunk of the attention loop for 8-bit storage in these arithmetics
+/// ([`Avx512Dot`]'s `chunk_tokens`, where the measurements are). Within the scratch's
+/// capacity, [`MAX_CHUNK`].
+const CODE_CHUNK: usize = 128;
+const _: () = assert!(CODE_CHUNK <= MAX_CHUNK);
+
 /// Int8 with AVX-512 VNNI ([`int8_vnni`]).
 #[derive(Clone, Copy)]
 pub(crate) struct Vnni;
@@ -334,7 +340,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     fn gathers_values<T: Element>(self, hd: usize, _passes: bool) -> bool {
         K::applies::<T>(hd)
     }
-    /// 8-bit storage: chunks of [`MAX_CHUNK`] tokens, twice the default, which halves
+    /// 8-bit storage: chunks of [`CODE_CHUNK`] tokens, twice the default, which halves
     /// the per-chunk softmax bookkeeping and accumulation calls. Measured on the 2-vCPU
     /// Zen 4 (decode of 32 query heads over 8 KV heads, head dim 128, 128 × 512 and 32 ×
     /// 2048 tokens out of cache, two threads, paired in one process as
@@ -344,7 +350,7 @@ impl<K: DotKernels> Simd for Avx512Dot<K> {
     #[inline(always)]
     fn chunk_tokens<T: Element>(self, hd: usize) -> usize {
         if K::applies::<T>(hd) {
-            MAX_CHUNK
+            CODE_CHUNK
         } else {
             self.avx512.chunk_tokens::<T>(hd)
         }
